@@ -1,0 +1,811 @@
+/*
+ * MoEBlaze: memory-frugal Mixture-of-Experts training kernels behind a stable C ABI.
+ * SPDX-License-Identifier: Apache-2.0
+ */
+/**
+ * @file moeblaze.h
+ * @brief The one stable public header of libmoeblaze (C99, no CUDA includes).
+ *
+ * One MoE layer (token-choice top-k, dropless, no padding): router -> routing plan ->
+ * expert MLPs that gather tokens on the fly -> gate-weighted combine, and the whole
+ * backward pass including the router gradient. See docs/design.md for the data flow,
+ * docs/memory.md for the size formulas and docs/abi-policy.md for the ABI rules.
+ *
+ * Conventions that hold for every function below:
+ * - Every function returns ::moeblaze_status_t, except pure getters of static data.
+ * - On failure, moeblaze_get_last_error_message() returns a thread-local description.
+ * - No C++ exception and no abort() ever crosses this boundary.
+ * - Shapes and counts are int64_t; byte counts are size_t.
+ */
+#ifndef MOEBLAZE_MOEBLAZE_H_
+#define MOEBLAZE_MOEBLAZE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+/** @brief Marks a symbol as part of the exported C ABI. */
+#define MOEBLAZE_API __attribute__((visibility("default")))
+/** @brief Marks a function as deprecated, with a message naming its replacement. */
+#define MOEBLAZE_DEPRECATED(msg) __attribute__((deprecated(msg)))
+#else
+#define MOEBLAZE_API
+#define MOEBLAZE_DEPRECATED(msg)
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/**
+ * @defgroup version Version and build queries
+ * @brief Compile-time and run-time version numbers.
+ *
+ * The product version (VERSION file, semantic versioning) and the ABI version (the SONAME
+ * suffix, libmoeblaze.so.<ABI>) are independent: the ABI version is bumped only when the ABI
+ * breaks, which the project avoids (docs/abi-policy.md).
+ * @{
+ */
+/** @brief Major product version of this header. */
+#define MOEBLAZE_VERSION_MAJOR 0
+/** @brief Minor product version of this header. */
+#define MOEBLAZE_VERSION_MINOR 1
+/** @brief Patch product version of this header. */
+#define MOEBLAZE_VERSION_PATCH 0
+/** @brief Encodes a version triple as one comparable integer (room for 999 minors/patches). */
+#define MOEBLAZE_VERSION_ENCODE(major, minor, patch) \
+  ((uint32_t)(major) * 1000000u + (uint32_t)(minor) * 1000u + (uint32_t)(patch))
+/** @brief The version of this header, encoded with #MOEBLAZE_VERSION_ENCODE. */
+#define MOEBLAZE_VERSION \
+  MOEBLAZE_VERSION_ENCODE(MOEBLAZE_VERSION_MAJOR, MOEBLAZE_VERSION_MINOR, MOEBLAZE_VERSION_PATCH)
+/** @brief ABI version of this header; equals the SONAME suffix (libmoeblaze.so.0). */
+#define MOEBLAZE_ABI_VERSION 0
+
+/**
+ * @brief Run-time library version, encoded like #MOEBLAZE_VERSION.
+ * @return The version of the loaded library.
+ * @since 0.1
+ */
+MOEBLAZE_API uint32_t moeblaze_get_version(void);
+
+/**
+ * @brief Run-time library version as a string such as "0.1.0".
+ * @return A static string; never NULL, never to be freed.
+ * @since 0.1
+ */
+MOEBLAZE_API const char* moeblaze_get_version_string(void);
+
+/**
+ * @brief Run-time ABI version; bindings refuse to load on a mismatch with #MOEBLAZE_ABI_VERSION.
+ * @return The ABI version of the loaded library.
+ * @since 0.1
+ */
+MOEBLAZE_API uint32_t moeblaze_get_abi_version(void);
+
+/**
+ * @brief Build description: version, git revision, build type, CUDA version and SM list.
+ * @return A static string; never NULL, never to be freed.
+ * @since 0.1
+ */
+MOEBLAZE_API const char* moeblaze_get_build_info(void);
+/** @} */
+
+/**
+ * @defgroup errors Status codes and error messages
+ * @brief Every call returns a status; failures also leave a thread-local message.
+ *
+ * The last error message belongs to the calling thread and stays valid until the next
+ * moeblaze_* call on that thread. Status values are never renumbered.
+ * @{
+ */
+/** @brief Result of every non-getter call. Values are frozen (docs/abi-policy.md). */
+typedef enum moeblaze_status {
+  /** The call succeeded (for stream-ordered calls: the work was enqueued). */
+  MOEBLAZE_STATUS_SUCCESS = 0,
+  /** A NULL pointer, bad shape, dtype, stride, device, alignment, enum value or routing id. */
+  MOEBLAZE_STATUS_INVALID_ARGUMENT = 1,
+  /** The request is valid but this build or engine has no implementation for it. */
+  MOEBLAZE_STATUS_NOT_SUPPORTED = 2,
+  /** The workspace or saved buffer is smaller than the size query returned. */
+  MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE = 3,
+  /** A host allocation failed (only in create/config calls). */
+  MOEBLAZE_STATUS_OUT_OF_HOST_MEMORY = 4,
+  /** A device allocation failed (only in create; never in forward/backward/route). */
+  MOEBLAZE_STATUS_OUT_OF_DEVICE_MEMORY = 5,
+  /** The CUDA runtime reported an error; the message carries its name. */
+  MOEBLAZE_STATUS_CUDA_ERROR = 6,
+  /** cuBLASLt reported an error; the message carries its status. */
+  MOEBLAZE_STATUS_CUBLAS_ERROR = 7,
+  /** The device has no kernels compiled for it, or no such device exists. */
+  MOEBLAZE_STATUS_ARCH_MISMATCH = 8,
+  /** A struct_size or version field is not understood by this library. */
+  MOEBLAZE_STATUS_VERSION_MISMATCH = 9,
+  /** The attribute number is not known to this library. */
+  MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE = 10,
+  /** The attribute exists but has another value type (e.g. set_f64 on an i64 attribute). */
+  MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH = 11,
+  /** A bug in the library, including an escaped C++ exception. Please report it. */
+  MOEBLAZE_STATUS_INTERNAL_ERROR = 12,
+  /** Pins the enum to 32 bits; not a status. */
+  MOEBLAZE_STATUS__FORCE_INT32 = 0x7fffffff
+} moeblaze_status_t;
+
+/**
+ * @brief Name of a status value, e.g. "MOEBLAZE_STATUS_INVALID_ARGUMENT".
+ * @param[in] status Any value, known or not.
+ * @return A static string; never NULL ("MOEBLAZE_STATUS_UNKNOWN" for unknown values).
+ * @since 0.1
+ */
+MOEBLAZE_API const char* moeblaze_status_name(moeblaze_status_t status);
+
+/**
+ * @brief One-sentence description of a status value.
+ * @param[in] status Any value, known or not.
+ * @return A static string; never NULL.
+ * @since 0.1
+ */
+MOEBLAZE_API const char* moeblaze_status_string(moeblaze_status_t status);
+
+/**
+ * @brief Detail of the calling thread's last failing call.
+ * @return A thread-local string, "" if the last call succeeded; valid until the next
+ *         moeblaze_* call on this thread. Never NULL, never to be freed.
+ * @since 0.1
+ */
+MOEBLAZE_API const char* moeblaze_get_last_error_message(void);
+
+/** @brief Log levels passed to a ::moeblaze_log_fn. */
+typedef enum moeblaze_log_level {
+  MOEBLAZE_LOG_ERROR = 1,  /**< A call failed; the message is the error message. */
+  MOEBLAZE_LOG_WARN = 2,   /**< Something works but is likely not what the caller wants. */
+  MOEBLAZE_LOG_INFO = 3,   /**< Decisions taken at create time (engine, thread count). */
+  MOEBLAZE_LOG_DEBUG = 4,  /**< Verbose detail. */
+  MOEBLAZE_LOG__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_log_level_t;
+
+/**
+ * @brief Log sink. May be called on any thread that calls into the library.
+ * @param user_data The pointer given to moeblaze_set_log_callback().
+ * @param level A ::moeblaze_log_level_t value.
+ * @param func The public function that logs, e.g. "moeblaze_create".
+ * @param msg The message; valid only during the callback.
+ */
+typedef void (*moeblaze_log_fn)(void* user_data, int32_t level, const char* func,
+                                const char* msg);
+
+/**
+ * @brief Installs a process-wide log callback (default: none, the library prints nothing).
+ * @param[in] fn The callback, or NULL to remove it.
+ * @param[in] user_data Passed back to @p fn unchanged.
+ * @param[in] min_level Messages with level <= min_level are delivered (1..4).
+ * @retval MOEBLAZE_STATUS_SUCCESS The callback is installed.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p min_level is outside 0..4.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_set_log_callback(moeblaze_log_fn fn, void* user_data,
+                                                         int32_t min_level);
+/** @} */
+
+/**
+ * @defgroup tensors Devices, dtypes and tensors (DLPack-compatible)
+ * @brief Tensor descriptors laid out exactly like DLPack's DLTensor.
+ *
+ * A DLTensor* taken from a "dltensor" capsule can be passed as a ::moeblaze_tensor_t* as-is.
+ * The library never keeps a pointer to a descriptor, its shape or its strides after a call
+ * returns. These struct layouts are frozen.
+ * @{
+ */
+struct CUstream_st;
+/** @brief A CUDA stream; identical to cudaStream_t and CUstream. NULL is the legacy default stream. */
+typedef struct CUstream_st* moeblaze_stream_t;
+
+/** @brief DLPack device types accepted by the library. */
+typedef enum moeblaze_device_type {
+  MOEBLAZE_DEVICE_CPU = 1,  /**< Host memory (DLPack kDLCPU); the reference engine. */
+  MOEBLAZE_DEVICE_CUDA = 2, /**< CUDA device memory (DLPack kDLCUDA). */
+  MOEBLAZE_DEVICE__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_device_type_t;
+
+/** @brief Device of a tensor or handle; identical to DLPack's DLDevice. */
+typedef struct moeblaze_device {
+  int32_t device_type; /**< A ::moeblaze_device_type_t value. */
+  int32_t device_id;   /**< Device ordinal (0 for the CPU). */
+} moeblaze_device_t;
+
+/** @brief Element type; identical to DLPack's DLDataType. */
+typedef struct moeblaze_dtype {
+  uint8_t code;   /**< A ::moeblaze_dtype_code_t value. */
+  uint8_t bits;   /**< Bits per element: 16, 32 or 64. */
+  uint16_t lanes; /**< Always 1. */
+} moeblaze_dtype_t;
+
+/** @brief DLPack type codes. */
+typedef enum moeblaze_dtype_code {
+  MOEBLAZE_DTYPE_CODE_INT = 0,    /**< Signed integer (kDLInt). */
+  MOEBLAZE_DTYPE_CODE_UINT = 1,   /**< Unsigned integer (kDLUInt). */
+  MOEBLAZE_DTYPE_CODE_FLOAT = 2,  /**< IEEE float (kDLFloat). */
+  MOEBLAZE_DTYPE_CODE_BFLOAT = 4, /**< bfloat16 (kDLBfloat). */
+  MOEBLAZE_DTYPE_CODE__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_dtype_code_t;
+
+/** @brief Initializer for a float32 ::moeblaze_dtype_t: `moeblaze_dtype_t t = MOEBLAZE_DTYPE_F32;` */
+#define MOEBLAZE_DTYPE_F32 {2u, 32u, 1u}
+/** @brief Initializer for a float16 ::moeblaze_dtype_t. */
+#define MOEBLAZE_DTYPE_F16 {2u, 16u, 1u}
+/** @brief Initializer for a bfloat16 ::moeblaze_dtype_t. */
+#define MOEBLAZE_DTYPE_BF16 {4u, 16u, 1u}
+/** @brief Initializer for an int32 ::moeblaze_dtype_t. */
+#define MOEBLAZE_DTYPE_I32 {0u, 32u, 1u}
+/** @brief Initializer for an int64 ::moeblaze_dtype_t. */
+#define MOEBLAZE_DTYPE_I64 {0u, 64u, 1u}
+
+/** @brief A strided tensor view; field-for-field identical to DLPack's DLTensor (48 bytes). */
+typedef struct moeblaze_tensor {
+  void* data;                /**< Base pointer (host or device, per @c device). */
+  moeblaze_device_t device;  /**< Where @c data lives; must match the handle's device. */
+  int32_t ndim;              /**< Number of dimensions. */
+  moeblaze_dtype_t dtype;    /**< Element type. */
+  const int64_t* shape;      /**< @c ndim extents. */
+  const int64_t* strides;    /**< @c ndim strides in elements, or NULL for contiguous row-major. */
+  uint64_t byte_offset;      /**< Added to @c data, in bytes. */
+} moeblaze_tensor_t;
+/** @} */
+
+/**
+ * @defgroup config Configuration
+ * @brief An opaque, typed key-value object describing one MoE layer.
+ *
+ * Config objects are single-writer: do not modify one from two threads at once. A handle
+ * snapshots its config at creation; later changes to the config do not affect the handle.
+ * @{
+ */
+/** @brief Opaque configuration object. */
+typedef struct moeblaze_config_s* moeblaze_config_t;
+
+/** @brief Expert MLP activation (value of #MOEBLAZE_ATTR_ACTIVATION). */
+typedef enum moeblaze_activation {
+  MOEBLAZE_ACTIVATION_RELU = 0,   /**< act = relu(x W_up). */
+  MOEBLAZE_ACTIVATION_GELU = 1,   /**< act = gelu(x W_up), exact erf form. */
+  MOEBLAZE_ACTIVATION_SILU = 2,   /**< act = silu(x W_up). */
+  MOEBLAZE_ACTIVATION_SWIGLU = 3, /**< act = silu(x W_gate) * (x W_up). */
+  MOEBLAZE_ACTIVATION_GEGLU = 4,  /**< act = gelu(x W_gate) * (x W_up), exact erf form. */
+  MOEBLAZE_ACTIVATION__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_activation_t;
+
+/** @brief Router score function (value of #MOEBLAZE_ATTR_SCORE_FUNCTION). */
+typedef enum moeblaze_score_fn {
+  MOEBLAZE_SCORE_SOFTMAX = 0, /**< scores = softmax(logits) over the experts. */
+  MOEBLAZE_SCORE_SIGMOID = 1, /**< scores = sigmoid(logits), per expert. */
+  MOEBLAZE_SCORE__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_score_fn_t;
+
+/** @brief What forward keeps for backward (value of #MOEBLAZE_ATTR_SAVE_POLICY). */
+typedef enum moeblaze_save_policy {
+  /** Save the up-projection outputs A and B (or H); backward recomputes the activation. */
+  MOEBLAZE_SAVE_PREACT = 0,
+  /** Save only the routing plan and gates; backward recomputes the up GEMM. */
+  MOEBLAZE_SAVE_RECOMPUTE_UP = 1,
+  /** Also save the activation output (fastest backward, most memory). */
+  MOEBLAZE_SAVE_ALL = 2,
+  MOEBLAZE_SAVE__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_save_policy_t;
+
+/** @brief Compute engine (value of #MOEBLAZE_ATTR_ENGINE). */
+typedef enum moeblaze_engine {
+  MOEBLAZE_ENGINE_AUTO = 0,          /**< The best engine for the device (resolved at create). */
+  MOEBLAZE_ENGINE_CPU = 1,           /**< The multi-threaded CPU reference engine. */
+  MOEBLAZE_ENGINE_CUDA_CUBLASLT = 2, /**< CUDA: cuBLASLt per-expert GEMMs (portable, sm_80+). */
+  MOEBLAZE_ENGINE_CUDA_FUSED = 3,    /**< CUDA: fused grouped GEMMs (sm_90a). */
+  MOEBLAZE_ENGINE__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_engine_t;
+
+/** @brief Value type of an attribute (see ::moeblaze_attr_info_t). */
+typedef enum moeblaze_value_type {
+  MOEBLAZE_VALUE_I64 = 0,   /**< Set with moeblaze_config_set_i64(). */
+  MOEBLAZE_VALUE_F64 = 1,   /**< Set with moeblaze_config_set_f64(). */
+  MOEBLAZE_VALUE_DTYPE = 2, /**< Set with moeblaze_config_set_dtype(). */
+  MOEBLAZE_VALUE__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_value_type_t;
+
+/** @brief Configuration attributes. Numbers are frozen; new ones are appended. */
+typedef enum moeblaze_attr {
+  /** i64, required, 1..65536: number of experts E. @since 0.1 */
+  MOEBLAZE_ATTR_NUM_EXPERTS = 0,
+  /** i64, required, 1..min(E, 64): experts per token k. @since 0.1 */
+  MOEBLAZE_ATTR_TOP_K = 1,
+  /** i64, required, >= 1: model dimension d (rows of x). @since 0.1 */
+  MOEBLAZE_ATTR_HIDDEN_SIZE = 2,
+  /** i64, required, >= 1: expert FFN hidden size h. @since 0.1 */
+  MOEBLAZE_ATTR_FFN_HIDDEN_SIZE = 3,
+  /** i64, required, >= 1: upper bound on tokens L per call; MAX_TOKENS * TOP_K < 2^31. @since 0.1 */
+  MOEBLAZE_ATTR_MAX_TOKENS = 4,
+  /** i64 ::moeblaze_activation_t, default SWIGLU. @since 0.1 */
+  MOEBLAZE_ATTR_ACTIVATION = 5,
+  /** i64 ::moeblaze_score_fn_t, default SOFTMAX. @since 0.1 */
+  MOEBLAZE_ATTR_SCORE_FUNCTION = 6,
+  /** i64 0/1, default 0: renormalise the k selected scores to sum to one. @since 0.1 */
+  MOEBLAZE_ATTR_NORMALIZE_TOPK = 7,
+  /** f64 >= 0, default 0: coefficient of the Switch load-balancing loss. @since 0.1 */
+  MOEBLAZE_ATTR_AUX_LOSS_COEFF = 8,
+  /** f64 >= 0, default 0: coefficient of the router z-loss. @since 0.1 */
+  MOEBLAZE_ATTR_Z_LOSS_COEFF = 9,
+  /** dtype F32/F16/BF16, default BF16: x, y, dy, dx and saved activations. @since 0.1 */
+  MOEBLAZE_ATTR_ACTIVATION_DTYPE = 10,
+  /** dtype F32/F16/BF16, default BF16: expert and router weights and their gradients. @since 0.1 */
+  MOEBLAZE_ATTR_WEIGHT_DTYPE = 11,
+  /** dtype, default F32 (the only value in 0.1): accumulation type. @since 0.1 */
+  MOEBLAZE_ATTR_ACCUM_DTYPE = 12,
+  /** i64 ::moeblaze_save_policy_t, default SAVE_PREACT. @since 0.1 */
+  MOEBLAZE_ATTR_SAVE_POLICY = 13,
+  /** i64 0/1, default 1: same inputs give the same bits on every run. @since 0.1 */
+  MOEBLAZE_ATTR_DETERMINISTIC = 14,
+  /** i64 ::moeblaze_device_type_t, default CUDA. @since 0.1 */
+  MOEBLAZE_ATTR_DEVICE_TYPE = 15,
+  /** i64, default -1 (CUDA: the current device at create; CPU: 0). @since 0.1 */
+  MOEBLAZE_ATTR_DEVICE_ID = 16,
+  /** i64 ::moeblaze_engine_t, default AUTO; the handle reports the engine chosen. @since 0.1 */
+  MOEBLAZE_ATTR_ENGINE = 17,
+  /** i64 0..1024, default 0 (all hardware threads): CPU engine worker threads. @since 0.1 */
+  MOEBLAZE_ATTR_NUM_THREADS = 18,
+  MOEBLAZE_ATTR__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_attr_t;
+
+/** @brief Number of attributes known to this header (attributes are 0..MOEBLAZE_ATTR_COUNT-1). */
+#define MOEBLAZE_ATTR_COUNT 19
+
+/**
+ * @brief Creates a config with every attribute at its default.
+ * @param[out] out Receives the new config.
+ * @retval MOEBLAZE_STATUS_SUCCESS Created.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p out is NULL.
+ * @retval MOEBLAZE_STATUS_OUT_OF_HOST_MEMORY Allocation failed.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_config_create(moeblaze_config_t* out);
+
+/**
+ * @brief Destroys a config.
+ * @param[in] cfg The config, or NULL (no-op).
+ * @retval MOEBLAZE_STATUS_SUCCESS Always.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_config_destroy(moeblaze_config_t cfg);
+
+/**
+ * @brief Sets an integer attribute.
+ * @param[in] cfg The config.
+ * @param[in] attr The attribute.
+ * @param[in] value The value; checked against the attribute's bounds.
+ * @retval MOEBLAZE_STATUS_SUCCESS Set.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p cfg is NULL or @p value is out of bounds.
+ * @retval MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE @p attr is not known.
+ * @retval MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH @p attr is not an i64 attribute.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_config_set_i64(moeblaze_config_t cfg, moeblaze_attr_t attr,
+                                                       int64_t value);
+
+/**
+ * @brief Sets a floating-point attribute.
+ * @param[in] cfg The config.
+ * @param[in] attr The attribute.
+ * @param[in] value The value; must be finite and within bounds.
+ * @retval MOEBLAZE_STATUS_SUCCESS Set.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p cfg is NULL or @p value is not allowed.
+ * @retval MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE @p attr is not known.
+ * @retval MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH @p attr is not an f64 attribute.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_config_set_f64(moeblaze_config_t cfg, moeblaze_attr_t attr,
+                                                       double value);
+
+/**
+ * @brief Sets a dtype attribute.
+ * @param[in] cfg The config.
+ * @param[in] attr The attribute.
+ * @param[in] value The dtype.
+ * @retval MOEBLAZE_STATUS_SUCCESS Set.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p cfg is NULL or the dtype is not allowed here.
+ * @retval MOEBLAZE_STATUS_NOT_SUPPORTED A valid dtype this version does not implement here.
+ * @retval MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE @p attr is not known.
+ * @retval MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH @p attr is not a dtype attribute.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_config_set_dtype(moeblaze_config_t cfg,
+                                                         moeblaze_attr_t attr,
+                                                         moeblaze_dtype_t value);
+
+/**
+ * @brief Reads an integer attribute.
+ * @param[in] cfg The config.
+ * @param[in] attr The attribute.
+ * @param[out] out Receives the value.
+ * @retval MOEBLAZE_STATUS_SUCCESS Read.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p cfg or @p out is NULL.
+ * @retval MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE @p attr is not known.
+ * @retval MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH @p attr is not an i64 attribute.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_config_get_i64(moeblaze_config_t cfg, moeblaze_attr_t attr,
+                                                       int64_t* out);
+
+/**
+ * @brief Reads a floating-point attribute.
+ * @param[in] cfg The config.
+ * @param[in] attr The attribute.
+ * @param[out] out Receives the value.
+ * @retval MOEBLAZE_STATUS_SUCCESS Read.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p cfg or @p out is NULL.
+ * @retval MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE @p attr is not known.
+ * @retval MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH @p attr is not an f64 attribute.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_config_get_f64(moeblaze_config_t cfg, moeblaze_attr_t attr,
+                                                       double* out);
+
+/**
+ * @brief Reads a dtype attribute.
+ * @param[in] cfg The config.
+ * @param[in] attr The attribute.
+ * @param[out] out Receives the value.
+ * @retval MOEBLAZE_STATUS_SUCCESS Read.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p cfg or @p out is NULL.
+ * @retval MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE @p attr is not known.
+ * @retval MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH @p attr is not a dtype attribute.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_config_get_dtype(moeblaze_config_t cfg,
+                                                         moeblaze_attr_t attr,
+                                                         moeblaze_dtype_t* out);
+
+/** @brief Description of one attribute, for bindings that build keyword arguments. */
+typedef struct moeblaze_attr_info {
+  size_t struct_size;     /**< Set by the caller to sizeof(moeblaze_attr_info_t); the library writes min(struct_size, its own size) bytes. */
+  const char* name;       /**< Lower-case name, e.g. "top_k"; static string. */
+  int32_t value_type;     /**< A ::moeblaze_value_type_t value. */
+  int32_t required;       /**< 1 if moeblaze_create() fails without it. */
+  int64_t min_i64;        /**< Smallest allowed value (i64 attributes). */
+  int64_t max_i64;        /**< Largest allowed value (i64 attributes). */
+  int64_t default_i64;    /**< Default value (i64 attributes). */
+  double default_f64;     /**< Default value (f64 attributes). */
+  uint32_t since_version; /**< Version that introduced it, encoded with #MOEBLAZE_VERSION_ENCODE. */
+} moeblaze_attr_info_t;
+
+/**
+ * @brief Describes an attribute.
+ * @param[in] attr The attribute.
+ * @param[in,out] info The caller sets @c struct_size; the library fills the rest.
+ * @retval MOEBLAZE_STATUS_SUCCESS Filled.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p info is NULL.
+ * @retval MOEBLAZE_STATUS_VERSION_MISMATCH @c struct_size is smaller than the first two fields.
+ * @retval MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE @p attr is not known.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_attr_query(moeblaze_attr_t attr, moeblaze_attr_info_t* info);
+/** @} */
+
+/**
+ * @defgroup handle Handles and devices
+ * @brief An immutable, validated layer description bound to one device and engine.
+ *
+ * @par Thread safety
+ * A handle is immutable after moeblaze_create(): forward, backward, route and the size
+ * queries may run concurrently on one handle from many threads and streams, as long as each
+ * in-flight call has its own workspace and saved buffer.
+ * @{
+ */
+/** @brief Opaque handle. */
+typedef struct moeblaze_handle_s* moeblaze_handle_t;
+
+/**
+ * @brief Counts the devices of a type that this build can use.
+ * @param[in] device_type A ::moeblaze_device_type_t value.
+ * @param[out] count Receives the count: 1 for the CPU; the CUDA device count (0 if the
+ *             build has no CUDA support, no driver is installed or no GPU is present).
+ * @retval MOEBLAZE_STATUS_SUCCESS Counted.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p count is NULL or @p device_type is unknown.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_get_device_count(int32_t device_type, int32_t* count);
+
+/**
+ * @brief Validates a config and creates a handle for it.
+ * @param[out] out Receives the handle.
+ * @param[in] cfg The config; it is copied, so it may be destroyed afterwards.
+ * @retval MOEBLAZE_STATUS_SUCCESS Created.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT A NULL pointer, a required attribute missing or
+ *         inconsistent attributes (e.g. TOP_K > NUM_EXPERTS).
+ * @retval MOEBLAZE_STATUS_NOT_SUPPORTED The engine does not implement this configuration.
+ * @retval MOEBLAZE_STATUS_ARCH_MISMATCH The device does not exist or has no kernels here.
+ * @retval MOEBLAZE_STATUS_OUT_OF_HOST_MEMORY A host allocation failed.
+ * @retval MOEBLAZE_STATUS_OUT_OF_DEVICE_MEMORY A device allocation failed.
+ * @retval MOEBLAZE_STATUS_CUDA_ERROR The CUDA runtime failed.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_create(moeblaze_handle_t* out, moeblaze_config_t cfg);
+
+/**
+ * @brief Destroys a handle. The caller guarantees no in-flight work still uses it.
+ * @param[in] handle The handle, or NULL (no-op).
+ * @retval MOEBLAZE_STATUS_SUCCESS Always.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_destroy(moeblaze_handle_t handle);
+
+/**
+ * @brief Reads an integer attribute of a handle (the effective value, e.g. the engine chosen).
+ * @param[in] handle The handle.
+ * @param[in] attr The attribute.
+ * @param[out] out Receives the value.
+ * @retval MOEBLAZE_STATUS_SUCCESS Read.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p handle or @p out is NULL.
+ * @retval MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE @p attr is not known.
+ * @retval MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH @p attr is not an i64 attribute.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_handle_get_i64(moeblaze_handle_t handle,
+                                                       moeblaze_attr_t attr, int64_t* out);
+
+/**
+ * @brief Reads a floating-point attribute of a handle.
+ * @param[in] handle The handle.
+ * @param[in] attr The attribute.
+ * @param[out] out Receives the value.
+ * @retval MOEBLAZE_STATUS_SUCCESS Read.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p handle or @p out is NULL.
+ * @retval MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE @p attr is not known.
+ * @retval MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH @p attr is not an f64 attribute.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_handle_get_f64(moeblaze_handle_t handle,
+                                                       moeblaze_attr_t attr, double* out);
+
+/**
+ * @brief Reads a dtype attribute of a handle.
+ * @param[in] handle The handle.
+ * @param[in] attr The attribute.
+ * @param[out] out Receives the value.
+ * @retval MOEBLAZE_STATUS_SUCCESS Read.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p handle or @p out is NULL.
+ * @retval MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE @p attr is not known.
+ * @retval MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH @p attr is not a dtype attribute.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_handle_get_dtype(moeblaze_handle_t handle,
+                                                         moeblaze_attr_t attr,
+                                                         moeblaze_dtype_t* out);
+/** @} */
+
+/**
+ * @defgroup sizes Size queries
+ * @brief Workspace and saved-buffer sizes, from host-known shapes only.
+ *
+ * Sizes depend only on the handle's config and @c num_tokens, never on routing or data.
+ * They are monotone in @c num_tokens and bounded by their value at MAX_TOKENS, so a caller
+ * may allocate once for the maximum. Dropless routing is sized for the worst case (all L*k
+ * assignments on one expert). The formulas are in docs/memory.md. Both buffers must be
+ * aligned to #MOEBLAZE_BUFFER_ALIGNMENT bytes. For a CPU handle both live in host memory.
+ * @{
+ */
+/** @brief Required alignment, in bytes, of workspace and saved buffers. */
+#define MOEBLAZE_BUFFER_ALIGNMENT 256
+
+/** @brief Which call a workspace is for. */
+typedef enum moeblaze_pass {
+  MOEBLAZE_PASS_FORWARD_TRAINING = 0,  /**< moeblaze_forward() that writes the saved buffer. */
+  MOEBLAZE_PASS_FORWARD_INFERENCE = 1, /**< moeblaze_forward() without a saved buffer. */
+  MOEBLAZE_PASS_BACKWARD = 2,          /**< moeblaze_backward(). */
+  MOEBLAZE_PASS_ROUTE = 3,             /**< moeblaze_route(). */
+  MOEBLAZE_PASS__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_pass_t;
+
+/**
+ * @brief Scratch bytes a call needs; free to reuse once that call's work has completed.
+ * @param[in] handle The handle.
+ * @param[in] pass The call.
+ * @param[in] num_tokens Tokens L in the call, 0..MAX_TOKENS.
+ * @param[out] bytes Receives the size (a multiple of #MOEBLAZE_BUFFER_ALIGNMENT; may be 0).
+ * @retval MOEBLAZE_STATUS_SUCCESS Computed.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT NULL pointer, unknown pass, or L outside 0..MAX_TOKENS.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_get_workspace_size(moeblaze_handle_t handle,
+                                                           moeblaze_pass_t pass,
+                                                           int64_t num_tokens, size_t* bytes);
+
+/**
+ * @brief Bytes forward (training) keeps for backward, per the handle's save policy.
+ * @param[in] handle The handle.
+ * @param[in] num_tokens Tokens L in the call, 0..MAX_TOKENS.
+ * @param[out] bytes Receives the size (a multiple of #MOEBLAZE_BUFFER_ALIGNMENT; may be 0).
+ * @retval MOEBLAZE_STATUS_SUCCESS Computed.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT NULL pointer or L outside 0..MAX_TOKENS.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_get_saved_size(moeblaze_handle_t handle,
+                                                       int64_t num_tokens, size_t* bytes);
+/** @} */
+
+/**
+ * @defgroup execution Arguments and execution
+ * @brief Forward, backward and router-only calls, with arguments passed by kind.
+ *
+ * Shapes: L tokens, d = HIDDEN_SIZE, h = FFN_HIDDEN_SIZE, E = NUM_EXPERTS, k = TOP_K,
+ * g = 2 for SWIGLU/GEGLU else 1. Float tensors use ACTIVATION_DTYPE (x, y, dy, dx) or
+ * WEIGHT_DTYPE (weights and their gradients); router tensors (logits, top-k weights and
+ * their gradients) may be F32 or ACTIVATION_DTYPE; top-k ids and token counts are I32 or I64.
+ * Strides are honoured when the innermost stride is 1 and outer strides do not make rows
+ * overlap; anything else is rejected, never misread. L = 0 is valid and writes only the
+ * scalar and per-expert outputs (and zero weight gradients unless accumulating).
+ *
+ * Routing input, in this order of precedence:
+ * 1. #MOEBLAZE_ARG_ROUTER_LOGITS [L, E] given: scores, top-k and gates are computed from them.
+ * 2. #MOEBLAZE_ARG_ROUTER_WEIGHT W_g [E, d] given: logits = x W_g^T, then as above.
+ * 3. Neither: #MOEBLAZE_ARG_TOPK_INDICES and #MOEBLAZE_ARG_TOPK_WEIGHTS are inputs (the
+ *    caller routed, e.g. expert parallelism). Ids are validated (0 <= id < E, distinct per
+ *    token); a bad id fails the call with INVALID_ARGUMENT before anything is written.
+ * In cases 1 and 2, TOPK_INDICES, TOPK_WEIGHTS and TOKENS_PER_EXPERT are optional outputs.
+ * Backward takes the same routing inputs as the forward it follows.
+ *
+ * @par Stream semantics
+ * forward, backward and route return once all work is enqueued on @c stream (for a CPU
+ * handle: once the work is done; @c stream is ignored). The fused CUDA engine never
+ * synchronises the host and is CUDA-graph capturable; the cuBLASLt engine copies the E+1
+ * expert offsets to the host once per call. No call allocates device memory. Inputs,
+ * outputs, workspace and saved must stay valid until the work completes.
+ *
+ * @par Device
+ * Every tensor must live on the handle's device. A saved buffer written by one handle may
+ * only be consumed by that handle with the same number of tokens.
+ * @{
+ */
+/** @brief Argument kinds. Numbers are frozen; new kinds are appended. */
+typedef enum moeblaze_arg_kind {
+  /** Input x [L, d], ACTIVATION_DTYPE. Required by forward and backward. @since 0.1 */
+  MOEBLAZE_ARG_INPUT = 1,
+  /** Router weight W_g [E, d], WEIGHT_DTYPE. @since 0.1 */
+  MOEBLAZE_ARG_ROUTER_WEIGHT = 2,
+  /** Router logits [L, E], F32 or ACTIVATION_DTYPE. @since 0.1 */
+  MOEBLAZE_ARG_ROUTER_LOGITS = 3,
+  /* 4 is reserved for an expert bias (aux-loss-free balancing). */
+  /** Expert up weights [E, d, g*h] (gate columns first, then up), WEIGHT_DTYPE. @since 0.1 */
+  MOEBLAZE_ARG_W_GATE_UP = 5,
+  /** Expert down weights [E, h, d], WEIGHT_DTYPE. @since 0.1 */
+  MOEBLAZE_ARG_W_DOWN = 6,
+  /** Top-k expert ids [L, k], I32 or I64: input (caller routing) or optional output. @since 0.1 */
+  MOEBLAZE_ARG_TOPK_INDICES = 7,
+  /** Top-k gate weights [L, k], F32 or ACTIVATION_DTYPE: input or optional output. @since 0.1 */
+  MOEBLAZE_ARG_TOPK_WEIGHTS = 8,
+  /** Output y [L, d], ACTIVATION_DTYPE. Required by forward. @since 0.1 */
+  MOEBLAZE_ARG_OUTPUT = 32,
+  /** Optional output, F32 scalar: AUX_LOSS_COEFF * E * sum_e f_e P_e. @since 0.1 */
+  MOEBLAZE_ARG_AUX_LOSS = 33,
+  /** Optional output [E], I32 or I64: tokens routed to each expert. @since 0.1 */
+  MOEBLAZE_ARG_TOKENS_PER_EXPERT = 34,
+  /** Optional output, F32 scalar: Z_LOSS_COEFF * mean_t logsumexp(logits_t)^2. @since 0.1 */
+  MOEBLAZE_ARG_Z_LOSS = 35,
+  /** Gradient dy [L, d], ACTIVATION_DTYPE. Required by backward. @since 0.1 */
+  MOEBLAZE_ARG_GRAD_OUTPUT = 64,
+  /** Optional F32 scalar dLoss/dAUX_LOSS (default 1 when absent). @since 0.1 */
+  MOEBLAZE_ARG_GRAD_AUX_LOSS = 65,
+  /** Optional F32 scalar dLoss/dZ_LOSS (default 1 when absent). @since 0.1 */
+  MOEBLAZE_ARG_GRAD_Z_LOSS = 66,
+  /** Optional output dx [L, d], ACTIVATION_DTYPE (includes the router path). @since 0.1 */
+  MOEBLAZE_ARG_GRAD_INPUT = 96,
+  /** Optional output dW_g [E, d], WEIGHT_DTYPE (routing from W_g). @since 0.1 */
+  MOEBLAZE_ARG_GRAD_ROUTER_WEIGHT = 97,
+  /** Optional output d logits [L, E], F32 or ACTIVATION_DTYPE (routing from logits). @since 0.1 */
+  MOEBLAZE_ARG_GRAD_ROUTER_LOGITS = 98,
+  /* 99 is reserved for the expert bias gradient. */
+  /** Optional output dW_gate_up [E, d, g*h], WEIGHT_DTYPE. @since 0.1 */
+  MOEBLAZE_ARG_GRAD_W_GATE_UP = 100,
+  /** Optional output dW_down [E, h, d], WEIGHT_DTYPE. @since 0.1 */
+  MOEBLAZE_ARG_GRAD_W_DOWN = 101,
+  /** Optional output d top-k weights [L, k], F32 or ACTIVATION_DTYPE (caller routing). @since 0.1 */
+  MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS = 102,
+  MOEBLAZE_ARG__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_arg_kind_t;
+
+/** @brief Flag on a gradient output: add the result to the tensor instead of overwriting it. */
+#define MOEBLAZE_ARG_FLAG_ACCUMULATE 0x1u
+
+/** @brief One argument: its kind, flags and tensor (56 bytes). */
+typedef struct moeblaze_arg {
+  int32_t kind;             /**< A ::moeblaze_arg_kind_t value. */
+  uint32_t flags;           /**< Bitwise OR of MOEBLAZE_ARG_FLAG_* values; 0 for none. */
+  moeblaze_tensor_t tensor; /**< The tensor (for scalars: ndim 0, or ndim 1 with shape [1]). */
+} moeblaze_arg_t;
+
+/**
+ * @brief Validates arguments on the host exactly as the call for @p pass would, doing no work.
+ * @param[in] handle The handle.
+ * @param[in] pass The call the arguments are for.
+ * @param[in] args The arguments.
+ * @param[in] num_args Number of arguments.
+ * @retval MOEBLAZE_STATUS_SUCCESS The call would accept the arguments.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT An argument is missing, duplicated, unknown, or
+ *         has a bad shape, dtype, stride, device or flag.
+ * @retval MOEBLAZE_STATUS_NOT_SUPPORTED A valid argument this engine does not implement.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_check_args(moeblaze_handle_t handle, moeblaze_pass_t pass,
+                                                   const moeblaze_arg_t* args, size_t num_args);
+
+/**
+ * @brief Runs the MoE layer forward: route, plan, expert MLPs, combine.
+ * @param[in] handle The handle.
+ * @param[in] pass #MOEBLAZE_PASS_FORWARD_TRAINING (writes @p saved) or
+ *            #MOEBLAZE_PASS_FORWARD_INFERENCE (ignores @p saved).
+ * @param[in] args The arguments (see ::moeblaze_arg_kind_t).
+ * @param[in] num_args Number of arguments.
+ * @param[in] workspace Scratch of at least moeblaze_get_workspace_size(pass) bytes.
+ * @param[in] workspace_bytes Size of @p workspace.
+ * @param[out] saved Training: at least moeblaze_get_saved_size() bytes, for backward.
+ * @param[in] saved_bytes Size of @p saved.
+ * @param[in] stream The stream (CUDA handles).
+ * @retval MOEBLAZE_STATUS_SUCCESS Done (CPU) or enqueued (CUDA).
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT Bad arguments (see moeblaze_check_args()), a bad
+ *         caller-given expert id, or a NULL/misaligned buffer.
+ * @retval MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE @p workspace or @p saved is too small.
+ * @retval MOEBLAZE_STATUS_NOT_SUPPORTED The engine does not implement this request.
+ * @retval MOEBLAZE_STATUS_CUDA_ERROR A CUDA launch failed.
+ * @retval MOEBLAZE_STATUS_CUBLAS_ERROR cuBLASLt failed.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_forward(moeblaze_handle_t handle, moeblaze_pass_t pass,
+                                                const moeblaze_arg_t* args, size_t num_args,
+                                                void* workspace, size_t workspace_bytes,
+                                                void* saved, size_t saved_bytes,
+                                                moeblaze_stream_t stream);
+
+/**
+ * @brief Runs the MoE layer backward from the saved buffer of a training forward.
+ * @param[in] handle The handle that ran the forward.
+ * @param[in] args Inputs (x, weights, dy, routing inputs) and the gradients wanted.
+ * @param[in] num_args Number of arguments.
+ * @param[in] saved The saved buffer the forward wrote, for the same number of tokens.
+ * @param[in] saved_bytes Size of @p saved.
+ * @param[in] workspace Scratch of at least moeblaze_get_workspace_size(BACKWARD) bytes.
+ * @param[in] workspace_bytes Size of @p workspace.
+ * @param[in] stream The stream (CUDA handles).
+ * @retval MOEBLAZE_STATUS_SUCCESS Done (CPU) or enqueued (CUDA).
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT Bad arguments or a NULL/misaligned buffer.
+ * @retval MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE @p workspace or @p saved is too small.
+ * @retval MOEBLAZE_STATUS_NOT_SUPPORTED The engine does not implement this request.
+ * @retval MOEBLAZE_STATUS_CUDA_ERROR A CUDA launch failed.
+ * @retval MOEBLAZE_STATUS_CUBLAS_ERROR cuBLASLt failed.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_backward(moeblaze_handle_t handle,
+                                                 const moeblaze_arg_t* args, size_t num_args,
+                                                 const void* saved, size_t saved_bytes,
+                                                 void* workspace, size_t workspace_bytes,
+                                                 moeblaze_stream_t stream);
+
+/**
+ * @brief Runs the router alone: logits (or x and W_g) -> top-k ids and weights, token
+ *        counts per expert, aux loss and z-loss.
+ * @param[in] handle The handle.
+ * @param[in] args ROUTER_LOGITS, or INPUT and ROUTER_WEIGHT; outputs TOPK_INDICES,
+ *            TOPK_WEIGHTS (required), TOKENS_PER_EXPERT, AUX_LOSS, Z_LOSS (optional).
+ * @param[in] num_args Number of arguments.
+ * @param[in] workspace Scratch of at least moeblaze_get_workspace_size(ROUTE) bytes.
+ * @param[in] workspace_bytes Size of @p workspace.
+ * @param[in] stream The stream (CUDA handles).
+ * @retval MOEBLAZE_STATUS_SUCCESS Done (CPU) or enqueued (CUDA).
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT Bad arguments or a NULL/misaligned buffer.
+ * @retval MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE @p workspace is too small.
+ * @retval MOEBLAZE_STATUS_NOT_SUPPORTED The engine does not implement this request.
+ * @retval MOEBLAZE_STATUS_CUDA_ERROR A CUDA launch failed.
+ * @since 0.1
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_route(moeblaze_handle_t handle, const moeblaze_arg_t* args,
+                                              size_t num_args, void* workspace,
+                                              size_t workspace_bytes, moeblaze_stream_t stream);
+/** @} */
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* MOEBLAZE_MOEBLAZE_H_ */

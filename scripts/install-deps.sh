@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs what building and testing MoEBlaze needs and is missing, from Debian's archive.
+# Usage: scripts/install-deps.sh [bench|test]   (bench: the build tools only)
+set -euo pipefail
+what=${1:-test}
+
+need=()
+have() { command -v "$1" >/dev/null 2>&1; }
+have cmake || need+=(cmake)
+have ninja || need+=(ninja-build)
+have g++ || need+=(g++)
+have gcc || need+=(gcc)
+have pkg-config || need+=(pkg-config)
+have git || need+=(git)
+if [ "$what" = test ]; then
+  [ -f /usr/include/cmocka.h ] || need+=(libcmocka-dev)
+  have abidiff || need+=(abigail-tools)
+  have doxygen || need+=(doxygen)
+  have python3 || need+=(python3)
+  have cargo || need+=(cargo)
+fi
+if [ ${#need[@]} -gt 0 ]; then
+  echo "install-deps: installing ${need[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+# nvcc is optional: the CUDA part builds when the toolkit is found (default /usr/local/cuda).
+if ! have nvcc && [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "install-deps: using /usr/local/cuda/bin/nvcc"
+fi

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Quick start (b): install what is missing, build, run every test. Two configurations, each
+# built once:
+#   build-test  RelWithDebInfo with the CUDA part when nvcc exists: all tests (host, plan,
+#               reference, ABI guard, Doxygen as part of the build, Python and Rust bindings;
+#               GPU tests skip themselves without a GPU).
+#   build-asan  the host library and host tests under AddressSanitizer + UBSan (CUDA off).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh test
+jobs=$(nproc)
+export CTEST_OUTPUT_ON_FAILURE=1
+
+echo "== configuration 1: RelWithDebInfo (CUDA when available), all tests"
+cmake -S . -B build-test -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEBLAZE_BUILD_DOCS=ON >/dev/null
+cmake --build build-test --parallel "$jobs"
+ctest --test-dir build-test --parallel "$jobs" --timeout 900
+
+echo "== configuration 2: ASan + UBSan, host tests"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMOEBLAZE_ENABLE_CUDA=OFF \
+      -DMOEBLAZE_SANITIZE=address,undefined -DMOEBLAZE_BUILD_DOCS=OFF -DMOEBLAZE_BUILD_RUST=OFF \
+      -DMOEBLAZE_BUILD_PERF=OFF >/dev/null
+cmake --build build-asan --parallel "$jobs"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan --parallel "$jobs" -L host --timeout 900
+echo "== all tests passed"

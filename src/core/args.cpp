@@ -1,0 +1,264 @@
+#include "core/args.hpp"
+
+#include <cstring>
+
+#include "util/error.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace {
+
+enum Use : uint8_t { kNo = 0, kOptional = 1, kRequired = 2 };
+enum class Role : uint8_t { kInput, kOutput, kGradOutput };
+enum class TypeRule : uint8_t { kAct, kWeight, kRouter, kIndex, kScalarF32 };
+
+struct KindInfo {
+  ArgKind kind;
+  const char* name;
+  Role role;
+  TypeRule type;
+  // Use per pass: forward training, forward inference, backward, route.
+  Use use[4];
+};
+
+const KindInfo kKinds[] = {
+    {ArgKind::kInput, "INPUT", Role::kInput, TypeRule::kAct, {kRequired, kRequired, kRequired, kOptional}},
+    {ArgKind::kRouterWeight, "ROUTER_WEIGHT", Role::kInput, TypeRule::kWeight, {kOptional, kOptional, kOptional, kOptional}},
+    {ArgKind::kRouterLogits, "ROUTER_LOGITS", Role::kInput, TypeRule::kRouter, {kOptional, kOptional, kOptional, kOptional}},
+    {ArgKind::kWGateUp, "W_GATE_UP", Role::kInput, TypeRule::kWeight, {kRequired, kRequired, kRequired, kNo}},
+    {ArgKind::kWDown, "W_DOWN", Role::kInput, TypeRule::kWeight, {kRequired, kRequired, kRequired, kNo}},
+    {ArgKind::kTopkIndices, "TOPK_INDICES", Role::kInput, TypeRule::kIndex, {kOptional, kOptional, kNo, kRequired}},
+    {ArgKind::kTopkWeights, "TOPK_WEIGHTS", Role::kInput, TypeRule::kRouter, {kOptional, kOptional, kNo, kRequired}},
+    {ArgKind::kOutput, "OUTPUT", Role::kOutput, TypeRule::kAct, {kRequired, kRequired, kNo, kNo}},
+    {ArgKind::kAuxLoss, "AUX_LOSS", Role::kOutput, TypeRule::kScalarF32, {kOptional, kOptional, kNo, kOptional}},
+    {ArgKind::kTokensPerExpert, "TOKENS_PER_EXPERT", Role::kOutput, TypeRule::kIndex, {kOptional, kOptional, kNo, kOptional}},
+    {ArgKind::kZLoss, "Z_LOSS", Role::kOutput, TypeRule::kScalarF32, {kOptional, kOptional, kNo, kOptional}},
+    {ArgKind::kGradOutput, "GRAD_OUTPUT", Role::kInput, TypeRule::kAct, {kNo, kNo, kRequired, kNo}},
+    {ArgKind::kGradAuxLoss, "GRAD_AUX_LOSS", Role::kInput, TypeRule::kScalarF32, {kNo, kNo, kOptional, kNo}},
+    {ArgKind::kGradZLoss, "GRAD_Z_LOSS", Role::kInput, TypeRule::kScalarF32, {kNo, kNo, kOptional, kNo}},
+    {ArgKind::kGradInput, "GRAD_INPUT", Role::kGradOutput, TypeRule::kAct, {kNo, kNo, kOptional, kNo}},
+    {ArgKind::kGradRouterWeight, "GRAD_ROUTER_WEIGHT", Role::kGradOutput, TypeRule::kWeight, {kNo, kNo, kOptional, kNo}},
+    {ArgKind::kGradRouterLogits, "GRAD_ROUTER_LOGITS", Role::kGradOutput, TypeRule::kRouter, {kNo, kNo, kOptional, kNo}},
+    {ArgKind::kGradWGateUp, "GRAD_W_GATE_UP", Role::kGradOutput, TypeRule::kWeight, {kNo, kNo, kOptional, kNo}},
+    {ArgKind::kGradWDown, "GRAD_W_DOWN", Role::kGradOutput, TypeRule::kWeight, {kNo, kNo, kOptional, kNo}},
+    {ArgKind::kGradTopkWeights, "GRAD_TOPK_WEIGHTS", Role::kGradOutput, TypeRule::kRouter, {kNo, kNo, kOptional, kNo}},
+};
+constexpr size_t kNumKinds = sizeof(kKinds) / sizeof(kKinds[0]);
+
+const KindInfo* find_kind(int32_t kind) {
+  for (const KindInfo& k : kKinds)
+    if (static_cast<int32_t>(k.kind) == kind) return &k;
+  return nullptr;
+}
+
+View* slot(CallArgs& c, ArgKind k) {
+  switch (k) {
+    case ArgKind::kInput: return &c.x;
+    case ArgKind::kRouterWeight: return &c.router_weight;
+    case ArgKind::kRouterLogits: return &c.logits;
+    case ArgKind::kWGateUp: return &c.w_gate_up;
+    case ArgKind::kWDown: return &c.w_down;
+    case ArgKind::kTopkIndices: return &c.topk_ids;
+    case ArgKind::kTopkWeights: return &c.topk_weights;
+    case ArgKind::kOutput: return &c.y;
+    case ArgKind::kAuxLoss: return &c.aux_loss;
+    case ArgKind::kTokensPerExpert: return &c.tokens_per_expert;
+    case ArgKind::kZLoss: return &c.z_loss;
+    case ArgKind::kGradOutput: return &c.dy;
+    case ArgKind::kGradAuxLoss: return &c.grad_aux;
+    case ArgKind::kGradZLoss: return &c.grad_z;
+    case ArgKind::kGradInput: return &c.dx;
+    case ArgKind::kGradRouterWeight: return &c.d_router_weight;
+    case ArgKind::kGradRouterLogits: return &c.d_logits;
+    case ArgKind::kGradWGateUp: return &c.d_w_gate_up;
+    case ArgKind::kGradWDown: return &c.d_w_down;
+    case ArgKind::kGradTopkWeights: return &c.d_topk_weights;
+  }
+  return nullptr;
+}
+
+// Expected shape of a kind; -1 marks the token dimension (filled once L is known).
+int expected_shape(const LayerConfig& cfg, ArgKind k, int64_t L, int64_t* s) {
+  const int64_t E = cfg.num_experts, d = cfg.hidden, h = cfg.ffn_hidden, K = cfg.top_k;
+  switch (k) {
+    case ArgKind::kInput: case ArgKind::kOutput: case ArgKind::kGradOutput: case ArgKind::kGradInput:
+      s[0] = L; s[1] = d; return 2;
+    case ArgKind::kRouterWeight: case ArgKind::kGradRouterWeight: s[0] = E; s[1] = d; return 2;
+    case ArgKind::kRouterLogits: case ArgKind::kGradRouterLogits: s[0] = L; s[1] = E; return 2;
+    case ArgKind::kWGateUp: case ArgKind::kGradWGateUp: s[0] = E; s[1] = d; s[2] = cfg.gate_up_cols(); return 3;
+    case ArgKind::kWDown: case ArgKind::kGradWDown: s[0] = E; s[1] = h; s[2] = d; return 3;
+    case ArgKind::kTopkIndices: case ArgKind::kTopkWeights: case ArgKind::kGradTopkWeights:
+      s[0] = L; s[1] = K; return 2;
+    case ArgKind::kTokensPerExpert: s[0] = E; return 1;
+    case ArgKind::kAuxLoss: case ArgKind::kZLoss: case ArgKind::kGradAuxLoss: case ArgKind::kGradZLoss:
+      return 0;
+  }
+  return 0;
+}
+
+void shape_str(char* buf, size_t n, int nd, const int64_t* s) {
+  size_t used = 0;
+  used += snprintf(buf + used, n - used, "[");
+  for (int i = 0; i < nd && used < n; ++i)
+    used += snprintf(buf + used, n - used, "%s%lld", i ? ", " : "", static_cast<long long>(s[i]));
+  if (used < n) snprintf(buf + used, n - used, "]");
+}
+
+void check_dtype(const LayerConfig& cfg, const KindInfo& ki, DType t) {
+  bool ok = false;
+  const char* want = "";
+  switch (ki.type) {
+    case TypeRule::kAct: ok = t == cfg.act_dtype; want = dtype_name(cfg.act_dtype); break;
+    case TypeRule::kWeight: ok = t == cfg.weight_dtype; want = dtype_name(cfg.weight_dtype); break;
+    case TypeRule::kRouter: ok = t == DType::kF32 || t == cfg.act_dtype; want = "f32 or the activation dtype"; break;
+    case TypeRule::kIndex: ok = t == DType::kI32 || t == DType::kI64; want = "i32 or i64"; break;
+    case TypeRule::kScalarF32: ok = t == DType::kF32; want = "f32"; break;
+  }
+  if (!ok) fail(Status::kInvalidArgument, "%s has dtype %s; expected %s", ki.name, dtype_name(t), want);
+}
+
+View make_view(const LayerConfig& cfg, const KindInfo& ki, const RawArg& a, int64_t L) {
+  const RawTensor& t = a.tensor;
+  if (t.device_type != cfg.device_type || t.device_id != cfg.device_id)
+    fail(Status::kInvalidArgument, "%s lives on device (type %d, id %d) but the handle is on (type %d, id %d)",
+         ki.name, t.device_type, t.device_id, cfg.device_type, cfg.device_id);
+  DType dt = dtype_from_dlpack(t.code, t.bits, t.lanes);
+  if (dt == DType::kInvalid)
+    fail(Status::kInvalidArgument, "%s has an unsupported dtype (code %u, bits %u, lanes %u)", ki.name, t.code, t.bits, t.lanes);
+  check_dtype(cfg, ki, dt);
+
+  int64_t want[3] = {0, 0, 0};
+  int nd = expected_shape(cfg, ki.kind, L, want);
+  View v;
+  v.present = true;
+  v.accumulate = (a.flags & kArgFlagAccumulate) != 0;
+  v.dtype = dt;
+  v.ndim = nd;
+  if (nd == 0) {  // scalar: ndim 0, or ndim 1 with shape [1]
+    bool ok = t.ndim == 0 || (t.ndim == 1 && t.shape && t.shape[0] == 1);
+    if (!ok) fail(Status::kInvalidArgument, "%s must be a scalar (ndim 0, or ndim 1 with shape [1])", ki.name);
+  } else {
+    if (t.ndim != nd || !t.shape) {
+      char w[96];
+      shape_str(w, sizeof w, nd, want);
+      fail(Status::kInvalidArgument, "%s must have %d dimensions %s; got ndim %d%s", ki.name, nd, w, t.ndim,
+           t.shape ? "" : " with a NULL shape");
+    }
+    for (int i = 0; i < nd; ++i) {
+      if (t.shape[i] != want[i]) {
+        char w[96], g[96];
+        shape_str(w, sizeof w, nd, want);
+        shape_str(g, sizeof g, nd, t.shape);
+        fail(Status::kInvalidArgument, "%s has shape %s; expected %s", ki.name, g, w);
+      }
+      v.shape[i] = want[i];
+    }
+    // Strides: NULL means row-major contiguous. Otherwise the innermost stride must be 1 and
+    // every outer stride must step over a whole inner block (no overlap, no reordering).
+    int64_t contiguous = 1;
+    for (int i = nd - 1; i >= 0; --i) {
+      int64_t s = t.strides ? t.strides[i] : contiguous;
+      if (v.shape[i] > 1) {
+        if (i == nd - 1 && s != 1)
+          fail(Status::kInvalidArgument, "%s has innermost stride %lld; only unit-stride rows are supported", ki.name,
+               static_cast<long long>(s));
+        if (i < nd - 1 && s < contiguous)
+          fail(Status::kInvalidArgument, "%s has stride[%d] = %lld < %lld: rows would overlap or be reordered", ki.name, i,
+               static_cast<long long>(s), static_cast<long long>(contiguous));
+      }
+      v.stride[i] = (v.shape[i] > 1) ? s : contiguous;
+      contiguous = v.stride[i] * (v.shape[i] > 0 ? v.shape[i] : 1);
+    }
+  }
+  int64_t count = 1;
+  for (int i = 0; i < nd; ++i) count *= v.shape[i];
+  if (count > 0 || nd == 0) {
+    if (!t.data) fail(Status::kInvalidArgument, "%s has a NULL data pointer", ki.name);
+    v.data = static_cast<char*>(t.data) + t.byte_offset;
+    if (reinterpret_cast<uintptr_t>(v.data) % dtype_size(dt) != 0)
+      fail(Status::kInvalidArgument, "%s data + byte_offset is not aligned to its %zu-byte elements", ki.name, dtype_size(dt));
+  }
+  return v;
+}
+
+}  // namespace
+
+const char* pass_name(Pass p) {
+  switch (p) {
+    case Pass::kForwardTraining: return "forward (training)";
+    case Pass::kForwardInference: return "forward (inference)";
+    case Pass::kBackward: return "backward";
+    case Pass::kRoute: return "route";
+  }
+  return "?";
+}
+
+CallArgs decode_args(const LayerConfig& cfg, Pass pass, const RawArg* args, size_t num_args) {
+  const int p = static_cast<int>(pass);
+  if (p < 0 || p > 3) fail(Status::kInvalidArgument, "unknown pass %d", p);
+  if (num_args > 0 && !args) fail(Status::kInvalidArgument, "args is NULL but num_args = %zu", num_args);
+
+  // First pass over the array: kinds, flags, duplicates; find the token count.
+  const RawArg* by_kind[kNumKinds] = {};
+  for (size_t i = 0; i < num_args; ++i) {
+    const KindInfo* ki = find_kind(args[i].kind);
+    if (!ki) fail(Status::kInvalidArgument, "args[%zu] has unknown argument kind %d", i, args[i].kind);
+    size_t idx = static_cast<size_t>(ki - kKinds);
+    if (ki->use[p] == kNo) fail(Status::kInvalidArgument, "%s is not an argument of %s", ki->name, pass_name(pass));
+    if (by_kind[idx]) fail(Status::kInvalidArgument, "%s is given twice", ki->name);
+    if (args[i].flags & ~kArgFlagAccumulate)
+      fail(Status::kInvalidArgument, "%s has unknown flag bits 0x%x", ki->name, args[i].flags & ~kArgFlagAccumulate);
+    if ((args[i].flags & kArgFlagAccumulate) && ki->role != Role::kGradOutput)
+      fail(Status::kInvalidArgument, "MOEBLAZE_ARG_FLAG_ACCUMULATE is only valid on gradient outputs, not on %s", ki->name);
+    by_kind[idx] = &args[i];
+  }
+  for (size_t i = 0; i < kNumKinds; ++i)
+    if (kKinds[i].use[p] == kRequired && !by_kind[i])
+      fail(Status::kInvalidArgument, "%s requires the %s argument", pass_name(pass), kKinds[i].name);
+
+  // The token count comes from the first token-shaped argument present.
+  CallArgs c;
+  int64_t L = -1;
+  const ArgKind token_kinds[] = {ArgKind::kInput, ArgKind::kRouterLogits, ArgKind::kTopkIndices};
+  for (ArgKind k : token_kinds) {
+    const RawArg* a = by_kind[find_kind(static_cast<int32_t>(k)) - kKinds];
+    if (a && a->tensor.ndim >= 1 && a->tensor.shape) { L = a->tensor.shape[0]; break; }
+  }
+  if (L < 0) fail(Status::kInvalidArgument, "cannot tell the number of tokens: pass INPUT or ROUTER_LOGITS");
+  if (L > cfg.max_tokens)
+    fail(Status::kInvalidArgument, "num_tokens = %lld exceeds MAX_TOKENS = %lld", static_cast<long long>(L),
+         static_cast<long long>(cfg.max_tokens));
+  c.num_tokens = L;
+
+  for (size_t i = 0; i < kNumKinds; ++i)
+    if (by_kind[i]) *slot(c, kKinds[i].kind) = make_view(cfg, kKinds[i], *by_kind[i], L);
+
+  // Routing mode and the rules that depend on it.
+  if (c.logits.present && c.router_weight.present)
+    fail(Status::kInvalidArgument, "ROUTER_LOGITS and ROUTER_WEIGHT are mutually exclusive");
+  if (c.logits.present) c.mode = RoutingMode::kLogits;
+  else if (c.router_weight.present) c.mode = RoutingMode::kRouterWeight;
+  else c.mode = RoutingMode::kCallerTopK;
+
+  if (c.mode == RoutingMode::kRouterWeight && !c.x.present)
+    fail(Status::kInvalidArgument, "routing from ROUTER_WEIGHT needs INPUT");
+  if (pass == Pass::kRoute && c.mode == RoutingMode::kCallerTopK)
+    fail(Status::kInvalidArgument, "route needs ROUTER_LOGITS, or INPUT and ROUTER_WEIGHT");
+  if ((pass == Pass::kForwardTraining || pass == Pass::kForwardInference) && c.mode == RoutingMode::kCallerTopK) {
+    if (!c.topk_ids.present || !c.topk_weights.present)
+      fail(Status::kInvalidArgument,
+           "no routing input: pass ROUTER_LOGITS, or ROUTER_WEIGHT, or both TOPK_INDICES and TOPK_WEIGHTS");
+    if (c.aux_loss.present || c.z_loss.present)
+      fail(Status::kInvalidArgument, "AUX_LOSS and Z_LOSS need router scores: route from ROUTER_LOGITS or ROUTER_WEIGHT");
+  }
+  if (pass == Pass::kBackward) {
+    if (c.d_logits.present && c.mode != RoutingMode::kLogits)
+      fail(Status::kInvalidArgument, "GRAD_ROUTER_LOGITS needs ROUTER_LOGITS among the backward arguments");
+    if (c.d_router_weight.present && c.mode != RoutingMode::kRouterWeight)
+      fail(Status::kInvalidArgument, "GRAD_ROUTER_WEIGHT needs ROUTER_WEIGHT among the backward arguments");
+  }
+  return c;
+}
+
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,78 @@
+// Argument decoding: the C argument array (kind, flags, DLTensor) becomes validated views.
+// Every check a call makes on its arguments happens here, on the host, before any work.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/config.hpp"
+#include "util/dtype.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+
+enum class Pass : int32_t { kForwardTraining = 0, kForwardInference = 1, kBackward = 2, kRoute = 3 };
+
+enum class ArgKind : int32_t {
+  kInput = 1, kRouterWeight = 2, kRouterLogits = 3, kWGateUp = 5, kWDown = 6,
+  kTopkIndices = 7, kTopkWeights = 8,
+  kOutput = 32, kAuxLoss = 33, kTokensPerExpert = 34, kZLoss = 35,
+  kGradOutput = 64, kGradAuxLoss = 65, kGradZLoss = 66,
+  kGradInput = 96, kGradRouterWeight = 97, kGradRouterLogits = 98, kGradWGateUp = 100,
+  kGradWDown = 101, kGradTopkWeights = 102,
+};
+constexpr uint32_t kArgFlagAccumulate = 0x1u;
+
+// Layout-identical to moeblaze_tensor_t / moeblaze_arg_t (static_asserts in src/api).
+struct RawTensor {
+  void* data;
+  int32_t device_type, device_id;
+  int32_t ndim;
+  uint8_t code, bits;
+  uint16_t lanes;
+  const int64_t* shape;
+  const int64_t* strides;
+  uint64_t byte_offset;
+};
+struct RawArg {
+  int32_t kind;
+  uint32_t flags;
+  RawTensor tensor;
+};
+
+// A validated strided view of up to 3 dimensions; strides in elements, innermost stride 1.
+struct View {
+  bool present = false;
+  bool accumulate = false;
+  char* data = nullptr;
+  DType dtype = DType::kInvalid;
+  int ndim = 0;
+  int64_t shape[3] = {0, 0, 0};
+  int64_t stride[3] = {0, 0, 0};
+
+  size_t elem() const { return dtype_size(dtype); }
+  // Row r of a 2-D view, or row (a, r) of a 3-D view.
+  char* row(int64_t r) const { return data + r * stride[0] * static_cast<int64_t>(elem()); }
+  char* row(int64_t a, int64_t r) const {
+    return data + (a * stride[0] + r * stride[1]) * static_cast<int64_t>(elem());
+  }
+};
+
+enum class RoutingMode : int32_t { kLogits = 0, kRouterWeight = 1, kCallerTopK = 2 };
+
+struct CallArgs {
+  int64_t num_tokens = 0;
+  RoutingMode mode = RoutingMode::kLogits;
+  View x, router_weight, logits, w_gate_up, w_down, topk_ids, topk_weights;
+  View y, aux_loss, tokens_per_expert, z_loss;
+  View dy, grad_aux, grad_z;
+  View dx, d_router_weight, d_logits, d_w_gate_up, d_w_down, d_topk_weights;
+};
+
+// Decodes and validates args for `pass`; throws Error(kInvalidArgument) naming the problem.
+CallArgs decode_args(const LayerConfig& cfg, Pass pass, const RawArg* args, size_t num_args);
+
+const char* pass_name(Pass p);
+
+}  // namespace v0
+}  // namespace moeblaze

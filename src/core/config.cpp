@@ -1,0 +1,153 @@
+#include "core/config.hpp"
+
+#include <cmath>
+
+#include "util/error.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace {
+
+constexpr int64_t kMaxI32 = 2147483647;
+
+// Indexed by Attr; order and names are part of the documented interface (attr_query).
+const AttrInfo kAttrTable[kAttrCount] = {
+    {"num_experts", ValueType::kI64, true, 1, 65536, 0, 0.0, DType::kInvalid},
+    {"top_k", ValueType::kI64, true, 1, 64, 0, 0.0, DType::kInvalid},
+    {"hidden_size", ValueType::kI64, true, 1, 1 << 20, 0, 0.0, DType::kInvalid},
+    {"ffn_hidden_size", ValueType::kI64, true, 1, 1 << 20, 0, 0.0, DType::kInvalid},
+    {"max_tokens", ValueType::kI64, true, 1, kMaxI32, 0, 0.0, DType::kInvalid},
+    {"activation", ValueType::kI64, false, 0, 4, 3, 0.0, DType::kInvalid},
+    {"score_function", ValueType::kI64, false, 0, 1, 0, 0.0, DType::kInvalid},
+    {"normalize_topk", ValueType::kI64, false, 0, 1, 0, 0.0, DType::kInvalid},
+    {"aux_loss_coeff", ValueType::kF64, false, 0, 0, 0, 0.0, DType::kInvalid},
+    {"z_loss_coeff", ValueType::kF64, false, 0, 0, 0, 0.0, DType::kInvalid},
+    {"activation_dtype", ValueType::kDType, false, 0, 0, 0, 0.0, DType::kBF16},
+    {"weight_dtype", ValueType::kDType, false, 0, 0, 0, 0.0, DType::kBF16},
+    {"accum_dtype", ValueType::kDType, false, 0, 0, 0, 0.0, DType::kF32},
+    {"save_policy", ValueType::kI64, false, 0, 2, 0, 0.0, DType::kInvalid},
+    {"deterministic", ValueType::kI64, false, 0, 1, 1, 0.0, DType::kInvalid},
+    {"device_type", ValueType::kI64, false, 1, 2, kDeviceCuda, 0.0, DType::kInvalid},
+    {"device_id", ValueType::kI64, false, -1, 1023, -1, 0.0, DType::kInvalid},
+    {"engine", ValueType::kI64, false, 0, 3, 0, 0.0, DType::kInvalid},
+    {"num_threads", ValueType::kI64, false, 0, 1024, 0, 0.0, DType::kInvalid},
+};
+
+const AttrInfo& checked(int32_t attr, ValueType want) {
+  const AttrInfo* info = attr_info(attr);
+  if (!info) fail(Status::kUnknownAttribute, "unknown attribute %d (this library knows 0..%d)", attr, kAttrCount - 1);
+  if (info->type != want) {
+    static const char* names[] = {"i64", "f64", "dtype"};
+    fail(Status::kAttributeTypeMismatch, "attribute %s has value type %s, not %s", info->name,
+         names[static_cast<int>(info->type)], names[static_cast<int>(want)]);
+  }
+  return *info;
+}
+
+}  // namespace
+
+const AttrInfo* attr_info(int32_t attr) {
+  if (attr < 0 || attr >= kAttrCount) return nullptr;
+  return &kAttrTable[attr];
+}
+
+ConfigValues::ConfigValues() {
+  for (int a = 0; a < kAttrCount; ++a) {
+    i64[a] = kAttrTable[a].default_i64;
+    f64[a] = kAttrTable[a].default_f64;
+    dtype[a] = kAttrTable[a].default_dtype;
+    set[a] = false;
+  }
+}
+
+void ConfigValues::set_i64(int32_t attr, int64_t v) {
+  const AttrInfo& info = checked(attr, ValueType::kI64);
+  if (v < info.min_i64 || v > info.max_i64)
+    fail(Status::kInvalidArgument, "%s = %lld is outside [%lld, %lld]", info.name,
+         static_cast<long long>(v), static_cast<long long>(info.min_i64),
+         static_cast<long long>(info.max_i64));
+  i64[attr] = v;
+  set[attr] = true;
+}
+
+void ConfigValues::set_f64(int32_t attr, double v) {
+  const AttrInfo& info = checked(attr, ValueType::kF64);
+  if (!std::isfinite(v) || v < 0.0) fail(Status::kInvalidArgument, "%s = %g must be finite and >= 0", info.name, v);
+  f64[attr] = v;
+  set[attr] = true;
+}
+
+void ConfigValues::set_dtype(int32_t attr, DType v) {
+  const AttrInfo& info = checked(attr, ValueType::kDType);
+  if (!is_float(v)) fail(Status::kInvalidArgument, "%s must be a float dtype (f32, f16 or bf16), got %s", info.name, dtype_name(v));
+  if (attr == static_cast<int32_t>(Attr::kAccumDtype) && v != DType::kF32)
+    fail(Status::kNotSupported, "accum_dtype %s is not supported: version 0.1 accumulates in f32", dtype_name(v));
+  dtype[attr] = v;
+  set[attr] = true;
+}
+
+int64_t ConfigValues::get_i64(int32_t attr) const { checked(attr, ValueType::kI64); return i64[attr]; }
+double ConfigValues::get_f64(int32_t attr) const { checked(attr, ValueType::kF64); return f64[attr]; }
+DType ConfigValues::get_dtype(int32_t attr) const { checked(attr, ValueType::kDType); return dtype[attr]; }
+
+LayerConfig LayerConfig::from_values(const ConfigValues& v) {
+  for (int a = 0; a < kAttrCount; ++a)
+    if (kAttrTable[a].required && !v.set[a]) fail(Status::kInvalidArgument, "required attribute %s is not set", kAttrTable[a].name);
+  auto I = [&](Attr a) { return v.i64[static_cast<int>(a)]; };
+  LayerConfig c;
+  c.num_experts = I(Attr::kNumExperts);
+  c.top_k = I(Attr::kTopK);
+  c.hidden = I(Attr::kHiddenSize);
+  c.ffn_hidden = I(Attr::kFfnHiddenSize);
+  c.max_tokens = I(Attr::kMaxTokens);
+  c.activation = static_cast<Activation>(I(Attr::kActivation));
+  c.score_fn = static_cast<ScoreFn>(I(Attr::kScoreFunction));
+  c.normalize_topk = I(Attr::kNormalizeTopK) != 0;
+  c.aux_loss_coeff = v.f64[static_cast<int>(Attr::kAuxLossCoeff)];
+  c.z_loss_coeff = v.f64[static_cast<int>(Attr::kZLossCoeff)];
+  c.act_dtype = v.dtype[static_cast<int>(Attr::kActivationDtype)];
+  c.weight_dtype = v.dtype[static_cast<int>(Attr::kWeightDtype)];
+  c.accum_dtype = v.dtype[static_cast<int>(Attr::kAccumDtype)];
+  c.save_policy = static_cast<SavePolicy>(I(Attr::kSavePolicy));
+  c.deterministic = I(Attr::kDeterministic) != 0;
+  c.device_type = static_cast<int32_t>(I(Attr::kDeviceType));
+  c.device_id = static_cast<int32_t>(I(Attr::kDeviceId));
+  c.engine = static_cast<EngineKind>(I(Attr::kEngine));
+  c.num_threads = static_cast<int32_t>(I(Attr::kNumThreads));
+
+  if (c.top_k > c.num_experts)
+    fail(Status::kInvalidArgument, "top_k = %lld exceeds num_experts = %lld", static_cast<long long>(c.top_k),
+         static_cast<long long>(c.num_experts));
+  if (c.max_tokens * c.top_k > kMaxI32)
+    fail(Status::kInvalidArgument, "max_tokens * top_k = %lld must stay below 2^31 (int32 routing indices)",
+         static_cast<long long>(c.max_tokens * c.top_k));
+  return c;
+}
+
+ConfigValues LayerConfig::to_values() const {
+  ConfigValues v;
+  auto S = [&](Attr a, int64_t x) { v.i64[static_cast<int>(a)] = x; v.set[static_cast<int>(a)] = true; };
+  S(Attr::kNumExperts, num_experts);
+  S(Attr::kTopK, top_k);
+  S(Attr::kHiddenSize, hidden);
+  S(Attr::kFfnHiddenSize, ffn_hidden);
+  S(Attr::kMaxTokens, max_tokens);
+  S(Attr::kActivation, static_cast<int64_t>(activation));
+  S(Attr::kScoreFunction, static_cast<int64_t>(score_fn));
+  S(Attr::kNormalizeTopK, normalize_topk ? 1 : 0);
+  S(Attr::kSavePolicy, static_cast<int64_t>(save_policy));
+  S(Attr::kDeterministic, deterministic ? 1 : 0);
+  S(Attr::kDeviceType, device_type);
+  S(Attr::kDeviceId, device_id);
+  S(Attr::kEngine, static_cast<int64_t>(engine));
+  S(Attr::kNumThreads, num_threads);
+  v.f64[static_cast<int>(Attr::kAuxLossCoeff)] = aux_loss_coeff;
+  v.f64[static_cast<int>(Attr::kZLossCoeff)] = z_loss_coeff;
+  v.dtype[static_cast<int>(Attr::kActivationDtype)] = act_dtype;
+  v.dtype[static_cast<int>(Attr::kWeightDtype)] = weight_dtype;
+  v.dtype[static_cast<int>(Attr::kAccumDtype)] = accum_dtype;
+  return v;
+}
+
+}  // namespace v0
+}  // namespace moeblaze

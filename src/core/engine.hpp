@@ -1,0 +1,35 @@
+// The engine interface: every engine (CPU reference, CUDA cuBLASLt, CUDA fused) implements
+// it. Engines receive validated arguments and buffers already checked for size; they never
+// see the C API. An engine is immutable after construction (handles are thread-safe).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "core/args.hpp"
+#include "core/config.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual EngineKind kind() const = 0;
+  // Scratch bytes for a call; depends on the config and num_tokens only, monotone in L.
+  virtual size_t workspace_size(Pass pass, int64_t num_tokens) const = 0;
+  virtual void forward(Pass pass, const CallArgs& args, void* workspace, void* saved,
+                       void* stream) const = 0;
+  virtual void backward(const CallArgs& args, const void* saved, void* workspace,
+                        void* stream) const = 0;
+  virtual void route(const CallArgs& args, void* workspace, void* stream) const = 0;
+};
+
+// Resolves the device and ENGINE attribute (AUTO picks the best for the device), checks the
+// device exists, and builds the engine. Writes the resolved choice back into cfg.
+std::unique_ptr<Engine> create_engine(LayerConfig& cfg);
+
+std::unique_ptr<Engine> make_cpu_engine(const LayerConfig& cfg);
+
+}  // namespace v0
+}  // namespace moeblaze

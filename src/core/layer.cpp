@@ -1,0 +1,70 @@
+#include "core/layer.hpp"
+
+#include <cstdint>
+
+#include "core/memory_layout.hpp"
+#include "util/align.hpp"
+#include "util/error.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+
+Layer::Layer(const ConfigValues& values) : cfg_(LayerConfig::from_values(values)) {
+  engine_ = create_engine(cfg_);
+}
+
+void Layer::check_tokens(int64_t L) const {
+  if (L < 0 || L > cfg_.max_tokens)
+    fail(Status::kInvalidArgument, "num_tokens = %lld is outside [0, MAX_TOKENS = %lld]", static_cast<long long>(L),
+         static_cast<long long>(cfg_.max_tokens));
+}
+
+size_t Layer::workspace_size(Pass pass, int64_t L) const {
+  if (static_cast<int>(pass) < 0 || static_cast<int>(pass) > 3) fail(Status::kInvalidArgument, "unknown pass %d", static_cast<int>(pass));
+  check_tokens(L);
+  return align_up(engine_->workspace_size(pass, L));
+}
+
+size_t Layer::saved_size(int64_t L) const {
+  check_tokens(L);
+  return carve_saved(cfg_, L, nullptr).bytes;
+}
+
+void Layer::check_buffer(const char* what, const void* p, size_t have, size_t need) const {
+  if (have < need)
+    fail(Status::kInsufficientWorkspace, "%s is %zu bytes but this call needs %zu (query the size first)", what, have, need);
+  if (need > 0 && !p) fail(Status::kInvalidArgument, "%s is NULL but this call needs %zu bytes", what, need);
+  if (p && reinterpret_cast<uintptr_t>(p) % kBufferAlignment != 0)
+    fail(Status::kInvalidArgument, "%s is not aligned to MOEBLAZE_BUFFER_ALIGNMENT (%zu bytes)", what, kBufferAlignment);
+}
+
+CallArgs Layer::check(Pass pass, const RawArg* args, size_t num_args) const {
+  return decode_args(cfg_, pass, args, num_args);
+}
+
+void Layer::forward(Pass pass, const RawArg* args, size_t n, void* ws, size_t ws_bytes, void* saved, size_t saved_bytes,
+                    void* stream) const {
+  if (pass != Pass::kForwardTraining && pass != Pass::kForwardInference)
+    fail(Status::kInvalidArgument, "moeblaze_forward takes FORWARD_TRAINING or FORWARD_INFERENCE, not %s", pass_name(pass));
+  CallArgs a = decode_args(cfg_, pass, args, n);
+  check_buffer("workspace", ws, ws_bytes, workspace_size(pass, a.num_tokens));
+  if (pass == Pass::kForwardTraining) check_buffer("saved", saved, saved_bytes, saved_size(a.num_tokens));
+  engine_->forward(pass, a, ws, pass == Pass::kForwardTraining ? saved : nullptr, stream);
+}
+
+void Layer::backward(const RawArg* args, size_t n, const void* saved, size_t saved_bytes, void* ws, size_t ws_bytes,
+                     void* stream) const {
+  CallArgs a = decode_args(cfg_, Pass::kBackward, args, n);
+  check_buffer("saved", saved, saved_bytes, saved_size(a.num_tokens));
+  check_buffer("workspace", ws, ws_bytes, workspace_size(Pass::kBackward, a.num_tokens));
+  engine_->backward(a, saved, ws, stream);
+}
+
+void Layer::route(const RawArg* args, size_t n, void* ws, size_t ws_bytes, void* stream) const {
+  CallArgs a = decode_args(cfg_, Pass::kRoute, args, n);
+  check_buffer("workspace", ws, ws_bytes, workspace_size(Pass::kRoute, a.num_tokens));
+  engine_->route(a, ws, stream);
+}
+
+}  // namespace v0
+}  // namespace moeblaze

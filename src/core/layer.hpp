@@ -1,0 +1,40 @@
+// A Layer is what a handle holds: the validated config and its engine. It checks buffers
+// (presence, alignment, size) before handing validated arguments to the engine.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "core/args.hpp"
+#include "core/config.hpp"
+#include "core/engine.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+
+class Layer {
+ public:
+  explicit Layer(const ConfigValues& values);
+  const LayerConfig& config() const { return cfg_; }
+  const Engine& engine() const { return *engine_; }
+
+  size_t workspace_size(Pass pass, int64_t num_tokens) const;
+  size_t saved_size(int64_t num_tokens) const;
+
+  CallArgs check(Pass pass, const RawArg* args, size_t num_args) const;
+  void forward(Pass pass, const RawArg* args, size_t num_args, void* workspace, size_t workspace_bytes, void* saved,
+               size_t saved_bytes, void* stream) const;
+  void backward(const RawArg* args, size_t num_args, const void* saved, size_t saved_bytes, void* workspace,
+                size_t workspace_bytes, void* stream) const;
+  void route(const RawArg* args, size_t num_args, void* workspace, size_t workspace_bytes, void* stream) const;
+
+ private:
+  void check_tokens(int64_t num_tokens) const;
+  void check_buffer(const char* what, const void* p, size_t have, size_t need) const;
+
+  LayerConfig cfg_;
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace v0
+}  // namespace moeblaze

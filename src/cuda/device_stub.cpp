@@ -1,0 +1,19 @@
+// Device discovery for builds without CUDA: there are no CUDA devices.
+#include "cuda/device.hpp"
+#include "util/error.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace cuda {
+
+bool built_with_cuda() { return false; }
+int32_t device_count() { return 0; }
+int32_t current_device() { return 0; }
+DeviceInfo device_info(int32_t id) {
+  fail(Status::kArchMismatch, "CUDA device %d requested, but this build of libmoeblaze has no CUDA support", id);
+}
+bool has_kernels_for(int32_t, int32_t) { return false; }
+
+}  // namespace cuda
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,37 @@
+// The routing plan (the paper's four index lists), built atomic-free and without a sort in
+// three passes over tiles of tokens: dense token-expert map -> per-expert counts and offsets
+// -> location map. The dense map is tiled so scratch stays O(T E + (L/T) E), never O(L E).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/memory_layout.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace routing {
+
+struct PlanGeometry {
+  int64_t tile_tokens;  // T
+  int64_t num_tiles;    // ceil(L / T)
+};
+PlanGeometry plan_geometry(int64_t num_tokens, int64_t num_experts);
+
+// Scratch for build_plan: per-(tile, expert) counts plus one T x E dense tile per worker.
+size_t plan_scratch_bytes(int64_t num_tokens, int64_t num_experts, int workers);
+
+// Checks caller-given ids (int32 or int64 rows of a strided [L, k] view): each in [0, E) and
+// distinct within a token. Throws Error(kInvalidArgument) naming the first bad token. Writes
+// the ids, as int32, to token_expert_indices only when all are valid.
+void import_topk_ids(const char* ids, bool ids_are_i64, int64_t row_stride_elems, int64_t num_tokens,
+                     int64_t k, int64_t num_experts, int32_t* token_expert_indices);
+
+// Builds expert_token_indices, expert_token_offsets and token_index_map of `plan` from its
+// token_expert_indices (which must be valid). Deterministic for any worker count.
+void build_plan(RoutingPlan& plan, int64_t num_tokens, int64_t k, int64_t num_experts, void* scratch,
+                int workers);
+
+}  // namespace routing
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,114 @@
+#include "routing/router.hpp"
+
+#include <cmath>
+
+namespace moeblaze {
+inline namespace v0 {
+namespace routing {
+namespace {
+
+// scores[e] from one logits row; returns logsumexp(logits).
+float scores_of(const LayerConfig& cfg, const float* l, int64_t E, float* s) {
+  float m = l[0];
+  for (int64_t e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
+  float sum = 0.f;
+  for (int64_t e = 0; e < E; ++e) sum += std::exp(l[e] - m);
+  const float lse = m + std::log(sum);
+  if (cfg.score_fn == ScoreFn::kSoftmax) {
+    for (int64_t e = 0; e < E; ++e) s[e] = std::exp(l[e] - lse);
+  } else {
+    for (int64_t e = 0; e < E; ++e) s[e] = 1.f / (1.f + std::exp(-l[e]));
+  }
+  return lse;
+}
+
+// The k largest scores in descending order, ties to the lower id. O(k E); k <= 64.
+void top_k(const float* s, int64_t E, int64_t k, int32_t* ids) {
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int64_t i = 0; i < j; ++i) taken |= ids[i] == e;
+      if (taken) continue;
+      if (best < 0 || s[e] > s[best]) best = e;
+    }
+    ids[j] = static_cast<int32_t>(best);
+  }
+}
+
+}  // namespace
+
+void route_tokens(const LayerConfig& cfg, const float* logits, int64_t t0, int64_t t1, int32_t* ids,
+                  float* gates, float* score_sum, float* lse_sq_sum, float* s) {
+  const int64_t E = cfg.num_experts, k = cfg.top_k;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float lse = scores_of(cfg, logits + t * E, E, s);
+    *lse_sq_sum += lse * lse;
+    for (int64_t e = 0; e < E; ++e) score_sum[e] += s[e];
+    int32_t* id = ids + t * k;
+    top_k(s, E, k, id);
+    float norm = 0.f;
+    for (int64_t j = 0; j < k; ++j) norm += s[id[j]];
+    for (int64_t j = 0; j < k; ++j) gates[t * k + j] = cfg.normalize_topk ? s[id[j]] / norm : s[id[j]];
+  }
+}
+
+RouterLosses finish_losses(const LayerConfig& cfg, int64_t L, const float* chunk_score_sums,
+                           const float* chunk_lse_sq, int64_t num_chunks, const int32_t* offsets) {
+  RouterLosses r{0.f, 0.f};
+  if (L == 0) return r;
+  const int64_t E = cfg.num_experts;
+  double aux = 0.0, z = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    double p = 0.0;
+    for (int64_t c = 0; c < num_chunks; ++c) p += chunk_score_sums[c * E + e];
+    const double f = static_cast<double>(offsets[e + 1] - offsets[e]) / static_cast<double>(L * cfg.top_k);
+    aux += f * (p / static_cast<double>(L));
+  }
+  for (int64_t c = 0; c < num_chunks; ++c) z += chunk_lse_sq[c];
+  r.aux = static_cast<float>(cfg.aux_loss_coeff * static_cast<double>(E) * aux);
+  r.z = static_cast<float>(cfg.z_loss_coeff * z / static_cast<double>(L));
+  return r;
+}
+
+void router_backward(const LayerConfig& cfg, int64_t L, const float* logits, const int32_t* ids,
+                     const float* dgates, float grad_aux, float grad_z, const int32_t* offsets, int64_t t0,
+                     int64_t t1, float* dlogits, float* scratch) {
+  const int64_t E = cfg.num_experts, k = cfg.top_k;
+  float* s = scratch;
+  float* ds = scratch + E;
+  const float aux_scale = static_cast<float>(cfg.aux_loss_coeff) * grad_aux * static_cast<float>(E) /
+                          (static_cast<float>(L) * static_cast<float>(L * k));
+  const float z_scale = static_cast<float>(cfg.z_loss_coeff) * grad_z * 2.f / static_cast<float>(L);
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* l = logits + t * E;
+    const float lse = scores_of(cfg, l, E, s);
+    for (int64_t e = 0; e < E; ++e) ds[e] = 0.f;
+    const int32_t* id = ids + t * k;
+    const float* dg = dgates + t * k;
+    if (cfg.normalize_topk) {
+      float norm = 0.f, dot = 0.f;
+      for (int64_t j = 0; j < k; ++j) norm += s[id[j]];
+      for (int64_t j = 0; j < k; ++j) dot += dg[j] * (s[id[j]] / norm);
+      for (int64_t j = 0; j < k; ++j) ds[id[j]] += (dg[j] - dot) / norm;
+    } else {
+      for (int64_t j = 0; j < k; ++j) ds[id[j]] += dg[j];
+    }
+    if (cfg.aux_loss_coeff > 0.0)  // d aux / d s_te = coeff * E * f_e / L, f_e = count_e / (L k)
+      for (int64_t e = 0; e < E; ++e) ds[e] += aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]);
+    float* dl = dlogits + t * E;
+    if (cfg.score_fn == ScoreFn::kSoftmax) {
+      float dot = 0.f;
+      for (int64_t e = 0; e < E; ++e) dot += ds[e] * s[e];
+      for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * (ds[e] - dot);
+    } else {
+      for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (1.f - s[e]);
+    }
+    if (cfg.z_loss_coeff > 0.0)  // d lse / d l_e = softmax_e, whatever the score function
+      for (int64_t e = 0; e < E; ++e) dl[e] += z_scale * lse * std::exp(l[e] - lse);
+  }
+}
+
+}  // namespace routing
+}  // namespace v0
+}  // namespace moeblaze

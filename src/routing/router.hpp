@@ -1,0 +1,39 @@
+// Router on the CPU: scores (softmax | sigmoid), top-k with optional renormalisation, the
+// Switch load-balancing loss and the z-loss, and their backward. Logits arrive as fp32 rows.
+#pragma once
+
+#include <cstdint>
+
+#include "core/config.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace routing {
+
+// Tokens are reduced in fixed chunks of this many tokens, then the chunk partials in order:
+// the aux/z-loss sums do not depend on the thread count.
+constexpr int64_t kLossChunk = 256;
+
+// Routes tokens [t0, t1): writes ids[t*k + j] and gates[t*k + j], and adds this token range's
+// scores into score_sum[E] and logsumexp^2 into *lse_sq_sum (both fp32, token order).
+// scratch: E floats.
+void route_tokens(const LayerConfig& cfg, const float* logits, int64_t t0, int64_t t1,
+                  int32_t* ids, float* gates, float* score_sum, float* lse_sq_sum, float* scratch);
+
+struct RouterLosses {
+  float aux;  // AUX_LOSS_COEFF * E * sum_e f_e P_e
+  float z;    // Z_LOSS_COEFF * mean_t lse_t^2
+};
+// Combines per-chunk partials (in chunk order) and the expert counts into the two losses.
+RouterLosses finish_losses(const LayerConfig& cfg, int64_t num_tokens, const float* chunk_score_sums,
+                           const float* chunk_lse_sq, int64_t num_chunks, const int32_t* expert_offsets);
+
+// d logits of tokens [t0, t1) from dgates (token order), aux/z-loss grads and the counts.
+// scratch: 2E floats.
+void router_backward(const LayerConfig& cfg, int64_t num_tokens, const float* logits, const int32_t* ids,
+                     const float* dgates, float grad_aux, float grad_z, const int32_t* expert_offsets,
+                     int64_t t0, int64_t t1, float* dlogits, float* scratch);
+
+}  // namespace routing
+}  // namespace v0
+}  // namespace moeblaze

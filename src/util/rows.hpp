@@ -1,0 +1,17 @@
+// Host row conversions between storage dtypes and fp32 working rows.
+#pragma once
+
+#include <cstdint>
+
+#include "util/dtype.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+
+// dst[0..n) = src (dtype t) widened to fp32.
+void load_row(const void* src, DType t, int64_t n, float* dst);
+// dst (dtype t) = src rounded to t; with accumulate, dst = round(dst + src) computed in fp32.
+void store_row(void* dst, DType t, int64_t n, const float* src, bool accumulate);
+
+}  // namespace v0
+}  // namespace moeblaze
