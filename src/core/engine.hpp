@@ -30,6 +30,8 @@ class Engine {
 std::unique_ptr<Engine> create_engine(LayerConfig& cfg);
 
 std::unique_ptr<Engine> make_cpu_engine(const LayerConfig& cfg);
+// The CUDA cuBLASLt engine (src/cuda); fails with ARCH_MISMATCH in builds without CUDA.
+std::unique_ptr<Engine> make_cuda_engine(const LayerConfig& cfg);
 
 }  // namespace v0
 }  // namespace moeblaze

@@ -1,6 +1,6 @@
 // Engine selection: the handle's device type and the ENGINE attribute decide which engine
-// serves a handle. The CPU reference engine serves CPU handles; the CUDA engines arrive in
-// 0.2, so a CUDA handle reports NOT_SUPPORTED once its device is known to be usable.
+// serves a handle: the CPU reference engine serves CPU handles, the cuBLASLt engine CUDA
+// handles (AUTO picks it; the fused engine is not built yet).
 #include "core/engine.hpp"
 #include "cuda/device.hpp"
 #include "util/error.hpp"
@@ -30,9 +30,10 @@ std::unique_ptr<Engine> create_engine(LayerConfig& cfg) {
   if (!cuda::has_kernels_for(info.sm_major, info.sm_minor))
     fail(Status::kArchMismatch, "CUDA device %d (%s, sm_%d%d) has no kernels in this build (built for %s)", cfg.device_id,
          info.name, info.sm_major, info.sm_minor, "sm_80, sm_90a");
-  fail(Status::kNotSupported,
-       "CUDA device %d (%s, sm_%d%d) found, but this version (0.1) ships only the CPU engine; the CUDA engines "
-       "arrive in 0.2", cfg.device_id, info.name, info.sm_major, info.sm_minor);
+  if (cfg.engine == EngineKind::kCudaFused)
+    fail(Status::kNotSupported, "the fused CUDA engine is not in this version; use ENGINE_AUTO or ENGINE_CUDA_CUBLASLT");
+  cfg.engine = EngineKind::kCudaCublasLt;
+  return make_cuda_engine(cfg);
 }
 
 }  // namespace v0

@@ -36,7 +36,7 @@ inline void dtype_to_dlpack(DType t, uint8_t* code, uint8_t* bits) {
     default: *code = 255; *bits = 0; return;
   }
 }
-inline size_t dtype_size(DType t) {
+MOEBLAZE_HD size_t dtype_size(DType t) {
   switch (t) {
     case DType::kF16: case DType::kBF16: return 2;
     case DType::kF32: case DType::kI32: return 4;

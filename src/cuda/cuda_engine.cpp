@@ -1,0 +1,349 @@
+// The CUDA cuBLASLt engine: router and routing-plan kernels, row gathers through the plan,
+// one cuBLASLt GEMM per expert and pass, activation and combine kernels, the full backward.
+// All work is stream-ordered on the caller's stream. Once per forward and once per backward it
+// copies the E+1 expert offsets to the host (the per-expert GEMM shapes), which synchronises
+// that stream: this engine is not CUDA-graph capturable (the fused engine will be).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+#include "combine/combine_cuda.hpp"
+#include "core/engine.hpp"
+#include "core/memory_layout.hpp"
+#include "cuda/cuda_check.hpp"
+#include "experts/cublaslt_gemm.hpp"
+#include "experts/expert_cuda.hpp"
+#include "routing/router_cuda.hpp"
+#include "util/align.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace {
+
+using experts::GemmOperand;
+
+// Makes the handle's device current for the duration of a call, then restores the caller's.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    MOEBLAZE_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) MOEBLAZE_CUDA_CHECK(cudaSetDevice(device));
+    switched_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+struct GpuWork {
+  float* logits = nullptr;       // [L, E] fp32
+  float* lse = nullptr;          // [L]
+  float* loss_scratch = nullptr;
+  void* plan_scratch = nullptr;
+  RoutingPlan plan;              // inference / route: the plan lives in the workspace
+  int32_t* error_flag = nullptr; // [1]
+  float* gate_pos = nullptr;     // [L k] gate of each position (expert order)
+  void* xg = nullptr;            // [L k, d] gathered x
+  void* pre = nullptr;           // [L k, g h] when not saved
+  void* act = nullptr;           // [L k, h] when not saved
+  void* out = nullptr;           // [L k, d] forward expert outputs
+  float* dlogits = nullptr;      // [L, E]
+  void* dyg = nullptr;           // [L k, d] gathered dy (then scaled by the gate)
+  void* dpre = nullptr;          // [L k, g h]
+  float* dx_part = nullptr;      // [L k, d] fp32
+  float* dg_pos = nullptr;       // [L k]
+  float* dg_tok = nullptr;       // [L k]
+  float* x_f32 = nullptr;        // [L, d] router GEMMs in fp32
+  float* wg_f32 = nullptr;       // [E, d]
+  float* router_dx = nullptr;    // [L, d]
+  float* dwg_f32 = nullptr;      // [E, d]
+  void* gemm_ws = nullptr;
+  size_t bytes = 0;
+};
+
+class CudaEngine final : public Engine {
+ public:
+  explicit CudaEngine(const LayerConfig& cfg) : cfg_(cfg) {
+    DeviceGuard guard(cfg_.device_id);
+    gemm_ = std::make_unique<experts::CublasLtGemm>();
+  }
+  EngineKind kind() const override { return EngineKind::kCudaCublasLt; }
+  size_t workspace_size(Pass pass, int64_t L) const override { return carve(pass, L, nullptr).bytes; }
+  void forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const override;
+  void backward(const CallArgs& a, const void* saved, void* ws, void* stream) const override;
+  void route(const CallArgs& a, void* ws, void* stream) const override;
+
+ private:
+  GpuWork carve(Pass pass, int64_t L, void* base) const;
+  void route_and_plan(const CallArgs& a, RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const;
+  void router_logits(const CallArgs& a, const GpuWork& w, cudaStream_t s) const;
+  std::vector<int32_t> host_offsets(const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const;
+  void write_router_outputs(const CallArgs& a, const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const;
+  void gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, const GemmOperand& B, void* C, DType ct, int64_t ldc,
+            float beta, const GpuWork& w, cudaStream_t s) const {
+    gemm_->gemm(M, N, K, A, B, C, ct, ldc, 1.f, beta, w.gemm_ws, experts::CublasLtGemm::kWorkspaceBytes, s);
+  }
+
+  LayerConfig cfg_;
+  std::unique_ptr<experts::CublasLtGemm> gemm_;
+};
+
+GpuWork CudaEngine::carve(Pass pass, int64_t L, void* base) const {
+  Carver c(base);
+  GpuWork w;
+  const int64_t E = cfg_.num_experts, d = cfg_.hidden, h = cfg_.ffn_hidden, gh = cfg_.gate_up_cols();
+  const size_t P = static_cast<size_t>(L * cfg_.top_k), es = dtype_size(cfg_.act_dtype);
+  w.gemm_ws = c.take<char>(experts::CublasLtGemm::kWorkspaceBytes);
+  w.logits = c.take<float>(static_cast<size_t>(L * E));
+  w.error_flag = c.take<int32_t>(1);
+  if (pass != Pass::kBackward) {
+    w.lse = c.take<float>(static_cast<size_t>(L));
+    w.loss_scratch = c.take<float>(routing::router_loss_scratch_floats(L, E));
+    w.plan_scratch = c.take<char>(routing::plan_scratch_bytes_cuda(L, E));
+    if (pass != Pass::kForwardTraining) {
+      SavedRegions r = carve_saved(cfg_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
+      c.take<char>(r.bytes);
+      w.plan = r.plan;
+    }
+    if (pass == Pass::kRoute) {
+      w.bytes = c.size();
+      return w;
+    }
+  }
+  w.gate_pos = c.take<float>(P);
+  w.xg = c.take<char>(P * static_cast<size_t>(d) * es);
+  if (pass != Pass::kForwardTraining || cfg_.save_policy == SavePolicy::kRecomputeUp)
+    w.pre = c.take<char>(P * static_cast<size_t>(gh) * es);
+  if (pass != Pass::kForwardTraining || cfg_.save_policy != SavePolicy::kSaveAll)
+    w.act = c.take<char>(P * static_cast<size_t>(h) * es);
+  if (pass != Pass::kBackward) {
+    w.out = c.take<char>(P * static_cast<size_t>(d) * es);
+  } else {
+    w.dlogits = c.take<float>(static_cast<size_t>(L * E));
+    w.dyg = c.take<char>(P * static_cast<size_t>(d) * es);
+    w.dpre = c.take<char>(P * static_cast<size_t>(gh) * es);
+    w.dx_part = c.take<float>(P * static_cast<size_t>(d));
+    w.dg_pos = c.take<float>(P);
+    w.dg_tok = c.take<float>(P);
+    w.x_f32 = c.take<float>(static_cast<size_t>(L * d));
+    w.wg_f32 = c.take<float>(static_cast<size_t>(E * d));
+    w.router_dx = c.take<float>(static_cast<size_t>(L * d));
+    w.dwg_f32 = c.take<float>(static_cast<size_t>(E * d));
+  }
+  w.bytes = c.size();
+  return w;
+}
+
+void CudaEngine::router_logits(const CallArgs& a, const GpuWork& w, cudaStream_t s) const {
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, d = cfg_.hidden;
+  if (a.mode == RoutingMode::kLogits) {
+    routing::logits_to_f32_cuda(a.logits, L, E, w.logits, s);
+  } else {  // logits = x W_g^T in fp32 output (bf16/fp16 inputs, fp32 accumulation)
+    gemm(L, E, d, {a.x.data, a.x.dtype, a.x.stride[0], false},
+         {a.router_weight.data, a.router_weight.dtype, a.router_weight.stride[0], true}, w.logits, DType::kF32, E, 0.f, w, s);
+  }
+}
+
+void CudaEngine::route_and_plan(const CallArgs& a, RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const {
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k;
+  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.error_flag, 0, sizeof(int32_t), s));
+  if (a.mode == RoutingMode::kCallerTopK) {
+    routing::import_routing_cuda(a.topk_ids, a.topk_weights, L, k, E, plan.token_expert_indices, plan.gates,
+                                 w.error_flag, s);
+  } else {
+    router_logits(a, w, s);
+    routing::route_tokens_cuda(cfg_, w.logits, L, plan.token_expert_indices, plan.gates, w.lse, s);
+  }
+  routing::build_plan_cuda(plan, L, k, E, w.plan_scratch, s);
+}
+
+std::vector<int32_t> CudaEngine::host_offsets(const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const {
+  const int64_t E = cfg_.num_experts;
+  std::vector<int32_t> h(static_cast<size_t>(E + 2), 0);
+  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(h.data(), plan.expert_token_offsets, sizeof(int32_t) * (E + 1), cudaMemcpyDeviceToHost, s));
+  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(h.data() + E + 1, w.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
+  return h;
+}
+
+void CudaEngine::write_router_outputs(const CallArgs& a, const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const {
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k;
+  if (a.mode != RoutingMode::kCallerTopK) {
+    routing::write_topk_cuda(plan.token_expert_indices, plan.gates, L, k, a.topk_ids, a.topk_weights, s);
+    routing::router_losses_cuda(cfg_, w.logits, w.lse, L, plan.expert_token_offsets, w.loss_scratch,
+                                a.aux_loss.present ? reinterpret_cast<float*>(a.aux_loss.data) : nullptr,
+                                a.z_loss.present ? reinterpret_cast<float*>(a.z_loss.data) : nullptr, s);
+  }
+  routing::write_tokens_per_expert_cuda(plan.expert_token_offsets, E, a.tokens_per_expert, s);
+}
+
+void CudaEngine::route(const CallArgs& a, void* ws, void* stream) const {
+  DeviceGuard guard(cfg_.device_id);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  GpuWork w = carve(Pass::kRoute, a.num_tokens, ws);
+  route_and_plan(a, w.plan, w, s);
+  write_router_outputs(a, w.plan, w, s);
+}
+
+void CudaEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const {
+  DeviceGuard guard(cfg_.device_id);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden, h = cfg_.ffn_hidden;
+  const int64_t gh = cfg_.gate_up_cols(), P = L * k;
+  const DType dt = cfg_.act_dtype;
+  const int64_t es = static_cast<int64_t>(dtype_size(dt));
+  GpuWork w = carve(pass, L, ws);
+  SavedRegions sv;
+  if (pass == Pass::kForwardTraining) {
+    sv = carve_saved(cfg_, L, saved);
+    w.plan = sv.plan;
+  }
+  RoutingPlan& plan = w.plan;
+  route_and_plan(a, plan, w, s);
+  const std::vector<int32_t> off = host_offsets(plan, w, s);
+  if (off[static_cast<size_t>(E + 1)] != 0)
+    fail(Status::kInvalidArgument, "TOPK_INDICES holds an expert id outside [0, %lld) or repeated within a token; nothing was written",
+         static_cast<long long>(E));
+  write_router_outputs(a, plan, w, s);
+
+  char* pre = static_cast<char*>(sv.preact ? sv.preact : w.pre);
+  char* act = static_cast<char*>(sv.act ? sv.act : w.act);
+  char* xg = static_cast<char*>(w.xg);
+  char* out = static_cast<char*>(w.out);
+  experts::gather_rows_cuda(a.x, plan.expert_token_indices, nullptr, P, d, xg, s);
+  for (int64_t e = 0; e < E; ++e) {  // pre = x_e W_gate_up[e]
+    const int64_t p0 = off[e], n = off[e + 1] - p0;
+    if (n == 0) continue;
+    gemm(n, gh, d, {xg + p0 * d * es, dt, d, false}, {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], false},
+         pre + p0 * gh * es, dt, gh, 0.f, w, s);
+  }
+  experts::activation_forward_cuda(cfg_.activation, dt, P, h, pre, gh, act, s);
+  for (int64_t e = 0; e < E; ++e) {  // O = act W_down[e]
+    const int64_t p0 = off[e], n = off[e + 1] - p0;
+    if (n == 0) continue;
+    gemm(n, d, h, {act + p0 * h * es, dt, h, false}, {a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], false},
+         out + p0 * d * es, dt, d, 0.f, w, s);
+  }
+  combine::combine_outputs_cuda(plan, L, k, d, out, dt, a.y, s);
+}
+
+void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
+  DeviceGuard guard(cfg_.device_id);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden, h = cfg_.ffn_hidden;
+  const int64_t gh = cfg_.gate_up_cols(), P = L * k;
+  const DType dt = cfg_.act_dtype;
+  const int64_t es = static_cast<int64_t>(dtype_size(dt));
+  GpuWork w = carve(Pass::kBackward, L, ws);
+  const SavedRegions sv = carve_saved(cfg_, L, const_cast<void*>(saved));
+  const RoutingPlan& plan = sv.plan;
+  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.error_flag, 0, sizeof(int32_t), s));
+  const std::vector<int32_t> off = host_offsets(plan, w, s);
+
+  const bool want_router = a.mode != RoutingMode::kCallerTopK &&
+                           (a.d_logits.present || a.d_router_weight.present || (a.dx.present && a.mode == RoutingMode::kRouterWeight));
+  const bool want_dpre = a.dx.present || a.d_w_gate_up.present;
+  char* xg = static_cast<char*>(w.xg);
+  char* pre = static_cast<char*>(sv.preact ? sv.preact : w.pre);
+  char* act = static_cast<char*>(sv.act ? sv.act : w.act);
+  char* dyg = static_cast<char*>(w.dyg);
+  char* dpre = static_cast<char*>(w.dpre);
+  auto for_experts = [&](auto&& fn) {
+    for (int64_t e = 0; e < E; ++e)
+      if (off[e + 1] > off[e]) fn(e, static_cast<int64_t>(off[e]), static_cast<int64_t>(off[e + 1] - off[e]));
+  };
+
+  experts::gates_to_positions_cuda(plan, L, k, w.gate_pos, s);
+  const bool need_pre = want_dpre || !sv.act;
+  if ((!sv.preact && need_pre) || a.d_w_gate_up.present) experts::gather_rows_cuda(a.x, plan.expert_token_indices, nullptr, P, d, xg, s);
+  if (!sv.preact && need_pre)
+    for_experts([&](int64_t e, int64_t p0, int64_t n) {
+      gemm(n, gh, d, {xg + p0 * d * es, dt, d, false}, {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], false},
+           pre + p0 * gh * es, dt, gh, 0.f, w, s);
+    });
+  if (!sv.act) experts::activation_forward_cuda(cfg_.activation, dt, P, h, pre, gh, act, s);
+
+  // dact = dy W_down^T, written into the first h columns of each dpre row.
+  experts::gather_rows_cuda(a.dy, plan.expert_token_indices, nullptr, P, d, dyg, s);
+  for_experts([&](int64_t e, int64_t p0, int64_t n) {
+    gemm(n, h, d, {dyg + p0 * d * es, dt, d, false}, {a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], true},
+         dpre + p0 * gh * es, dt, gh, 0.f, w, s);
+  });
+  experts::activation_backward_cuda(cfg_.activation, dt, P, h, pre, act, w.gate_pos, dpre, w.dg_pos, s);
+
+  auto zero_expert = [&](const View& v, int64_t e, int64_t rows, int64_t cols) {
+    if (v.accumulate) return;
+    MOEBLAZE_CUDA_CHECK(cudaMemset2DAsync(v.row(e, 0), static_cast<size_t>(v.stride[1]) * v.elem(), 0,
+                                          static_cast<size_t>(cols) * v.elem(), static_cast<size_t>(rows), s));
+  };
+  if (a.d_w_down.present) {  // dW_down[e] = act_e^T (g dy)_e
+    experts::gather_rows_cuda(a.dy, plan.expert_token_indices, w.gate_pos, P, d, dyg, s);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t p0 = off[e], n = off[e + 1] - p0;
+      if (n == 0) { zero_expert(a.d_w_down, e, h, d); continue; }
+      gemm(h, d, n, {act + p0 * h * es, dt, h, true}, {dyg + p0 * d * es, dt, d, false}, a.d_w_down.row(e, 0),
+           a.d_w_down.dtype, a.d_w_down.stride[1], a.d_w_down.accumulate ? 1.f : 0.f, w, s);
+    }
+  }
+  if (a.d_w_gate_up.present) {  // dW_gate_up[e] = x_e^T dpre_e
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t p0 = off[e], n = off[e + 1] - p0;
+      if (n == 0) { zero_expert(a.d_w_gate_up, e, d, gh); continue; }
+      gemm(d, gh, n, {xg + p0 * d * es, dt, d, true}, {dpre + p0 * gh * es, dt, gh, false}, a.d_w_gate_up.row(e, 0),
+           a.d_w_gate_up.dtype, a.d_w_gate_up.stride[1], a.d_w_gate_up.accumulate ? 1.f : 0.f, w, s);
+    }
+  }
+  if (a.dx.present)  // per-slot dx contributions, fp32
+    for_experts([&](int64_t e, int64_t p0, int64_t n) {
+      gemm(n, d, gh, {dpre + p0 * gh * es, dt, gh, false}, {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], true},
+           w.dx_part + p0 * d, DType::kF32, d, 0.f, w, s);
+    });
+
+  combine::to_token_order_cuda(plan, L, k, w.dg_pos, w.dg_tok, s);
+  if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
+
+  bool router_dx = false;
+  if (want_router) {
+    router_logits(a, w, s);
+    routing::router_backward_cuda(cfg_, w.logits, L, plan.token_expert_indices, w.dg_tok,
+                                  a.grad_aux.present ? reinterpret_cast<const float*>(a.grad_aux.data) : nullptr,
+                                  a.grad_z.present ? reinterpret_cast<const float*>(a.grad_z.data) : nullptr,
+                                  plan.expert_token_offsets, w.dlogits, s);
+    if (a.d_logits.present) combine::store_f32_rows_cuda(w.dlogits, L, E, a.d_logits, s);
+    if (a.mode == RoutingMode::kRouterWeight) {
+      // Router GEMMs in fp32: dW_g = dlogits^T x, dx += dlogits W_g.
+      routing::logits_to_f32_cuda(a.x, L, d, w.x_f32, s);
+      if (a.d_router_weight.present) {
+        if (L > 0)
+          gemm(E, d, L, {w.dlogits, DType::kF32, E, true}, {w.x_f32, DType::kF32, d, false}, w.dwg_f32, DType::kF32, d, 0.f, w, s);
+        else
+          MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.dwg_f32, 0, sizeof(float) * E * d, s));
+        combine::store_f32_rows_cuda(w.dwg_f32, E, d, a.d_router_weight, s);
+      }
+      if (a.dx.present) {
+        routing::logits_to_f32_cuda(a.router_weight, E, d, w.wg_f32, s);
+        gemm(L, d, E, {w.dlogits, DType::kF32, E, false}, {w.wg_f32, DType::kF32, d, false}, w.router_dx, DType::kF32, d, 0.f, w, s);
+        router_dx = true;
+      }
+    }
+  }
+  if (a.dx.present) combine::reduce_dx_cuda(plan, L, k, d, w.dx_part, DType::kF32, router_dx ? w.router_dx : nullptr, a.dx, s);
+}
+
+}  // namespace
+
+std::unique_ptr<Engine> make_cuda_engine(const LayerConfig& cfg) {
+  if (cfg.act_dtype != cfg.weight_dtype)
+    fail(Status::kNotSupported, "the CUDA engine needs activation_dtype == weight_dtype (got %s and %s)",
+         dtype_name(cfg.act_dtype), dtype_name(cfg.weight_dtype));
+  return std::make_unique<CudaEngine>(cfg);
+}
+
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,69 @@
+#include "experts/cublaslt_gemm.hpp"
+
+#include "cuda/cuda_check.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace experts {
+namespace {
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kF32: return CUDA_R_32F;
+    case DType::kF16: return CUDA_R_16F;
+    case DType::kBF16: return CUDA_R_16BF;
+    default: fail(Status::kInternalError, "cuBLASLt GEMM on dtype %s", dtype_name(t));
+  }
+}
+
+// RAII for the per-call descriptors.
+struct Descs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~Descs() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+}  // namespace
+
+CublasLtGemm::CublasLtGemm() { MOEBLAZE_CUBLAS_CHECK(cublasLtCreate(&handle_)); }
+CublasLtGemm::~CublasLtGemm() {
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+void CublasLtGemm::gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, const GemmOperand& B, void* C, DType ct,
+                        int64_t ldc, float alpha, float beta, void* ws, size_t ws_bytes, cudaStream_t s) const {
+  if (M == 0 || N == 0) return;
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's first operand
+  // is B (stored [K, N] row-major = [N, K] column-major when not transposed), its second A.
+  Descs d;
+  MOEBLAZE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t opb = B.trans ? CUBLAS_OP_T : CUBLAS_OP_N, opa = A.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  MOEBLAZE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &opb, sizeof opb));
+  MOEBLAZE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &opa, sizeof opa));
+  // Stored (column-major) shapes before the op.
+  const uint64_t b_rows = B.trans ? K : N, b_cols = B.trans ? N : K;
+  const uint64_t a_rows = A.trans ? M : K, a_cols = A.trans ? K : M;
+  MOEBLAZE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, cuda_type(B.dtype), b_rows, b_cols, B.ld));
+  MOEBLAZE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, cuda_type(A.dtype), a_rows, a_cols, A.ld));
+  MOEBLAZE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, cuda_type(ct), N, M, ldc));
+  MOEBLAZE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+  MOEBLAZE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                             sizeof ws_bytes));
+  cublasLtMatmulHeuristicResult_t heur;
+  int found = 0;
+  MOEBLAZE_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &heur, &found));
+  if (found == 0) fail(Status::kCublasError, "cuBLASLt found no algorithm for a %lld x %lld x %lld GEMM", static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K));
+  MOEBLAZE_CUBLAS_CHECK(cublasLtMatmul(handle_, d.op, &alpha, B.data, d.a, A.data, d.b, &beta, C, d.c, C, d.c, &heur.algo,
+                                       ws, ws_bytes, s));
+}
+
+}  // namespace experts
+}  // namespace v0
+}  // namespace moeblaze

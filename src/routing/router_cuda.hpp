@@ -1,0 +1,66 @@
+// Router and routing-plan kernels for the CUDA engines (launchers; device code in .cu files).
+// Same math as routing/router.hpp and routing/plan.hpp; every reduction has a fixed order.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/args.hpp"
+#include "core/config.hpp"
+#include "core/memory_layout.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace routing {
+
+// logits (any float dtype, strided rows) -> fp32 [L, E].
+void logits_to_f32_cuda(const View& logits, int64_t L, int64_t E, float* out, cudaStream_t s);
+
+// Per token: scores, top-k (ties to the lower id), gates; writes ids/gates (token order) and
+// lse[t]. One warp per token.
+void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, int32_t* ids, float* gates,
+                       float* lse, cudaStream_t s);
+
+constexpr int64_t kLossChunkCuda = 256;
+// Scratch floats for router_losses_cuda: ceil(L / 256) * (E + 1).
+size_t router_loss_scratch_floats(int64_t L, int64_t E);
+// aux and z losses (fp32 device scalars; either pointer may be null), deterministic.
+void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float* lse, int64_t L,
+                        const int32_t* offsets, float* scratch, float* aux_out, float* z_out, cudaStream_t s);
+
+// d logits [L, E] fp32 from dgates (token order), aux/z gradient scalars (device pointers, or
+// null for 1.0) and the expert offsets. One warp per token.
+void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t L, const int32_t* ids,
+                          const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
+                          float* dlogits, cudaStream_t s);
+
+// Caller routing: ids (i32/i64 strided) -> int32 token_expert_indices, gates -> fp32. Bad ids
+// (out of range or repeated within a token) set *error_flag to 1 and are replaced by a safe id
+// so later kernels stay in bounds; the engine reads the flag before writing any output.
+void import_routing_cuda(const View& ids, const View& weights, int64_t L, int64_t k, int64_t E, int32_t* out_ids,
+                         float* out_gates, int32_t* error_flag, cudaStream_t s);
+
+// Router outputs: ids / gates to the caller's dtypes and strides, tokens per expert.
+void write_topk_cuda(const int32_t* ids, const float* gates, int64_t L, int64_t k, const View& ids_out,
+                     const View& weights_out, cudaStream_t s);
+void write_tokens_per_expert_cuda(const int32_t* offsets, int64_t E, const View& out, cudaStream_t s);
+
+// ---- routing plan: three atomic-free passes, no sort ----
+struct PlanGeometryCuda {
+  int64_t tile_tokens;  // T: a T x E byte map fits in shared memory
+  int64_t num_tiles;
+  size_t smem_bytes;
+};
+PlanGeometryCuda plan_geometry_cuda(int64_t L, int64_t E);
+size_t plan_scratch_bytes_cuda(int64_t L, int64_t E);
+void build_plan_cuda(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* scratch, cudaStream_t s);
+
+// Baseline for perf/: the same plan from a CUB radix sort of (expert, slot) keys.
+size_t sort_plan_scratch_bytes_cuda(int64_t L, int64_t k, int64_t E);
+void build_plan_sort_cuda(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* scratch, cudaStream_t s);
+
+}  // namespace routing
+}  // namespace v0
+}  // namespace moeblaze
