@@ -98,11 +98,16 @@ void router_backward(const LayerConfig& cfg, int64_t L, const float* logits, con
       for (int64_t e = 0; e < E; ++e) ds[e] += aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]);
     float* dl = dlogits + t * E;
     if (cfg.score_fn == ScoreFn::kSoftmax) {
+      // dl = s (ds - <s, ds>) cancels badly in fp32 when one score is near 1; shifting ds by
+      // its value at the top score first (softmax is shift-invariant in ds) keeps it exact.
+      int64_t top = 0;
+      for (int64_t e = 1; e < E; ++e) top = s[e] > s[top] ? e : top;
+      const float shift = ds[top];
       float dot = 0.f;
-      for (int64_t e = 0; e < E; ++e) dot += ds[e] * s[e];
-      for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * (ds[e] - dot);
-    } else {
-      for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (1.f - s[e]);
+      for (int64_t e = 0; e < E; ++e) dot += (ds[e] - shift) * s[e];
+      for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * ((ds[e] - shift) - dot);
+    } else {  // s (1 - s) as sigmoid(l) sigmoid(-l): no cancellation for saturated scores
+      for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (1.f / (1.f + std::exp(l[e])));
     }
     if (cfg.z_loss_coeff > 0.0)  // d lse / d l_e = softmax_e, whatever the score function
       for (int64_t e = 0; e < E; ++e) dl[e] += z_scale * lse * std::exp(l[e] - lse);

@@ -155,21 +155,31 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
     }
   }
   __syncwarp();
-  // ds_e = selected contribution + aux term; softmax needs <ds, s> first.
-  float dot = 0.f;
+  // ds_e = selected contribution + aux term. Softmax: dl = s (ds' - <s, ds'>) with ds shifted
+  // by its value at the top score (shift-invariant, and no fp32 cancellation when that score
+  // is near 1); the top score is the first selected expert's.
+  auto ds_of = [&](int64_t e) {
+    float ds = aux_coeff > 0.f ? aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]) : 0.f;
+    for (int64_t j = 0; j < k; ++j) ds += sel[warp][j] == e ? dsel[warp][j] : 0.f;
+    return ds;
+  };
+  float dot = 0.f, shift = 0.f;
   if (fn == ScoreFn::kSoftmax) {
+    float best = -FLT_MAX;
+    int best_i = -1;
     for (int64_t e = lane; e < E; e += 32) {
-      float ds = aux_coeff > 0.f ? aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]) : 0.f;
-      for (int64_t j = 0; j < k; ++j) ds += sel[warp][j] == e ? dsel[warp][j] : 0.f;
-      dot += ds * score(fn, l[e], lse);
+      const float v = l[e];
+      if (best_i < 0 || v > best) { best = v; best_i = static_cast<int>(e); }
     }
+    warp_argmax(best, best_i);
+    shift = ds_of(best_i);
+    for (int64_t e = lane; e < E; e += 32) dot += (ds_of(e) - shift) * score(fn, l[e], lse);
     dot = warp_sum(dot);
   }
   for (int64_t e = lane; e < E; e += 32) {
-    float ds = aux_coeff > 0.f ? aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]) : 0.f;
-    for (int64_t j = 0; j < k; ++j) ds += sel[warp][j] == e ? dsel[warp][j] : 0.f;
+    const float ds = ds_of(e);
     const float s = score(fn, l[e], lse);
-    float dl = fn == ScoreFn::kSoftmax ? s * (ds - dot) : ds * s * (1.f - s);
+    float dl = fn == ScoreFn::kSoftmax ? s * ((ds - shift) - dot) : ds * s * (1.f / (1.f + expf(l[e])));
     if (z_coeff > 0.f) dl += z_scale * lse * expf(l[e] - lse);
     dlogits[t * E + e] = dl;
   }
