@@ -364,7 +364,7 @@ typedef enum moeblaze_attr {
 MOEBLAZE_API moeblaze_status_t moeblaze_config_create(moeblaze_config_t* out);
 
 /**
- * @brief Destroys a config.
+ * @brief Destroys a config. Never fails and leaves the last error message unchanged.
  * @param[in] cfg The config, or NULL (no-op).
  * @retval MOEBLAZE_STATUS_SUCCESS Always.
  * @since 0.1
@@ -525,7 +525,8 @@ MOEBLAZE_API moeblaze_status_t moeblaze_get_device_count(int32_t device_type, in
 MOEBLAZE_API moeblaze_status_t moeblaze_create(moeblaze_handle_t* out, moeblaze_config_t cfg);
 
 /**
- * @brief Destroys a handle. The caller guarantees no in-flight work still uses it.
+ * @brief Destroys a handle. The caller guarantees no in-flight work still uses it. Never
+ *        fails and leaves the last error message unchanged (safe in finalizers).
  * @param[in] handle The handle, or NULL (no-op).
  * @retval MOEBLAZE_STATUS_SUCCESS Always.
  * @since 0.1
@@ -645,7 +646,9 @@ MOEBLAZE_API moeblaze_status_t moeblaze_get_saved_size(moeblaze_handle_t handle,
  *    caller routed, e.g. expert parallelism). Ids are validated (0 <= id < E, distinct per
  *    token); a bad id fails the call with INVALID_ARGUMENT before anything is written.
  * In cases 1 and 2, TOPK_INDICES, TOPK_WEIGHTS and TOKENS_PER_EXPERT are optional outputs.
- * Backward takes the same routing inputs as the forward it follows.
+ * Backward takes the same routing inputs as the forward it follows (logits, or x and W_g, to
+ * recompute the router scores); the ids and gates come from the saved buffer, so in case 3
+ * TOPK_INDICES and TOPK_WEIGHTS may be passed to backward but are not read.
  *
  * @par Stream semantics
  * forward, backward and route return once all work is enqueued on @c stream (for a CPU

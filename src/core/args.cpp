@@ -27,8 +27,10 @@ const KindInfo kKinds[] = {
     {ArgKind::kRouterLogits, "ROUTER_LOGITS", Role::kInput, TypeRule::kRouter, {kOptional, kOptional, kOptional, kOptional}},
     {ArgKind::kWGateUp, "W_GATE_UP", Role::kInput, TypeRule::kWeight, {kRequired, kRequired, kRequired, kNo}},
     {ArgKind::kWDown, "W_DOWN", Role::kInput, TypeRule::kWeight, {kRequired, kRequired, kRequired, kNo}},
-    {ArgKind::kTopkIndices, "TOPK_INDICES", Role::kInput, TypeRule::kIndex, {kOptional, kOptional, kNo, kRequired}},
-    {ArgKind::kTopkWeights, "TOPK_WEIGHTS", Role::kInput, TypeRule::kRouter, {kOptional, kOptional, kNo, kRequired}},
+    // In backward the saved buffer holds the ids and gates; the caller's copies are accepted
+    // (frameworks pass the forward's arguments again) and not read.
+    {ArgKind::kTopkIndices, "TOPK_INDICES", Role::kInput, TypeRule::kIndex, {kOptional, kOptional, kOptional, kRequired}},
+    {ArgKind::kTopkWeights, "TOPK_WEIGHTS", Role::kInput, TypeRule::kRouter, {kOptional, kOptional, kOptional, kRequired}},
     {ArgKind::kOutput, "OUTPUT", Role::kOutput, TypeRule::kAct, {kRequired, kRequired, kNo, kNo}},
     {ArgKind::kAuxLoss, "AUX_LOSS", Role::kOutput, TypeRule::kScalarF32, {kOptional, kOptional, kNo, kOptional}},
     {ArgKind::kTokensPerExpert, "TOKENS_PER_EXPERT", Role::kOutput, TypeRule::kIndex, {kOptional, kOptional, kNo, kOptional}},

@@ -1,0 +1,849 @@
+"""Tests of the Python binding (stdlib unittest; run with ``python -m unittest discover``).
+
+The library comes from MOEBLAZE_LIBRARY (set by CTest). The numeric tests compare the CPU
+engine with a pure-Python fp64 reference written here from docs/design.md.
+"""
+import ctypes
+import gc
+import math
+import os
+import sys
+import threading
+import unittest
+from array import array
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))  # bindings/python
+
+import moeblaze  # noqa: E402
+from moeblaze import (Activation, ArgKind, Attr, MoEBlazeError, Pass, Status,  # noqa: E402
+                      _lib, _types)
+
+_REPO = os.path.abspath(os.path.join(_HERE, "..", "..", ".."))
+
+
+# ------------------------------------------------------------------------------------------------
+# Deterministic data and the fp64 reference (docs/design.md, "The math")
+# ------------------------------------------------------------------------------------------------
+class Rng:
+    """A small LCG so that the test data is identical on every machine."""
+
+    def __init__(self, seed):
+        self.s = seed & 0xFFFFFFFFFFFFFFFF
+
+    def uniform(self, lo=-1.0, hi=1.0):
+        self.s = (self.s * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
+        return lo + (hi - lo) * ((self.s >> 11) / float(1 << 53))
+
+    def floats(self, n, scale=1.0):
+        # Values representable in f32, so the library and the reference see the same inputs.
+        return array("f", [self.uniform() * scale for _ in range(n)])
+
+
+def silu(v):
+    return v / (1.0 + math.exp(-v))
+
+
+def dsilu(v):
+    s = 1.0 / (1.0 + math.exp(-v))
+    return s * (1.0 + v * (1.0 - s))
+
+
+def gelu(v):
+    return 0.5 * v * (1.0 + math.erf(v / math.sqrt(2.0)))
+
+
+def dgelu(v):
+    return 0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) + v * math.exp(-0.5 * v * v) / math.sqrt(
+        2.0 * math.pi)
+
+
+def act_fwd(activation, pre, h):
+    """act from the pre-activation row (length g*h; gate columns first)."""
+    if activation == Activation.SWIGLU:
+        return [silu(pre[i]) * pre[h + i] for i in range(h)]
+    if activation == Activation.GEGLU:
+        return [gelu(pre[i]) * pre[h + i] for i in range(h)]
+    if activation == Activation.RELU:
+        return [max(v, 0.0) for v in pre]
+    if activation == Activation.GELU:
+        return [gelu(v) for v in pre]
+    return [silu(v) for v in pre]
+
+
+def act_bwd(activation, pre, h, dact):
+    """d pre-activation from d act."""
+    if activation == Activation.SWIGLU:
+        return ([dact[i] * pre[h + i] * dsilu(pre[i]) for i in range(h)]
+                + [dact[i] * silu(pre[i]) for i in range(h)])
+    if activation == Activation.GEGLU:
+        return ([dact[i] * pre[h + i] * dgelu(pre[i]) for i in range(h)]
+                + [dact[i] * gelu(pre[i]) for i in range(h)])
+    if activation == Activation.RELU:
+        return [dact[i] * (1.0 if pre[i] > 0 else 0.0) for i in range(h)]
+    if activation == Activation.GELU:
+        return [dact[i] * dgelu(pre[i]) for i in range(h)]
+    return [dact[i] * dsilu(pre[i]) for i in range(h)]
+
+
+def reference(p, x, logits, wgu, wd, dy, caller_ids=None, caller_gates=None,
+              grad_aux=1.0, grad_z=1.0):
+    """fp64 forward and backward of one layer. Routing from logits, or caller routing when
+    caller_ids/caller_gates are given. Returns a dict of flat lists."""
+    L, d, h, E, k, act = p["L"], p["d"], p["h"], p["E"], p["k"], p["activation"]
+    g = 2 if act in (Activation.SWIGLU, Activation.GEGLU) else 1
+    gh = g * h
+    sig = p.get("score_fn", 0) == 1
+    normalize = p.get("normalize", 0)
+    ca, cz = p.get("aux", 0.0), p.get("z", 0.0)
+    scores, ids, gates = [], [], []
+    if caller_ids is None:
+        for t in range(L):
+            row = [logits[t * E + e] for e in range(E)]
+            if sig:
+                sc = [1.0 / (1.0 + math.exp(-v)) for v in row]
+            else:
+                m = max(row)
+                ex = [math.exp(v - m) for v in row]
+                s = sum(ex)
+                sc = [v / s for v in ex]
+            scores.append(sc)
+            order = sorted(range(E), key=lambda e: (-sc[e], e))[:k]
+            sel = [sc[e] for e in order]
+            if normalize:
+                s = sum(sel)
+                sel = [v / s for v in sel]
+            ids.append(order)
+            gates.append(sel)
+    else:
+        ids = [[int(caller_ids[t * k + j]) for j in range(k)] for t in range(L)]
+        gates = [[float(caller_gates[t * k + j]) for j in range(k)] for t in range(L)]
+
+    def wgu_at(e, i, c):
+        return wgu[(e * d + i) * gh + c]
+
+    def wd_at(e, c, o):
+        return wd[(e * h + c) * d + o]
+
+    y = [0.0] * (L * d)
+    dx = [0.0] * (L * d)
+    dwgu = [0.0] * (E * d * gh)
+    dwd = [0.0] * (E * h * d)
+    dgate = [[0.0] * k for _ in range(L)]
+    for t in range(L):
+        xt = [x[t * d + i] for i in range(d)]
+        dyt = [dy[t * d + o] for o in range(d)]
+        for j in range(k):
+            e, gt = ids[t][j], gates[t][j]
+            pre = [sum(xt[i] * wgu_at(e, i, c) for i in range(d)) for c in range(gh)]
+            a = act_fwd(act, pre, h)
+            for o in range(d):
+                y[t * d + o] += gt * sum(a[c] * wd_at(e, c, o) for c in range(h))
+            dact = [sum(dyt[o] * wd_at(e, c, o) for o in range(d)) for c in range(h)]
+            dgate[t][j] = sum(dact[c] * a[c] for c in range(h))
+            for c in range(h):
+                for o in range(d):
+                    dwd[(e * h + c) * d + o] += a[c] * gt * dyt[o]
+            dpre = act_bwd(act, pre, h, [gt * v for v in dact])
+            for i in range(d):
+                for c in range(gh):
+                    dwgu[(e * d + i) * gh + c] += xt[i] * dpre[c]
+                dx[t * d + i] += sum(dpre[c] * wgu_at(e, i, c) for c in range(gh))
+    out = {"y": y, "dx": dx, "dw_gate_up": dwgu, "dw_down": dwd, "ids": ids, "gates": gates,
+           "dgate": dgate}
+    if caller_ids is not None:
+        return out
+
+    counts = [0] * E
+    for t in range(L):
+        for e in ids[t]:
+            counts[e] += 1
+    P = [sum(scores[t][e] for t in range(L)) / L for e in range(E)] if L else [0.0] * E
+    f = [counts[e] / float(L * k) for e in range(E)] if L else [0.0] * E
+    out["aux"] = ca * E * sum(f[e] * P[e] for e in range(E))
+    lse = []
+    for t in range(L):
+        row = [logits[t * E + e] for e in range(E)]
+        m = max(row)
+        lse.append(m + math.log(sum(math.exp(v - m) for v in row)))
+    out["z"] = cz * sum(v * v for v in lse) / L if L else 0.0
+    out["counts"] = counts
+    dlogits = [0.0] * (L * E)
+    for t in range(L):
+        dp = [0.0] * E
+        sel = [scores[t][e] for e in ids[t]]
+        if normalize:
+            s = sum(sel)
+            inner = sum(dgate[t][j] * gates[t][j] for j in range(k))
+            for j, e in enumerate(ids[t]):
+                dp[e] += (dgate[t][j] - inner) / s
+        else:
+            for j, e in enumerate(ids[t]):
+                dp[e] += dgate[t][j]
+        for e in range(E):
+            dp[e] += grad_aux * ca * E * f[e] / L
+        sc = scores[t]
+        if sig:
+            dl = [dp[e] * sc[e] * (1.0 - sc[e]) for e in range(E)]
+        else:
+            inner = sum(dp[e] * sc[e] for e in range(E))
+            dl = [sc[e] * (dp[e] - inner) for e in range(E)]
+        row = [logits[t * E + e] for e in range(E)]
+        soft = [math.exp(v - lse[t]) for v in row]
+        for e in range(E):
+            dlogits[t * E + e] = dl[e] + grad_z * cz * 2.0 * lse[t] / L * soft[e]
+    out["dlogits"] = dlogits
+    return out
+
+
+def rel_err(got, want):
+    got = list(got)
+    want = list(want)
+    assert len(got) == len(want), (len(got), len(want))
+    scale = max([abs(v) for v in want] + [1e-30])
+    return max([abs(a - b) for a, b in zip(got, want)] + [0.0]) / scale
+
+
+# ------------------------------------------------------------------------------------------------
+class TestLoadAndVersion(unittest.TestCase):
+    def test_version(self):
+        self.assertEqual(moeblaze.get_abi_version(), _types.ABI_VERSION)
+        self.assertEqual(moeblaze.get_version(), _types.VERSION)
+        self.assertEqual(moeblaze.get_version_string(), "%d.%d.%d" % (
+            _types.VERSION_MAJOR, _types.VERSION_MINOR, _types.VERSION_PATCH))
+        self.assertIn(moeblaze.get_version_string(), moeblaze.get_build_info())
+
+    def test_library_from_env(self):
+        env = os.environ.get("MOEBLAZE_LIBRARY")
+        if env:
+            self.assertEqual(moeblaze.library_path, env)
+
+    def test_every_function_declared(self):
+        """argtypes/restype on every exported function; the list matches the ABI list."""
+        path = os.path.join(_REPO, "tests", "abi", "exported-symbols.txt")
+        if os.path.exists(path):
+            with open(path) as fh:
+                expected = sorted(l.strip() for l in fh if l.strip() and not l.startswith("#"))
+        else:
+            with open(os.path.join(_REPO, "src", "libmoeblaze.map")) as fh:
+                text = fh.read()
+            glob = text.split("global:")[1].split("local:")[0]
+            expected = sorted(s.strip().rstrip(";") for s in glob.split() if s.strip(";"))
+        self.assertEqual(list(_lib.DECLARED), expected)
+        for name in _lib.DECLARED:
+            fn = getattr(_lib.lib, name)
+            self.assertIsNotNone(fn.argtypes, name)
+            self.assertIsNotNone(fn.restype, name)
+
+    def test_abi_mismatch_refused(self):
+        """A library reporting ABI 1 is refused at import with a clear message."""
+        import subprocess
+        code = (
+            "import ctypes\n"
+            "class FakeFn:\n"
+            "    argtypes = restype = None\n"
+            "    def __call__(self):\n"
+            "        return 1\n"
+            "class FakeCDLL(ctypes.CDLL):\n"
+            "    def __getattr__(self, name):\n"
+            "        if name == 'moeblaze_get_abi_version':\n"
+            "            self.__dict__[name] = FakeFn()\n"
+            "            return self.__dict__[name]\n"
+            "        return super().__getattr__(name)\n"
+            "ctypes.CDLL = FakeCDLL\n"
+            "try:\n"
+            "    import moeblaze\n"
+            "except Exception as e:\n"
+            "    print('REFUSED', e.status_name, type(e).__name__, e.message)\n")
+        env = dict(os.environ, PYTHONPATH=os.path.dirname(_HERE))
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=60)
+        self.assertIn("REFUSED MOEBLAZE_STATUS_VERSION_MISMATCH", res.stdout, res.stderr)
+        self.assertIn("reports ABI version 1", res.stdout)
+
+
+class TestStatusAndTypes(unittest.TestCase):
+    def test_status_names(self):
+        for name, value in Status.members().items():
+            self.assertEqual(moeblaze.status_name(value), "MOEBLAZE_STATUS_" + name)
+            self.assertTrue(moeblaze.status_string(value))
+        self.assertEqual(moeblaze.status_name(12345), "MOEBLAZE_STATUS_UNKNOWN")
+        self.assertEqual(moeblaze.status_name(-1), "MOEBLAZE_STATUS_UNKNOWN")
+        self.assertTrue(moeblaze.status_string(12345))
+        self.assertEqual(Status.name(12345), "UNKNOWN(12345)")  # unknown values never crash
+
+    def test_struct_sizes(self):
+        self.assertEqual(ctypes.sizeof(_types.Tensor), 48)
+        self.assertEqual(ctypes.sizeof(_types.Arg), 56)
+        self.assertEqual(ctypes.sizeof(_types.Device), 8)
+        self.assertEqual(ctypes.sizeof(_types.DType), 4)
+        self.assertEqual(ctypes.sizeof(_types.AttrInfo), 64)
+        self.assertEqual(_types.Tensor.ndim.offset, 16)
+        self.assertEqual(_types.Tensor.dtype.offset, 20)
+        self.assertEqual(_types.Tensor.shape.offset, 24)
+        self.assertEqual(_types.Tensor.byte_offset.offset, 40)
+        self.assertEqual(_types.Arg.tensor.offset, 8)
+
+    def test_constants(self):
+        self.assertEqual(moeblaze.MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, 102)
+        self.assertEqual(moeblaze.MOEBLAZE_STATUS_INTERNAL_ERROR, 12)
+        self.assertEqual(moeblaze.MOEBLAZE_DEVICE_CPU, 1)
+        self.assertEqual(moeblaze.MOEBLAZE_ATTR_NUM_THREADS, 18)
+        self.assertEqual(moeblaze.BUFFER_ALIGNMENT, 256)
+        self.assertEqual(Activation.parse("swiglu"), 3)
+        self.assertEqual(moeblaze.F32, moeblaze.dtype_from_name("f32"))
+
+    def test_device_count(self):
+        self.assertEqual(moeblaze.get_device_count("cpu"), 1)
+        self.assertGreaterEqual(moeblaze.get_device_count("cuda"), 0)
+        with self.assertRaises(MoEBlazeError) as cm:
+            moeblaze.get_device_count(77)
+        self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+
+
+class TestAttributes(unittest.TestCase):
+    def test_attr_query(self):
+        attrs = moeblaze.attributes()
+        self.assertGreaterEqual(len(attrs), _types.ATTR_COUNT)
+        for name, value in Attr.members().items():
+            spec = attrs[name.lower()]
+            self.assertEqual(spec.number, value)
+        self.assertTrue(attrs["top_k"].required)
+        self.assertEqual(attrs["top_k"].value_type, _types.ValueType.I64)
+        self.assertEqual(attrs["aux_loss_coeff"].value_type, _types.ValueType.F64)
+        self.assertEqual(attrs["activation_dtype"].value_type, _types.ValueType.DTYPE)
+        self.assertEqual(attrs["activation"].default_i64, Activation.SWIGLU)
+        self.assertFalse(attrs["activation"].required)
+        self.assertEqual(attrs["top_k"].since_version, _types.version_encode(0, 1, 0))
+
+    def test_unknown_attribute_raw(self):
+        info = _types.AttrInfo()
+        info.struct_size = ctypes.sizeof(info)
+        with self.assertRaises(MoEBlazeError) as cm:
+            _lib.lib.moeblaze_attr_query(100000, ctypes.byref(info))
+        self.assertEqual(cm.exception.status, Status.UNKNOWN_ATTRIBUTE)
+        self.assertEqual(cm.exception.function, "moeblaze_attr_query")
+        info.struct_size = 4
+        with self.assertRaises(MoEBlazeError) as cm:
+            _lib.lib.moeblaze_attr_query(0, ctypes.byref(info))
+        self.assertEqual(cm.exception.status, Status.VERSION_MISMATCH)
+
+    def test_attr_query_older_struct(self):
+        """A caller with a smaller (older) struct gets only the bytes it declared."""
+        info = _types.AttrInfo()
+        ctypes.memset(ctypes.addressof(info), 0xAB, ctypes.sizeof(info))
+        info.struct_size = 16  # struct_size and name only
+        _lib.lib.moeblaze_attr_query(Attr.TOP_K, ctypes.byref(info))
+        self.assertEqual(info.name, b"top_k")
+        raw = bytes((ctypes.c_char * ctypes.sizeof(info)).from_address(ctypes.addressof(info)))
+        self.assertEqual(raw[16:], b"\xab" * (ctypes.sizeof(info) - 16))
+
+
+def _cfg_kwargs(**over):
+    kw = dict(num_experts=4, top_k=2, hidden_size=8, ffn_hidden_size=12, max_tokens=16,
+              activation="swiglu", device_type="cpu", activation_dtype="f32",
+              weight_dtype="f32", num_threads=2)
+    kw.update(over)
+    return kw
+
+
+class TestConfigAndHandle(unittest.TestCase):
+    def test_config_roundtrip(self):
+        with moeblaze.Config(**_cfg_kwargs(aux_loss_coeff=0.01)) as cfg:
+            self.assertEqual(cfg.get("top_k"), 2)
+            self.assertEqual(cfg["num_experts"], 4)
+            self.assertAlmostEqual(cfg.get("aux_loss_coeff"), 0.01)
+            self.assertEqual(cfg.get("activation_dtype"), moeblaze.F32)
+            self.assertEqual(cfg.get(Attr.ACTIVATION), Activation.SWIGLU)
+            cfg["top_k"] = 3
+            self.assertEqual(cfg.get("top_k"), 3)
+        self.assertTrue(cfg.closed)
+        cfg.close()  # idempotent
+        with self.assertRaises(moeblaze.BindingError):
+            cfg.get("top_k")
+
+    def test_config_errors_carry_messages(self):
+        with moeblaze.Config() as cfg:
+            with self.assertRaises(MoEBlazeError) as cm:
+                cfg.set("top_k", 0)
+            e = cm.exception
+            self.assertEqual(e.status, Status.INVALID_ARGUMENT)
+            self.assertEqual(e.status_name, "MOEBLAZE_STATUS_INVALID_ARGUMENT")
+            self.assertEqual(e.function, "moeblaze_config_set_i64")
+            self.assertIn("top_k", e.message)
+            self.assertIn("top_k", str(e))
+            with self.assertRaises(MoEBlazeError) as cm:
+                cfg.set("aux_loss_coeff", -1.0)
+            self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+            self.assertTrue(cm.exception.message)
+            with self.assertRaises(MoEBlazeError) as cm:  # i64 setter on an f64 attribute
+                _lib.lib.moeblaze_config_set_i64(cfg, Attr.AUX_LOSS_COEFF, 1)
+            self.assertEqual(cm.exception.status, Status.ATTRIBUTE_TYPE_MISMATCH)
+            with self.assertRaises(MoEBlazeError) as cm:
+                cfg.set(4242, 1)
+            self.assertEqual(cm.exception.status, Status.UNKNOWN_ATTRIBUTE)
+            with self.assertRaises(moeblaze.BindingError) as cm:
+                cfg.set("no_such_attribute", 1)
+            self.assertEqual(cm.exception.status, Status.UNKNOWN_ATTRIBUTE)
+            with self.assertRaises(MoEBlazeError) as cm:
+                cfg.set("activation_dtype", "i32")
+            self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+            with self.assertRaises(ValueError):
+                cfg.set("activation", "tanh")
+            self.assertTrue(moeblaze.last_error_message())  # the set_dtype failure above
+            cfg.get("top_k")
+            self.assertEqual(moeblaze.last_error_message(), "")  # cleared by a success
+
+    def test_create_errors(self):
+        with self.assertRaises(MoEBlazeError) as cm:
+            moeblaze.Handle(device_type="cpu", num_experts=4)  # required attributes missing
+        self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+        self.assertEqual(cm.exception.function, "moeblaze_create")
+        self.assertIn("required", cm.exception.message)
+        with self.assertRaises(MoEBlazeError) as cm:
+            moeblaze.Handle(**_cfg_kwargs(num_experts=2, top_k=3))
+        self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+        self.assertIn("top_k", cm.exception.message)
+
+    def test_error_is_per_thread(self):
+        seen = {}
+
+        def worker():
+            seen["msg"] = moeblaze.last_error_message()
+
+        with moeblaze.Config() as cfg:
+            with self.assertRaises(MoEBlazeError):
+                cfg.set("top_k", -5)
+            th = threading.Thread(target=worker)
+            th.start()
+            th.join()
+        self.assertEqual(seen["msg"], "")
+
+    def test_handle_queries(self):
+        with moeblaze.Handle(**_cfg_kwargs()) as h:
+            self.assertEqual(h.get("engine"), moeblaze.Engine.CPU)
+            self.assertEqual(h.get("device_type"), moeblaze.DeviceType.CPU)
+            self.assertEqual(h.get("top_k"), 2)
+            prev = -1
+            for L in (0, 1, 5, 16):
+                ws = h.workspace_size(Pass.FORWARD_TRAINING, L)
+                sv = h.saved_size(L)
+                self.assertEqual(ws % 256, 0)
+                self.assertEqual(sv % 256, 0)
+                self.assertGreaterEqual(sv, prev)
+                prev = sv
+            with self.assertRaises(MoEBlazeError) as cm:
+                h.workspace_size(Pass.FORWARD_TRAINING, 17)  # > max_tokens
+            self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+            with self.assertRaises(MoEBlazeError):
+                h.workspace_size(99, 1)
+        h.close()
+        self.assertTrue(h.closed)
+
+    def test_finalizer_releases(self):
+        h = moeblaze.Handle(**_cfg_kwargs())
+        fin = h._finalizer
+        del h
+        gc.collect()
+        self.assertFalse(fin.alive)
+
+    def test_cyclic_garbage_does_not_clobber_messages(self):
+        """A handle collected by the cyclic GC is destroyed later, not inside the collection,
+        so it cannot clear another call's error message."""
+        from moeblaze import _core
+        h = moeblaze.Handle(**_cfg_kwargs())
+        fin = h._finalizer
+        h.cycle = h  # only the cyclic collector can free it
+        del h
+        gc.collect()
+        self.assertFalse(fin.alive)
+        self.assertEqual(len(_core._pending), 1)  # queued, not destroyed during the collection
+        with moeblaze.Config() as cfg:  # the next binding call destroys it
+            self.assertEqual(len(_core._pending), 0)
+            with self.assertRaises(MoEBlazeError) as cm:
+                cfg.set("top_k", 0)
+            self.assertIn("top_k", cm.exception.message)
+
+    def test_log_level_bounds(self):
+        with self.assertRaises(MoEBlazeError) as cm:
+            moeblaze.set_log_callback(lambda *a: None, 7)
+        self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+        moeblaze.set_log_callback(None)
+
+    def test_log_callback(self):
+        got = []
+        moeblaze.set_log_callback(lambda lvl, fn, msg: got.append((lvl, fn, msg)), 1)
+        try:
+            with moeblaze.Config() as cfg:
+                with self.assertRaises(MoEBlazeError):
+                    cfg.set("top_k", 0)
+        finally:
+            moeblaze.set_log_callback(None)
+        self.assertTrue(any(lvl == moeblaze.LogLevel.ERROR and "top_k" in msg
+                            for lvl, _, msg in got), got)
+
+
+class TestAlignedBuffer(unittest.TestCase):
+    def test_alignment(self):
+        for n in (0, 1, 255, 256, 1000):
+            b = moeblaze.AlignedBuffer(n)
+            self.assertEqual(b.address % 256, 0)
+            self.assertEqual(len(b.memoryview()), n)
+
+
+# ------------------------------------------------------------------------------------------------
+P = dict(L=5, d=8, h=12, E=4, k=2, activation=Activation.SWIGLU)
+
+
+def _data(p, seed=1):
+    r = Rng(seed)
+    g = 2 if p["activation"] in (Activation.SWIGLU, Activation.GEGLU) else 1
+    x = r.floats(p["L"] * p["d"])
+    logits = r.floats(p["L"] * p["E"], 2.0)
+    wgu = r.floats(p["E"] * p["d"] * g * p["h"], 0.5)
+    wd = r.floats(p["E"] * p["h"] * p["d"], 0.5)
+    dy = r.floats(p["L"] * p["d"])
+    return x, logits, wgu, wd, dy
+
+
+class TestCpuForwardBackward(unittest.TestCase):
+    TOL = 1e-4
+
+    def _layer(self, p, **over):
+        kw = _cfg_kwargs(num_experts=p["E"], top_k=p["k"], hidden_size=p["d"],
+                         ffn_hidden_size=p["h"], max_tokens=max(p["L"], 1),
+                         activation=p["activation"])
+        kw.update(over)
+        return moeblaze.Layer(**kw)
+
+    def _check(self, got, want, what):
+        err = rel_err(got, want)
+        self.assertLess(err, self.TOL, "%s: relative error %.3g" % (what, err))
+
+    def _run_logits(self, p, **cfg):
+        x, logits, wgu, wd, dy = _data(p)
+        ref = reference(p, x, logits, wgu, wd, dy)
+        with self._layer(p, **cfg) as layer:
+            fwd = layer.forward(x, wgu, wd, router_logits=logits, aux_loss=True, z_loss=True)
+            self._check(fwd.y, ref["y"], "y")
+            self.assertEqual([list(fwd.topk_indices[t * p["k"]:(t + 1) * p["k"]])
+                              for t in range(p["L"])], ref["ids"])
+            self._check(fwd.topk_weights, [v for row in ref["gates"] for v in row], "gates")
+            self.assertEqual(list(fwd.tokens_per_expert), ref["counts"])
+            self.assertAlmostEqual(fwd.aux_loss, ref["aux"], delta=1e-5 + 1e-4 * abs(ref["aux"]))
+            self.assertAlmostEqual(fwd.z_loss, ref["z"], delta=1e-5 + 1e-4 * abs(ref["z"]))
+            grads = layer.backward(fwd, dy)
+            self._check(grads.dx, ref["dx"], "dx")
+            self._check(grads.dw_gate_up, ref["dw_gate_up"], "dW_gate_up")
+            self._check(grads.dw_down, ref["dw_down"], "dW_down")
+            self._check(grads.drouter_logits, ref["dlogits"], "d logits")
+            return layer, fwd, grads
+
+    def test_swiglu_softmax_from_logits(self):
+        self._run_logits(dict(P))
+
+    def test_swiglu_with_losses_and_normalize(self):
+        p = dict(P, aux=0.01, z=0.001, normalize=1)
+        self._run_logits(p, aux_loss_coeff=0.01, z_loss_coeff=0.001, normalize_topk=1)
+
+    def test_sigmoid_gelu_recompute(self):
+        p = dict(P, activation=Activation.GELU, score_fn=1, aux=0.02)
+        self._run_logits(p, score_function="sigmoid", aux_loss_coeff=0.02,
+                         save_policy="recompute_up")
+
+    def test_router_weight_routing(self):
+        """Case 2: logits = x W_g^T; dW_g = dlogits^T x and dx gains dlogits W_g."""
+        p = dict(P, aux=0.01, z=0.002)
+        x, _, wgu, wd, dy = _data(p, seed=3)
+        L, d, E = p["L"], p["d"], p["E"]
+        wg = Rng(11).floats(E * d, 0.5)
+        logits = [sum(x[t * d + i] * wg[e * d + i] for i in range(d))
+                  for t in range(L) for e in range(E)]
+        ref = reference(p, x, logits, wgu, wd, dy)
+        dl = ref["dlogits"]
+        dwg = [sum(dl[t * E + e] * x[t * d + i] for t in range(L)) for e in range(E)
+               for i in range(d)]
+        dx = [ref["dx"][t * d + i] + sum(dl[t * E + e] * wg[e * d + i] for e in range(E))
+              for t in range(L) for i in range(d)]
+        with self._layer(p, aux_loss_coeff=0.01, z_loss_coeff=0.002) as layer:
+            fwd = layer.forward(x, wgu, wd, router_weight=wg, aux_loss=True, z_loss=True)
+            self._check(fwd.y, ref["y"], "y")
+            self.assertAlmostEqual(fwd.aux_loss, ref["aux"], delta=1e-5 + 1e-4 * abs(ref["aux"]))
+            self.assertAlmostEqual(fwd.z_loss, ref["z"], delta=1e-5 + 1e-4 * abs(ref["z"]))
+            grads = layer.backward(fwd, dy, grad_aux_loss=1.0, grad_z_loss=1.0)
+            self._check(grads.drouter_weight, dwg, "dW_g")
+            self._check(grads.dx, dx, "dx (with the router path)")
+            self._check(grads.dw_gate_up, ref["dw_gate_up"], "dW_gate_up")
+            r = layer.route(x=x, router_weight=wg, aux_loss=True)
+            self.assertEqual([list(r.topk_indices[t * 2:t * 2 + 2]) for t in range(L)],
+                             ref["ids"])
+            self.assertAlmostEqual(r.aux_loss, ref["aux"], delta=1e-5 + 1e-4 * abs(ref["aux"]))
+
+    def test_loss_gradient_scales(self):
+        """GRAD_AUX_LOSS / GRAD_Z_LOSS scale the loss terms of d logits (0 removes them)."""
+        p = dict(P, aux=0.05, z=0.01)
+        x, logits, wgu, wd, dy = _data(p, seed=5)
+        ref = reference(p, x, logits, wgu, wd, dy, grad_aux=0.0, grad_z=3.0)
+        with self._layer(p, aux_loss_coeff=0.05, z_loss_coeff=0.01) as layer:
+            fwd = layer.forward(x, wgu, wd, router_logits=logits)
+            grads = layer.backward(fwd, dy, grad_aux_loss=0.0, grad_z_loss=3.0,
+                                   want=("router",))
+            self._check(grads.drouter_logits, ref["dlogits"], "d logits")
+            self.assertIsNone(grads.dx)
+
+    def test_strides_and_byte_offset(self):
+        x, logits, wgu, wd, _ = _data(P)
+        with self._layer(P) as layer:
+            h = layer.handle
+            base = layer.forward(x, wgu, wd, router_logits=logits, training=False)
+            padded = array("f", [0.0] * (5 * 11 + 3))
+            for t in range(5):
+                for i in range(8):
+                    padded[3 + t * 11 + i] = x[t * 8 + i]
+            xt = moeblaze.host_tensor(padded, (5, 8), strides=(11, 1))
+            xt.byte_offset = 12
+            y = array("f", bytes(4 * 40))
+            args = moeblaze.ArgList([
+                (ArgKind.INPUT, xt),
+                (ArgKind.ROUTER_LOGITS, moeblaze.host_tensor(logits, (5, 4))),
+                (ArgKind.W_GATE_UP, moeblaze.host_tensor(wgu, (4, 8, 24))),
+                (ArgKind.W_DOWN, moeblaze.host_tensor(wd, (4, 12, 8))),
+                (ArgKind.OUTPUT, moeblaze.host_tensor(y, (5, 8), writable=True)),
+            ])
+            ws = moeblaze.AlignedBuffer(h.workspace_size(Pass.FORWARD_INFERENCE, 5))
+            h.forward(Pass.FORWARD_INFERENCE, args, ws)
+            self.assertEqual(list(y), list(base.y))
+            overlapping = moeblaze.host_tensor(padded, (5, 8), strides=(4, 1))
+            bad = moeblaze.ArgList([(ArgKind.INPUT, overlapping)] + list(args)[1:])
+            with self.assertRaises(MoEBlazeError) as cm:
+                h.forward(Pass.FORWARD_INFERENCE, bad, ws)
+            self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+            self.assertIn("INPUT", cm.exception.message)
+
+    def test_inference_matches_training(self):
+        x, logits, wgu, wd, _ = _data(P)
+        with self._layer(P) as layer:
+            a = layer.forward(x, wgu, wd, router_logits=logits)
+            b = layer.forward(x, wgu, wd, router_logits=logits, training=False)
+            self.assertEqual(list(a.y), list(b.y))
+            self.assertIsNone(b.saved)
+
+    def test_caller_routing(self):
+        p = dict(P)
+        x, logits, wgu, wd, dy = _data(p, seed=7)
+        ids = array("q", [0, 3, 1, 2, 3, 1, 2, 0, 1, 3])
+        gates = array("f", [0.7, 0.3, 0.5, 0.5, 0.9, 0.1, 0.25, 0.75, 0.6, 0.4])
+        ref = reference(p, x, None, wgu, wd, dy, ids, gates)
+        with self._layer(p) as layer:
+            fwd = layer.forward(x, wgu, wd, topk_indices=ids, topk_weights=gates)
+            self._check(fwd.y, ref["y"], "y")
+            grads = layer.backward(fwd, dy)
+            self._check(grads.dx, ref["dx"], "dx")
+            self._check(grads.dw_gate_up, ref["dw_gate_up"], "dW_gate_up")
+            self._check(grads.dw_down, ref["dw_down"], "dW_down")
+            self._check(grads.dtopk_weights, [v for row in ref["dgate"] for v in row], "d gates")
+            bad = array("q", ids)
+            bad[3] = 4  # out of range
+            with self.assertRaises(MoEBlazeError) as cm:
+                layer.forward(x, wgu, wd, topk_indices=bad, topk_weights=gates)
+            self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+            self.assertTrue(cm.exception.message)
+            bad[3] = 1  # duplicate of slot 0 of token 1? token 1 is (1, 2): make (1, 1)
+            bad[2] = 1
+            with self.assertRaises(MoEBlazeError) as cm:
+                layer.forward(x, wgu, wd, topk_indices=bad, topk_weights=gates)
+            self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+
+    def test_accumulate(self):
+        x, logits, wgu, wd, dy = _data(P)
+        with self._layer(P) as layer:
+            fwd = layer.forward(x, wgu, wd, router_logits=logits)
+            g1 = layer.backward(fwd, dy, want=("w_down",))
+            acc = array("f", g1.dw_down)
+            layer.backward(fwd, dy, want=("w_down",), out={"w_down": acc}, accumulate=True)
+            self._check(acc, [2.0 * v for v in g1.dw_down], "accumulated dW_down")
+
+    def test_route(self):
+        x, logits, _, _, _ = _data(P)
+        ref = reference(P, x, logits, [0.0] * (P["E"] * P["d"] * 2 * P["h"]),
+                        [0.0] * (P["E"] * P["h"] * P["d"]), [0.0] * (P["L"] * P["d"]))
+        with self._layer(P) as layer:
+            r = layer.route(router_logits=logits, num_tokens=P["L"])
+            self.assertEqual([list(r.topk_indices[t * 2:t * 2 + 2]) for t in range(P["L"])],
+                             ref["ids"])
+            self.assertEqual(list(r.tokens_per_expert), ref["counts"])
+
+    def test_zero_tokens(self):
+        with self._layer(P) as layer:
+            x, logits, wgu, wd, dy = _data(P)
+            fwd = layer.forward(array("f"), wgu, wd, router_logits=array("f"))
+            self.assertEqual(len(fwd.y), 0)
+            self.assertEqual(list(fwd.tokens_per_expert), [0] * P["E"])
+            grads = layer.backward(fwd, array("f"))
+            self.assertEqual(list(grads.dw_down), [0.0] * len(grads.dw_down))
+
+    def test_insufficient_workspace(self):
+        x, logits, wgu, wd, _ = _data(P)
+        with self._layer(P) as layer:
+            h = layer.handle
+            L = P["L"]
+            args = moeblaze.ArgList()
+            args.add(ArgKind.INPUT, moeblaze.host_tensor(x, (L, 8)))
+            args.add(ArgKind.ROUTER_LOGITS, moeblaze.host_tensor(logits, (L, 4)))
+            args.add(ArgKind.W_GATE_UP, moeblaze.host_tensor(wgu, (4, 8, 24)))
+            args.add(ArgKind.W_DOWN, moeblaze.host_tensor(wd, (4, 12, 8)))
+            y = array("f", bytes(4 * L * 8))
+            args.add(ArgKind.OUTPUT, moeblaze.host_tensor(y, (L, 8), writable=True))
+            h.check_args(Pass.FORWARD_TRAINING, args)
+            need = h.workspace_size(Pass.FORWARD_TRAINING, L)
+            saved = moeblaze.AlignedBuffer(h.saved_size(L))
+            if need > 256:
+                with self.assertRaises(MoEBlazeError) as cm:
+                    h.forward(Pass.FORWARD_TRAINING, args, moeblaze.AlignedBuffer(need - 256),
+                              saved)
+                self.assertEqual(cm.exception.status, Status.INSUFFICIENT_WORKSPACE)
+            ws = moeblaze.AlignedBuffer(need + 256)
+            with self.assertRaises(MoEBlazeError) as cm:  # misaligned workspace
+                h.forward(Pass.FORWARD_TRAINING, args, ws.address + 8, saved,
+                          workspace_bytes=need)
+            self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+            h.forward(Pass.FORWARD_TRAINING, args, moeblaze.AlignedBuffer(need), saved)
+
+    def test_bad_args(self):
+        x, logits, wgu, wd, _ = _data(P)
+        with self._layer(P) as layer:
+            h = layer.handle
+            args = moeblaze.ArgList()
+            args.add(ArgKind.INPUT, moeblaze.host_tensor(x, (5, 8)))
+            with self.assertRaises(MoEBlazeError) as cm:  # no weights, no output
+                h.check_args(Pass.FORWARD_TRAINING, args)
+            self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+            self.assertEqual(cm.exception.function, "moeblaze_check_args")
+            self.assertTrue(cm.exception.message)
+            with self.assertRaises(moeblaze.BindingError):  # buffer too small for the shape
+                moeblaze.host_tensor(x, (6, 8))
+
+    def test_buffer_kinds(self):
+        """bytearray / memoryview / ctypes arrays work as well as array('f')."""
+        x, logits, wgu, wd, _ = _data(P)
+        with self._layer(P) as layer:
+            base = layer.forward(x, wgu, wd, router_logits=logits, want_routing=False)
+            xb = bytearray(x.tobytes())
+            wgu_c = (ctypes.c_float * len(wgu))(*wgu)
+            other = layer.forward(xb, memoryview(wgu_c), bytes(wd.tobytes()),
+                                  router_logits=memoryview(logits), want_routing=False)
+            self.assertEqual(list(base.y), list(other.y))
+
+
+class TestDLPack(unittest.TestCase):
+    """A pure-ctypes DLPack producer exercises moeblaze.dlpack without numpy."""
+
+    def test_dlpack_forward(self):
+        from moeblaze import dlpack
+        x, logits, wgu, wd, _ = _data(P)
+        ref = reference(P, x, logits, wgu, wd, [0.0] * len(x))
+        deleted = []
+        producers = [dlpack.HostDLPackArray(buf, shape, on_delete=deleted.append)
+                     for buf, shape in ((x, (5, 8)), (logits, (5, 4)), (wgu, (4, 8, 24)),
+                                        (wd, (4, 12, 8)))]
+        y = array("f", bytes(4 * 5 * 8))
+        with TestCpuForwardBackward()._layer(P) as layer:
+            h = layer.handle
+            with dlpack.ArgBuilder() as ab:
+                for kind, prod in zip((ArgKind.INPUT, ArgKind.ROUTER_LOGITS, ArgKind.W_GATE_UP,
+                                       ArgKind.W_DOWN), producers):
+                    ab.add(kind, prod)
+                ab.add(ArgKind.OUTPUT, dlpack.HostDLPackArray(y, (5, 8), on_delete=deleted.append))
+                with self.assertRaises(moeblaze.BindingError):  # read-only output refused
+                    ab.add(ArgKind.OUTPUT, dlpack.HostDLPackArray(y, (5, 8), read_only=True))
+                ws = moeblaze.AlignedBuffer(h.workspace_size(Pass.FORWARD_INFERENCE, 5))
+                h.forward(Pass.FORWARD_INFERENCE, ab.args, ws)
+        self.assertLess(rel_err(y, ref["y"]), 1e-4)
+        self.assertEqual(len(deleted), 5)  # every capsule was consumed and its deleter called
+
+
+    def test_unversioned_capsule(self):
+        from moeblaze import dlpack
+        deleted = []
+        buf = array("f", [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+        prod = dlpack.HostDLPackArray(buf, (2, 3), on_delete=deleted.append)
+        imp = dlpack.import_dlpack(prod, max_version=None)
+        self.assertFalse(imp.versioned)
+        self.assertEqual(imp.tensor.shape_tuple(), (2, 3))
+        self.assertEqual(imp.tensor.dtype, moeblaze.F32)
+        self.assertEqual(imp.tensor.data, buf.buffer_info()[0])
+        imp.release()
+        imp.release()  # once only
+        self.assertEqual(len(deleted), 1)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+class TestTorch(unittest.TestCase):
+    """moeblaze.torch; the CPU test needs torch only, the CUDA test torch with CUDA and a CUDA
+    build of the library."""
+
+    def _run(self, device, tol):
+        torch = _torch()
+        from moeblaze.torch import MoE
+        p = dict(P, aux=0.01, z=0.002)
+        x, logits, wgu, wd, dy = _data(p)
+        ref = reference(p, x, logits, wgu, wd, dy)
+        dev = torch.device(device)
+
+        def t(a, shape):
+            return torch.tensor(list(a), dtype=torch.float32, device=dev).reshape(shape)
+
+        xt = t(x, (5, 8)).requires_grad_()
+        lt = t(logits, (5, 4)).requires_grad_()
+        wgut = t(wgu, (4, 8, 24)).requires_grad_()
+        wdt = t(wd, (4, 12, 8)).requires_grad_()
+        moe = MoE(num_experts=4, top_k=2, hidden_size=8, ffn_hidden_size=12, max_tokens=16,
+                  activation="swiglu", activation_dtype="f32", weight_dtype="f32",
+                  aux_loss_coeff=0.01, z_loss_coeff=0.002)
+        y, aux, z, ids, gates, counts = moe(xt, wgut, wdt, router_logits=lt, return_all=True)
+        loss = (y * t(dy, (5, 8))).sum() + aux + z
+        loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        flat = lambda v: v.detach().cpu().flatten().tolist()  # noqa: E731
+        self.assertLess(rel_err(flat(y), ref["y"]), tol)
+        self.assertAlmostEqual(aux.item(), ref["aux"], delta=1e-5 + tol * abs(ref["aux"]))
+        self.assertAlmostEqual(z.item(), ref["z"], delta=1e-5 + tol * abs(ref["z"]))
+        self.assertEqual([flat(ids)[i:i + 2] for i in range(0, 10, 2)], ref["ids"])
+        self.assertEqual(flat(counts), ref["counts"])
+        self.assertLess(rel_err(flat(xt.grad), ref["dx"]), tol)
+        self.assertLess(rel_err(flat(lt.grad), ref["dlogits"]), tol)
+        self.assertLess(rel_err(flat(wgut.grad), ref["dw_gate_up"]), tol)
+        self.assertLess(rel_err(flat(wdt.grad), ref["dw_down"]), tol)
+        # Unused loss outputs contribute nothing (their gradient is 0, not the C default 1).
+        for g in (xt, lt, wgut, wdt):
+            g.grad = None
+        y2 = moe(xt, wgut, wdt, router_logits=lt)
+        (y2 * t(dy, (5, 8))).sum().backward()
+        ref0 = reference(p, x, logits, wgu, wd, dy, grad_aux=0.0, grad_z=0.0)
+        self.assertLess(rel_err(flat(lt.grad), ref0["dlogits"]), tol)
+        moe.close()
+
+    def test_autograd_cpu(self):
+        if _torch() is None:
+            self.skipTest("torch is not installed")
+        self._run("cpu", 1e-4)
+
+    def test_autograd_cuda(self):
+        torch = _torch()
+        if torch is None:
+            self.skipTest("torch is not installed")
+        if not torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
+            self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
+        self._run("cuda", 1e-3)
+
+
+if __name__ == "__main__":
+    unittest.main()
