@@ -13,6 +13,11 @@
 
 #include "bench.h"
 
+#ifdef MOEBLAZE_BENCH_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#endif
+
 #define MAX_CONFIGS 64
 
 typedef struct options {
@@ -22,6 +27,7 @@ typedef struct options {
   int64_t tokens;        /* 0 = automatic */
   double cpu_gflop;      /* per fwd+bwd step on the CPU engine */
   int reps, warmup, threads, check;
+  int device; /* -1 auto, 0 cpu, 1 cuda */
   int32_t policy;
   moeblaze_dtype_t dtype;
   int activations[8];
@@ -49,14 +55,15 @@ static double median(double* v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* splitmix64 + Box-Muller: reproducible inputs. */
-static uint64_t rng_state = 0x5eed;
+/* Reproducible inputs: xorshift64* draws, uniform with unit variance (cheap enough for the
+ * paper's largest weights). */
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static double rng_normal(void) {
-  uint64_t z1 = (rng_state += 0x9E3779B97F4A7C15ull), z2 = (rng_state += 0x9E3779B97F4A7C15ull);
-  z1 = (z1 ^ (z1 >> 30)) * 0xBF58476D1CE4E5B9ull; z1 = (z1 ^ (z1 >> 27)) * 0x94D049BB133111EBull; z1 ^= z1 >> 31;
-  z2 = (z2 ^ (z2 >> 30)) * 0xBF58476D1CE4E5B9ull; z2 = (z2 ^ (z2 >> 27)) * 0x94D049BB133111EBull; z2 ^= z2 >> 31;
-  double u1 = ((double)(z1 >> 11) + 0.5) * (1.0 / 9007199254740992.0), u2 = (double)(z2 >> 11) * (1.0 / 9007199254740992.0);
-  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  const uint64_t r = rng_state * 0x2545F4914F6CDD1Dull;
+  return ((double)(r >> 11) * (1.0 / 9007199254740992.0) * 2.0 - 1.0) * 1.7320508075688772;
 }
 
 static uint16_t f32_to_bf16(float f) {
@@ -93,15 +100,130 @@ static void* random_tensor(moeblaze_dtype_t t, size_t n, double scale) {
   return p;
 }
 
-static moeblaze_tensor_t tensor(void* data, moeblaze_dtype_t t, int32_t ndim, const int64_t* shape) {
+/* ---- where the data lives: host (CPU engine) or a CUDA device ---- */
+typedef struct backend {
+  int cuda;
+  void* stream;
+#ifdef MOEBLAZE_BENCH_CUDA
+  cudaEvent_t ev[4];
+  cublasHandle_t blas;
+#endif
+} backend;
+
+#ifdef MOEBLAZE_BENCH_CUDA
+static void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) { fprintf(stderr, "moeblaze-bench: %s: %s\n", what, cudaGetErrorString(e)); exit(1); }
+}
+#endif
+
+static void* buf_alloc(const backend* b, size_t bytes) {
+#ifdef MOEBLAZE_BENCH_CUDA
+  if (b->cuda) {
+    void* p = NULL;
+    cuda_check(cudaMalloc(&p, bytes ? bytes : 256), "cudaMalloc");
+    return p;
+  }
+#endif
+  (void)b;
+  return alloc_aligned(bytes);
+}
+static void buf_free(const backend* b, void* p) {
+#ifdef MOEBLAZE_BENCH_CUDA
+  if (b->cuda) { cudaFree(p); return; }
+#endif
+  (void)b;
+  free(p);
+}
+/* A copy of host data where the backend computes (the host pointer itself on the CPU). */
+static void* buf_upload(const backend* b, const void* host, size_t bytes) {
+#ifdef MOEBLAZE_BENCH_CUDA
+  if (b->cuda) {
+    void* p = buf_alloc(b, bytes);
+    cuda_check(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice), "upload");
+    return p;
+  }
+#endif
+  (void)b; (void)bytes;
+  return (void*)host;
+}
+static void buf_download(const backend* b, void* host, const void* src, size_t bytes) {
+#ifdef MOEBLAZE_BENCH_CUDA
+  if (b->cuda) { cuda_check(cudaMemcpy(host, src, bytes, cudaMemcpyDeviceToHost), "download"); return; }
+#endif
+  (void)b;
+  if (host != src) memcpy(host, src, bytes);
+}
+
+static moeblaze_tensor_t tensor(const backend* b, void* data, moeblaze_dtype_t t, int32_t ndim, const int64_t* shape) {
   moeblaze_tensor_t x;
   memset(&x, 0, sizeof x);
   x.data = data;
-  x.device.device_type = MOEBLAZE_DEVICE_CPU;
+  x.device.device_type = b->cuda ? MOEBLAZE_DEVICE_CUDA : MOEBLAZE_DEVICE_CPU;
   x.ndim = ndim;
   x.dtype = t;
   x.shape = shape;
   return x;
+}
+
+/* Times the region between mark(0) and mark(1) in ms (CUDA events on the GPU). */
+static double clock_start;
+static void mark(backend* b, int which) {
+#ifdef MOEBLAZE_BENCH_CUDA
+  if (b->cuda) { cudaEventRecord(b->ev[which], (cudaStream_t)b->stream); return; }
+#endif
+  (void)b;
+  if (which == 0) clock_start = now_ms();
+}
+static double elapsed(backend* b) {
+#ifdef MOEBLAZE_BENCH_CUDA
+  if (b->cuda) {
+    float ms = 0.f;
+    cudaEventSynchronize(b->ev[1]);
+    cudaEventElapsedTime(&ms, b->ev[0], b->ev[1]);
+    return ms;
+  }
+#endif
+  (void)b;
+  return now_ms() - clock_start;
+}
+
+/* The ceiling: dense bf16 cuBLAS GEMMs of the same total FLOPs, back to back (8192^3 each, or
+ * one square GEMM of the same FLOPs when smaller). Returns the median time in ms, or NaN. */
+static double dense_ceiling_ms(backend* b, double flops, int reps) {
+#ifdef MOEBLAZE_BENCH_CUDA
+  if (!b->cuda) return NAN;
+  const double f8192 = 2.0 * 8192.0 * 8192.0 * 8192.0;
+  int64_t n = 8192, count = (int64_t)(flops / f8192 + 0.5);
+  if (flops < f8192) {
+    count = 1;
+    n = (int64_t)(cbrt(flops / 2.0) / 256.0 + 0.5) * 256;
+    if (n < 256) n = 256;
+  }
+  const double actual = 2.0 * (double)n * (double)n * (double)n * (double)count;
+  moeblaze_dtype_t bf16 = MOEBLAZE_DTYPE_BF16;
+  void* hA = random_tensor(bf16, (size_t)(n * n), 1.0);
+  void *A = buf_upload(b, hA, (size_t)(n * n) * 2), *B = buf_upload(b, hA, (size_t)(n * n) * 2);
+  void* C = buf_alloc(b, (size_t)(n * n) * 2);
+  free(hA);
+  const float alpha = 1.f, beta = 0.f;
+  double* t = malloc(sizeof(double) * (size_t)reps);
+  for (int r = -2; r < reps; ++r) {
+    mark(b, 0);
+    for (int64_t i = 0; i < count; ++i)
+      cublasGemmEx(b->blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)n, (int)n, (int)n, &alpha, A, CUDA_R_16BF, (int)n, B, CUDA_R_16BF,
+                   (int)n, &beta, C, CUDA_R_16BF, (int)n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    mark(b, 1);
+    double ms = elapsed(b);
+    if (r >= 0) t[r] = ms;
+  }
+  double m = median(t, reps) * flops / actual;
+  free(t);
+  buf_free(b, A); buf_free(b, B); buf_free(b, C);
+  return m;
+#else
+  (void)b; (void)flops; (void)reps;
+  return NAN;
+#endif
 }
 
 static const char* act_name(int a) {
@@ -118,7 +240,8 @@ static const char* dtype_name(moeblaze_dtype_t t) { return t.bits == 32 ? "f32" 
 static void usage(void) {
   printf("usage: moeblaze-bench [--configs FILE] [--only conf1,conf3] [--activations silu,swiglu]\n"
          "                      [--dtype bf16|f16|f32] [--policy preact|recompute|all] [--tokens N]\n"
-         "                      [--cpu-gflop G] [--reps N] [--warmup N] [--threads N] [--no-check] [--json FILE]\n");
+         "                      [--device auto|cpu|cuda] [--cpu-gflop G] [--reps N] [--warmup N] [--threads N]\n"
+         "                      [--no-check] [--json FILE]\n");
 }
 
 static int selected(const options* o, const char* name) {
@@ -136,10 +259,11 @@ static int selected(const options* o, const char* name) {
 static void parse(int argc, char** argv, options* o) {
   memset(o, 0, sizeof *o);
   o->configs = MOEBLAZE_DEFAULT_CONFIGS;
-  o->cpu_gflop = 6.0;
+  o->cpu_gflop = 4.0;
   o->reps = -1;
   o->warmup = 1;
   o->check = 1;
+  o->device = -1;
   o->policy = MOEBLAZE_SAVE_PREACT;
   moeblaze_dtype_t bf16 = MOEBLAZE_DTYPE_BF16;
   o->dtype = bf16;
@@ -161,6 +285,7 @@ static void parse(int argc, char** argv, options* o) {
     else if (!strcmp(a, "--reps")) o->reps = atoi(v);
     else if (!strcmp(a, "--warmup")) o->warmup = atoi(v);
     else if (!strcmp(a, "--threads")) o->threads = atoi(v);
+    else if (!strcmp(a, "--device")) o->device = !strcmp(v, "cpu") ? 0 : !strcmp(v, "cuda") ? 1 : -1;
     else if (!strcmp(a, "--policy")) {
       o->policy = !strcmp(v, "recompute") ? MOEBLAZE_SAVE_RECOMPUTE_UP : !strcmp(v, "all") ? MOEBLAZE_SAVE_ALL : MOEBLAZE_SAVE_PREACT;
     } else if (!strcmp(a, "--dtype")) {
@@ -179,6 +304,133 @@ static void parse(int argc, char** argv, options* o) {
   }
 }
 
+
+typedef struct result {
+  double fwd, bwd, total, ceiling, err;
+  size_t saved, ws_fwd, ws_bwd;
+  int64_t L, check_tokens;
+} result;
+
+/* One config x activation: times fwd, bwd and fwd+bwd, the dense ceiling, and one checked
+ * step of `check_tokens` tokens against the fp64 reference. */
+static result run_one(backend* be, const options* o, const bench_config* c, int act, int64_t L) {
+  result res;
+  memset(&res, 0, sizeof res);
+  const int gated = act == MOEBLAZE_ACTIVATION_SWIGLU || act == MOEBLAZE_ACTIVATION_GEGLU;
+  const int64_t d = c->d, h = 4 * c->d, E = c->experts, k = c->k, gh = (gated ? 2 : 1) * h;
+  const double flop_per_token = 3.0 * 2.0 * (double)k * (double)d * (double)h * (gated ? 3.0 : 2.0);
+  moeblaze_config_t cfg;
+  CHECK(moeblaze_config_create(&cfg));
+  CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, be->cuda ? MOEBLAZE_DEVICE_CUDA : MOEBLAZE_DEVICE_CPU));
+  CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, E));
+  CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, k));
+  CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_HIDDEN_SIZE, d));
+  CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, h));
+  CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_MAX_TOKENS, L));
+  CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ACTIVATION, act));
+  CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SAVE_POLICY, o->policy));
+  if (!be->cuda) CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_THREADS, o->threads));
+  CHECK(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, o->dtype));
+  CHECK(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, o->dtype));
+  moeblaze_handle_t handle;
+  CHECK(moeblaze_create(&handle, cfg));
+  moeblaze_config_destroy(cfg);
+
+  const moeblaze_dtype_t dt = o->dtype, f32 = MOEBLAZE_DTYPE_F32;
+  const size_t es = dsize(dt), nx = (size_t)(L * d), nl = (size_t)(L * E), nwgu = (size_t)(E * d * gh), nwd = (size_t)(E * h * d);
+  /* Host copies (the reference check reads them), device copies where the engine runs. */
+  bench_step s;
+  memset(&s, 0, sizeof s);
+  s.d = d; s.h = h; s.E = E; s.k = k; s.activation = act; s.dtype = dt;
+  s.x = random_tensor(dt, nx, 1.0);
+  s.logits = random_tensor(f32, nl, 1.0);
+  s.w_gate_up = random_tensor(dt, nwgu, 1.0 / sqrt((double)d));
+  s.w_down = random_tensor(dt, nwd, 1.0 / sqrt((double)h));
+  s.dy = random_tensor(dt, nx, 1.0);
+  void *x = buf_upload(be, s.x, nx * es), *logits = buf_upload(be, s.logits, nl * 4), *wgu = buf_upload(be, s.w_gate_up, nwgu * es),
+       *wd = buf_upload(be, s.w_down, nwd * es), *dy = buf_upload(be, s.dy, nx * es);
+  void *y = buf_alloc(be, nx * es), *dx = buf_alloc(be, nx * es), *dwgu = buf_alloc(be, nwgu * es), *dwd = buf_alloc(be, nwd * es),
+       *dlog = buf_alloc(be, nl * 4);
+  CHECK(moeblaze_get_workspace_size(handle, MOEBLAZE_PASS_FORWARD_TRAINING, L, &res.ws_fwd));
+  CHECK(moeblaze_get_workspace_size(handle, MOEBLAZE_PASS_BACKWARD, L, &res.ws_bwd));
+  CHECK(moeblaze_get_saved_size(handle, L, &res.saved));
+  const size_t ws_bytes = res.ws_fwd > res.ws_bwd ? res.ws_fwd : res.ws_bwd;
+  void* ws = buf_alloc(be, ws_bytes);
+  void* saved = buf_alloc(be, res.saved);
+
+  int64_t sx[2] = {L, d}, sl[2] = {L, E};
+  const int64_t sw[3] = {E, d, gh}, sd[3] = {E, h, d};
+  moeblaze_arg_t fwd[5] = {
+      {MOEBLAZE_ARG_INPUT, 0, tensor(be, x, dt, 2, sx)}, {MOEBLAZE_ARG_ROUTER_LOGITS, 0, tensor(be, logits, f32, 2, sl)},
+      {MOEBLAZE_ARG_W_GATE_UP, 0, tensor(be, wgu, dt, 3, sw)}, {MOEBLAZE_ARG_W_DOWN, 0, tensor(be, wd, dt, 3, sd)},
+      {MOEBLAZE_ARG_OUTPUT, 0, tensor(be, y, dt, 2, sx)}};
+  moeblaze_arg_t bwd[9] = {
+      fwd[0], fwd[1], fwd[2], fwd[3],
+      {MOEBLAZE_ARG_GRAD_OUTPUT, 0, tensor(be, dy, dt, 2, sx)}, {MOEBLAZE_ARG_GRAD_INPUT, 0, tensor(be, dx, dt, 2, sx)},
+      {MOEBLAZE_ARG_GRAD_W_GATE_UP, 0, tensor(be, dwgu, dt, 3, sw)}, {MOEBLAZE_ARG_GRAD_W_DOWN, 0, tensor(be, dwd, dt, 3, sd)},
+      {MOEBLAZE_ARG_GRAD_ROUTER_LOGITS, 0, tensor(be, dlog, f32, 2, sl)}};
+  moeblaze_stream_t stream = (moeblaze_stream_t)be->stream;
+
+  const int reps = o->reps > 0 ? o->reps : (be->cuda ? 20 : 3);
+  double* tf = malloc(sizeof(double) * (size_t)reps);
+  double* tb = malloc(sizeof(double) * (size_t)reps);
+  double* tt = malloc(sizeof(double) * (size_t)reps);
+  const int warmup = be->cuda && o->warmup < 3 ? 3 : o->warmup;
+  for (int r = -warmup; r < reps; ++r) {
+    mark(be, 0);
+    CHECK(moeblaze_forward(handle, MOEBLAZE_PASS_FORWARD_TRAINING, fwd, 5, ws, ws_bytes, saved, res.saved, stream));
+    mark(be, 1);
+    double f = elapsed(be);
+    mark(be, 0);
+    CHECK(moeblaze_backward(handle, bwd, 9, saved, res.saved, ws, ws_bytes, stream));
+    mark(be, 1);
+    double bk = elapsed(be);
+    if (r >= 0) { tf[r] = f; tb[r] = bk; tt[r] = f + bk; }
+  }
+  res.fwd = median(tf, reps);
+  res.bwd = median(tb, reps);
+  res.total = median(tt, reps);
+  res.L = L;
+  res.ceiling = dense_ceiling_ms(be, flop_per_token * (double)L, 5);
+  free(tf); free(tb); free(tt);
+
+  /* One checked step on the first check_tokens tokens (the fp64 reference is slow). */
+  res.err = NAN;
+  if (o->check) {
+    int64_t lc = (int64_t)(5e8 / flop_per_token);
+    if (lc < 1) lc = 1;
+    if (lc > 256) lc = 256;
+    if (lc > L) lc = L;
+    res.check_tokens = lc;
+    sx[0] = lc;
+    sl[0] = lc;
+    CHECK(moeblaze_forward(handle, MOEBLAZE_PASS_FORWARD_TRAINING, fwd, 5, ws, ws_bytes, saved, res.saved, stream));
+    CHECK(moeblaze_backward(handle, bwd, 9, saved, res.saved, ws, ws_bytes, stream));
+#ifdef MOEBLAZE_BENCH_CUDA
+    if (be->cuda) cuda_check(cudaStreamSynchronize((cudaStream_t)be->stream), "sync");
+#endif
+    s.L = lc;
+    s.y = alloc_aligned((size_t)lc * (size_t)d * es);
+    s.dx = alloc_aligned((size_t)lc * (size_t)d * es);
+    s.dw_gate_up = alloc_aligned(nwgu * es);
+    s.dw_down = alloc_aligned(nwd * es);
+    s.dlogits = alloc_aligned((size_t)lc * (size_t)E * 4);
+    buf_download(be, s.y, y, (size_t)lc * (size_t)d * es);
+    buf_download(be, s.dx, dx, (size_t)lc * (size_t)d * es);
+    buf_download(be, s.dw_gate_up, dwgu, nwgu * es);
+    buf_download(be, s.dw_down, dwd, nwd * es);
+    buf_download(be, s.dlogits, dlog, (size_t)lc * (size_t)E * 4);
+    res.err = bench_max_rel_error(&s);
+    free(s.y); free(s.dx); free(s.dw_gate_up); free(s.dw_down); free(s.dlogits);
+  }
+  void* dev[] = {y, dx, dwgu, dwd, dlog, ws, saved};
+  for (size_t i = 0; i < sizeof dev / sizeof dev[0]; ++i) buf_free(be, dev[i]);
+  if (be->cuda) { buf_free(be, x); buf_free(be, logits); buf_free(be, wgu); buf_free(be, wd); buf_free(be, dy); }
+  free(s.x); free(s.logits); free(s.w_gate_up); free(s.w_down); free(s.dy);
+  moeblaze_destroy(handle);
+  return res;
+}
+
 int main(int argc, char** argv) {
   options o;
   parse(argc, argv, &o);
@@ -188,16 +440,35 @@ int main(int argc, char** argv) {
 
   int32_t gpus = 0;
   CHECK(moeblaze_get_device_count(MOEBLAZE_DEVICE_CUDA, &gpus));
+  backend be;
+  memset(&be, 0, sizeof be);
+#ifdef MOEBLAZE_BENCH_CUDA
+  be.cuda = o.device == 1 || (o.device == -1 && gpus > 0);
+  if (be.cuda) {
+    cudaStream_t st;
+    cuda_check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+    be.stream = st;
+    for (int i = 0; i < 4; ++i) cuda_check(cudaEventCreate(&be.ev[i]), "event");
+    if (cublasCreate(&be.blas) != CUBLAS_STATUS_SUCCESS) { fprintf(stderr, "moeblaze-bench: cublasCreate failed\n"); return 1; }
+    cublasSetStream(be.blas, st);
+  }
+#else
+  if (o.device == 1) { fprintf(stderr, "moeblaze-bench: built without CUDA\n"); return 1; }
+#endif
   printf("# %s\n", moeblaze_get_build_info());
-  printf("# CUDA devices: %d; engine: CPU reference (the CUDA engines arrive in 0.2)%s\n", gpus,
-         o.tokens ? "" : "; tokens reduced so that one fwd+bwd step costs about --cpu-gflop GFLOP");
-  printf("# dtype %s, policy %s, routing from logits (softmax), h = 4 d\n", dtype_name(o.dtype),
-         o.policy == MOEBLAZE_SAVE_PREACT ? "SAVE_PREACT" : o.policy == MOEBLAZE_SAVE_ALL ? "SAVE_ALL" : "RECOMPUTE_UP");
+  if (be.cuda)
+    printf("# engine: CUDA cuBLASLt on device 0 of %d; median of %d reps after warm-up, CUDA events; ceiling = dense bf16 cuBLAS GEMMs of the same FLOPs in the same run\n",
+           gpus, o.reps > 0 ? o.reps : 20);
+  else
+    printf("# engine: CPU reference (%d CUDA device(s) seen)%s\n", gpus,
+           o.tokens ? "" : "; tokens reduced so that one fwd+bwd step costs about --cpu-gflop GFLOP");
+  printf("# dtype %s, policy %s, routing from logits (softmax), h = 4 d; error: one step vs the fp64 reference on the first tokens\n",
+         dtype_name(o.dtype), o.policy == MOEBLAZE_SAVE_PREACT ? "SAVE_PREACT" : o.policy == MOEBLAZE_SAVE_ALL ? "SAVE_ALL" : "RECOMPUTE_UP");
   FILE* json = o.json ? fopen(o.json, "w") : NULL;
   if (o.json && !json) { fprintf(stderr, "moeblaze-bench: cannot write %s\n", o.json); return 1; }
 
-  printf("| config | act | tokens (paper) | fwd ms | bwd ms | fwd+bwd ms | GFLOP/s | saved MiB | saved B/token | peak MiB | max rel err |\n");
-  printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  printf("| config | act | tokens (paper) | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s | ceiling ms | %% of dense | saved MiB | saved B/token | peak MiB | max rel err (tokens) |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   fflush(stdout);
   for (int ci = 0; ci < n; ++ci) {
     const bench_config* c = &cfgs[ci];
@@ -205,101 +476,31 @@ int main(int argc, char** argv) {
     for (int ai = 0; ai < o.num_activations; ++ai) {
       const int act = o.activations[ai];
       const int gated = act == MOEBLAZE_ACTIVATION_SWIGLU || act == MOEBLAZE_ACTIVATION_GEGLU;
-      const int64_t d = c->d, h = 4 * c->d, E = c->experts, k = c->k, gh = (gated ? 2 : 1) * h;
+      const double flop_per_token = 3.0 * 2.0 * (double)c->k * (double)c->d * (double)(4 * c->d) * (gated ? 3.0 : 2.0);
       const int64_t L_paper = c->batch * c->seq;
-      const double flop_per_token = 3.0 * 2.0 * (double)k * (double)d * (double)h * (gated ? 3.0 : 2.0);
       int64_t L = o.tokens;
+      if (L <= 0 && be.cuda) L = L_paper;
       if (L <= 0) {
         L = (int64_t)(o.cpu_gflop * 1e9 / flop_per_token);
-        if (L < 2 * E) L = 2 * E; /* enough tokens that experts see work */
+        if (L < 2 * c->experts) L = 2 * c->experts; /* enough tokens that experts see work */
       }
       if (L > L_paper) L = L_paper;
-
-      moeblaze_config_t cfg;
-      CHECK(moeblaze_config_create(&cfg));
-      CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CPU));
-      CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, E));
-      CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, k));
-      CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_HIDDEN_SIZE, d));
-      CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, h));
-      CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_MAX_TOKENS, L));
-      CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ACTIVATION, act));
-      CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SAVE_POLICY, o.policy));
-      CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_THREADS, o.threads));
-      CHECK(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, o.dtype));
-      CHECK(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, o.dtype));
-      moeblaze_handle_t handle;
-      CHECK(moeblaze_create(&handle, cfg));
-      moeblaze_config_destroy(cfg);
-
-      const moeblaze_dtype_t dt = o.dtype, f32 = MOEBLAZE_DTYPE_F32;
-      bench_step s;
-      memset(&s, 0, sizeof s);
-      s.L = L; s.d = d; s.h = h; s.E = E; s.k = k; s.activation = act; s.dtype = dt;
-      s.x = random_tensor(dt, (size_t)(L * d), 1.0);
-      s.logits = random_tensor(f32, (size_t)(L * E), 1.0);
-      s.w_gate_up = random_tensor(dt, (size_t)(E * d * gh), 1.0 / sqrt((double)d));
-      s.w_down = random_tensor(dt, (size_t)(E * h * d), 1.0 / sqrt((double)h));
-      s.dy = random_tensor(dt, (size_t)(L * d), 1.0);
-      s.y = alloc_aligned((size_t)(L * d) * dsize(dt));
-      s.dx = alloc_aligned((size_t)(L * d) * dsize(dt));
-      s.dw_gate_up = alloc_aligned((size_t)(E * d * gh) * dsize(dt));
-      s.dw_down = alloc_aligned((size_t)(E * h * d) * dsize(dt));
-      s.dlogits = alloc_aligned((size_t)(L * E) * 4u);
-
-      const int64_t sx[2] = {L, d}, sl[2] = {L, E}, sw[3] = {E, d, gh}, sd[3] = {E, h, d};
-      moeblaze_arg_t fwd[5] = {
-          {MOEBLAZE_ARG_INPUT, 0, tensor(s.x, dt, 2, sx)}, {MOEBLAZE_ARG_ROUTER_LOGITS, 0, tensor(s.logits, f32, 2, sl)},
-          {MOEBLAZE_ARG_W_GATE_UP, 0, tensor(s.w_gate_up, dt, 3, sw)}, {MOEBLAZE_ARG_W_DOWN, 0, tensor(s.w_down, dt, 3, sd)},
-          {MOEBLAZE_ARG_OUTPUT, 0, tensor(s.y, dt, 2, sx)}};
-      moeblaze_arg_t bwd[9] = {
-          fwd[0], fwd[1], fwd[2], fwd[3],
-          {MOEBLAZE_ARG_GRAD_OUTPUT, 0, tensor(s.dy, dt, 2, sx)}, {MOEBLAZE_ARG_GRAD_INPUT, 0, tensor(s.dx, dt, 2, sx)},
-          {MOEBLAZE_ARG_GRAD_W_GATE_UP, 0, tensor(s.dw_gate_up, dt, 3, sw)},
-          {MOEBLAZE_ARG_GRAD_W_DOWN, 0, tensor(s.dw_down, dt, 3, sd)},
-          {MOEBLAZE_ARG_GRAD_ROUTER_LOGITS, 0, tensor(s.dlogits, f32, 2, sl)}};
-      size_t ws_fwd = 0, ws_bwd = 0, saved_bytes = 0;
-      CHECK(moeblaze_get_workspace_size(handle, MOEBLAZE_PASS_FORWARD_TRAINING, L, &ws_fwd));
-      CHECK(moeblaze_get_workspace_size(handle, MOEBLAZE_PASS_BACKWARD, L, &ws_bwd));
-      CHECK(moeblaze_get_saved_size(handle, L, &saved_bytes));
-      const size_t ws_bytes = ws_fwd > ws_bwd ? ws_fwd : ws_bwd;
-      void* ws = alloc_aligned(ws_bytes);
-      void* saved = alloc_aligned(saved_bytes);
-
-      const int reps = o.reps > 0 ? o.reps : 3;
-      double* tf = malloc(sizeof(double) * (size_t)reps);
-      double* tb = malloc(sizeof(double) * (size_t)reps);
-      double* tt = malloc(sizeof(double) * (size_t)reps);
-      for (int r = -o.warmup; r < reps; ++r) {
-        double t0 = now_ms();
-        CHECK(moeblaze_forward(handle, MOEBLAZE_PASS_FORWARD_TRAINING, fwd, 5, ws, ws_bytes, saved, saved_bytes, NULL));
-        double t1 = now_ms();
-        CHECK(moeblaze_backward(handle, bwd, 9, saved, saved_bytes, ws, ws_bytes, NULL));
-        double t2 = now_ms();
-        if (r >= 0) { tf[r] = t1 - t0; tb[r] = t2 - t1; tt[r] = t2 - t0; }
-      }
-      const double mf = median(tf, reps), mb = median(tb, reps), mt = median(tt, reps);
-      const double gflops = flop_per_token * (double)L / (mt * 1e-3) * 1e-9;
-      const double err = o.check ? bench_max_rel_error(&s) : NAN;
-      const double peak = (double)(saved_bytes + ws_bytes);
-      char tokens[64];
-      snprintf(tokens, sizeof tokens, "%lld (%lld)", (long long)L, (long long)L_paper);
-      printf("| %s | %s | %s | %.2f | %.2f | %.2f | %.1f | %.2f | %.0f | %.2f | %.2e |\n", c->name, act_name(act), tokens,
-             mf, mb, mt, gflops, (double)saved_bytes / 1048576.0, (double)saved_bytes / (double)L, peak / 1048576.0, err);
+      result r = run_one(&be, &o, c, act, L);
+      const double tflops = flop_per_token * (double)L / (r.total * 1e-3) * 1e-12;
+      const double peak = (double)(r.saved + (r.ws_fwd > r.ws_bwd ? r.ws_fwd : r.ws_bwd));
+      printf("| %s | %s | %lld (%lld) | %.3f | %.3f | %.3f | %.3f | %.3f | %.1f | %.2f | %.0f | %.2f | %.2e (%lld) |\n", c->name,
+             act_name(act), (long long)L, (long long)L_paper, r.fwd, r.bwd, r.total, tflops, r.ceiling, 100.0 * r.ceiling / r.total,
+             (double)r.saved / 1048576.0, (double)r.saved / (double)L, peak / 1048576.0, r.err, (long long)r.check_tokens);
       fflush(stdout);
       if (json)
         fprintf(json,
-                "{\"config\":\"%s\",\"activation\":\"%s\",\"engine\":\"cpu\",\"dtype\":\"%s\",\"tokens\":%lld,\"paper_tokens\":%lld,"
+                "{\"config\":\"%s\",\"activation\":\"%s\",\"engine\":\"%s\",\"dtype\":\"%s\",\"tokens\":%lld,\"paper_tokens\":%lld,"
                 "\"d\":%lld,\"h\":%lld,\"experts\":%lld,\"k\":%lld,\"fwd_ms\":%.4f,\"bwd_ms\":%.4f,\"fwd_bwd_ms\":%.4f,"
-                "\"gflops\":%.3f,\"saved_bytes\":%zu,\"workspace_fwd_bytes\":%zu,\"workspace_bwd_bytes\":%zu,"
-                "\"peak_bytes\":%.0f,\"max_rel_err\":%.3e}\n",
-                c->name, act_name(act), dtype_name(dt), (long long)L, (long long)L_paper, (long long)d, (long long)h,
-                (long long)E, (long long)k, mf, mb, mt, gflops, saved_bytes, ws_fwd, ws_bwd, peak, err);
-      free(tf); free(tb); free(tt);
-      free(ws); free(saved);
-      free(s.x); free(s.logits); free(s.w_gate_up); free(s.w_down); free(s.dy);
-      free(s.y); free(s.dx); free(s.dw_gate_up); free(s.dw_down); free(s.dlogits);
-      moeblaze_destroy(handle);
+                "\"tflops\":%.4f,\"ceiling_ms\":%.4f,\"saved_bytes\":%zu,\"workspace_fwd_bytes\":%zu,\"workspace_bwd_bytes\":%zu,"
+                "\"peak_bytes\":%.0f,\"max_rel_err\":%.3e,\"check_tokens\":%lld}\n",
+                c->name, act_name(act), be.cuda ? "cuda_cublaslt" : "cpu", dtype_name(o.dtype), (long long)L, (long long)L_paper,
+                (long long)c->d, (long long)(4 * c->d), (long long)c->experts, (long long)c->k, r.fwd, r.bwd, r.total, tflops,
+                r.ceiling, r.saved, r.ws_fwd, r.ws_bwd, peak, r.err, (long long)r.check_tokens);
     }
   }
   if (json) fclose(json);

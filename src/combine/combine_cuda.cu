@@ -2,36 +2,41 @@
 #include "cuda/cuda_check.hpp"
 #include "util/align.hpp"
 #include "util/dtype.hpp"
+#include "util/vec8.cuh"
 
 namespace moeblaze {
 inline namespace v0 {
 namespace combine {
 namespace {
 
-__global__ void combine_kernel(const int32_t* map, const float* gates, int64_t k, int64_t d, const char* O, DType ot,
-                               char* y, DType yt, int64_t y_stride) {
+template <class T, int W>
+__global__ void combine_rows_kernel(const int32_t* map, const float* gates, int64_t k, int64_t d, const T* src,
+                                    const float* extra, T* out, int64_t out_stride, bool accumulate) {
   const int64_t t = blockIdx.x;
-  const int64_t es = static_cast<int64_t>(dtype_size(ot));
-  char* yr = y + t * y_stride * static_cast<int64_t>(dtype_size(yt));
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < k; ++j)
-      acc += gates[t * k + j] * load_f32(O + static_cast<int64_t>(map[t * k + j]) * d * es, ot, c);
-    store_f32(yr, yt, c, acc);
-  }
-}
-
-__global__ void reduce_dx_kernel(const int32_t* map, int64_t k, int64_t d, const char* part, DType pt, const float* extra,
-                                 char* dx, DType xt, int64_t stride, bool accumulate) {
-  const int64_t t = blockIdx.x;
-  const int64_t es = static_cast<int64_t>(dtype_size(pt));
-  char* row = dx + t * stride * static_cast<int64_t>(dtype_size(xt));
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < k; ++j) acc += load_f32(part + static_cast<int64_t>(map[t * k + j]) * d * es, pt, c);
-    if (extra) acc += extra[t * d + c];
-    if (accumulate) acc += load_f32(row, xt, c);
-    store_f32(row, xt, c, acc);
+  T* row = out + t * out_stride;
+  for (int64_t c = threadIdx.x * W; c < d; c += blockDim.x * W) {
+    float acc[W], v[W];
+#pragma unroll
+    for (int q = 0; q < W; ++q) acc[q] = 0.f;
+    for (int64_t j = 0; j < k; ++j) {
+      const T* in = src + static_cast<int64_t>(map[t * k + j]) * d + c;
+      const float g = gates ? gates[t * k + j] : 1.f;
+      if (W == 8) Elem<T>::load8(in, v);
+      else v[0] = Elem<T>::load1(in);
+#pragma unroll
+      for (int q = 0; q < W; ++q) acc[q] += g * v[q];
+    }
+    if (extra)
+#pragma unroll
+      for (int q = 0; q < W; ++q) acc[q] += extra[t * d + c + q];
+    if (accumulate) {
+      if (W == 8) Elem<T>::load8(row + c, v);
+      else v[0] = Elem<T>::load1(row + c);
+#pragma unroll
+      for (int q = 0; q < W; ++q) acc[q] += v[q];
+    }
+    if (W == 8) Elem<T>::store8(row + c, acc);
+    else Elem<T>::store1(row + c, acc[0]);
   }
 }
 
@@ -53,20 +58,22 @@ __global__ void store_rows_kernel(const float* src, int64_t rows, int64_t cols, 
 
 }  // namespace
 
-void combine_outputs_cuda(const RoutingPlan& plan, int64_t L, int64_t k, int64_t d, const void* O, DType ot, const View& y,
-                          cudaStream_t s) {
+void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_t k, int64_t d, const void* src,
+                       const float* extra, const View& out, cudaStream_t s) {
   if (L == 0) return;
-  combine_kernel<<<static_cast<unsigned>(L), 128, 0, s>>>(plan.token_index_map, plan.gates, k, d,
-                                                          static_cast<const char*>(O), ot, y.data, y.dtype, y.stride[0]);
-  MOEBLAZE_CUDA_LAUNCH_CHECK("combine");
-}
-
-void reduce_dx_cuda(const RoutingPlan& plan, int64_t L, int64_t k, int64_t d, const void* part, DType pt,
-                    const float* extra, const View& dx, cudaStream_t s) {
-  if (L == 0) return;
-  reduce_dx_kernel<<<static_cast<unsigned>(L), 128, 0, s>>>(plan.token_index_map, k, d, static_cast<const char*>(part),
-                                                            pt, extra, dx.data, dx.dtype, dx.stride[0], dx.accumulate);
-  MOEBLAZE_CUDA_LAUNCH_CHECK("reduce_dx");
+  // Vector path when every row start is 16-byte aligned.
+  const bool vec = d % 8 == 0 && (out.stride[0] * static_cast<int64_t>(out.elem())) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
+  const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d, vec ? 8 : 1))));
+  MOEBLAZE_DISPATCH_FLOAT(out.dtype, T, {
+    const T* in = static_cast<const T*>(src);
+    T* o = reinterpret_cast<T*>(out.data);
+    if (vec)
+      combine_rows_kernel<T, 8><<<static_cast<unsigned>(L), threads, 0, s>>>(map, gates, k, d, in, extra, o, out.stride[0], out.accumulate);
+    else
+      combine_rows_kernel<T, 1><<<static_cast<unsigned>(L), threads, 0, s>>>(map, gates, k, d, in, extra, o, out.stride[0], out.accumulate);
+  });
+  MOEBLAZE_CUDA_LAUNCH_CHECK("combine_rows");
 }
 
 void to_token_order_cuda(const RoutingPlan& plan, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s) {

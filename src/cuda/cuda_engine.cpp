@@ -56,7 +56,7 @@ struct GpuWork {
   float* dlogits = nullptr;      // [L, E]
   void* dyg = nullptr;           // [L k, d] gathered dy (then scaled by the gate)
   void* dpre = nullptr;          // [L k, g h]
-  float* dx_part = nullptr;      // [L k, d] fp32
+  void* dx_part = nullptr;       // [L k, d] per-slot dx contributions
   float* dg_pos = nullptr;       // [L k]
   float* dg_tok = nullptr;       // [L k]
   float* x_f32 = nullptr;        // [L, d] router GEMMs in fp32
@@ -118,7 +118,9 @@ GpuWork CudaEngine::carve(Pass pass, int64_t L, void* base) const {
   }
   w.gate_pos = c.take<float>(P);
   w.xg = c.take<char>(P * static_cast<size_t>(d) * es);
-  if (pass != Pass::kForwardTraining || cfg_.save_policy == SavePolicy::kRecomputeUp)
+  // pre: only where nothing saved holds it; act: the forward's down-GEMM input, or in
+  // backward g * act (the dW_down operand).
+  if (pass == Pass::kForwardInference || cfg_.save_policy == SavePolicy::kRecomputeUp)
     w.pre = c.take<char>(P * static_cast<size_t>(gh) * es);
   if (pass != Pass::kForwardTraining || cfg_.save_policy != SavePolicy::kSaveAll)
     w.act = c.take<char>(P * static_cast<size_t>(h) * es);
@@ -128,7 +130,7 @@ GpuWork CudaEngine::carve(Pass pass, int64_t L, void* base) const {
     w.dlogits = c.take<float>(static_cast<size_t>(L * E));
     w.dyg = c.take<char>(P * static_cast<size_t>(d) * es);
     w.dpre = c.take<char>(P * static_cast<size_t>(gh) * es);
-    w.dx_part = c.take<float>(P * static_cast<size_t>(d));
+    w.dx_part = c.take<char>(P * static_cast<size_t>(d) * es);
     w.dg_pos = c.take<float>(P);
     w.dg_tok = c.take<float>(P);
     w.x_f32 = c.take<float>(static_cast<size_t>(L * d));
@@ -216,7 +218,7 @@ void CudaEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, vo
   char* act = static_cast<char*>(sv.act ? sv.act : w.act);
   char* xg = static_cast<char*>(w.xg);
   char* out = static_cast<char*>(w.out);
-  experts::gather_rows_cuda(a.x, plan.expert_token_indices, nullptr, P, d, xg, s);
+  experts::gather_rows_cuda(a.x, plan.expert_token_indices, P, d, xg, s);
   for (int64_t e = 0; e < E; ++e) {  // pre = x_e W_gate_up[e]
     const int64_t p0 = off[e], n = off[e + 1] - p0;
     if (n == 0) continue;
@@ -230,7 +232,7 @@ void CudaEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, vo
     gemm(n, d, h, {act + p0 * h * es, dt, h, false}, {a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], false},
          out + p0 * d * es, dt, d, 0.f, w, s);
   }
-  combine::combine_outputs_cuda(plan, L, k, d, out, dt, a.y, s);
+  combine::combine_rows_cuda(plan.token_index_map, plan.gates, L, k, d, out, nullptr, a.y, s);
 }
 
 void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
@@ -248,11 +250,11 @@ void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* 
 
   const bool want_router = a.mode != RoutingMode::kCallerTopK &&
                            (a.d_logits.present || a.d_router_weight.present || (a.dx.present && a.mode == RoutingMode::kRouterWeight));
-  const bool want_dpre = a.dx.present || a.d_w_gate_up.present;
   char* xg = static_cast<char*>(w.xg);
   char* pre = static_cast<char*>(sv.preact ? sv.preact : w.pre);
-  char* act = static_cast<char*>(sv.act ? sv.act : w.act);
+  char* gact = static_cast<char*>(w.act);
   char* dyg = static_cast<char*>(w.dyg);
+  char* dx_part = static_cast<char*>(w.dx_part);
   char* dpre = static_cast<char*>(w.dpre);
   auto for_experts = [&](auto&& fn) {
     for (int64_t e = 0; e < E; ++e)
@@ -260,34 +262,32 @@ void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* 
   };
 
   experts::gates_to_positions_cuda(plan, L, k, w.gate_pos, s);
-  const bool need_pre = want_dpre || !sv.act;
-  if ((!sv.preact && need_pre) || a.d_w_gate_up.present) experts::gather_rows_cuda(a.x, plan.expert_token_indices, nullptr, P, d, xg, s);
-  if (!sv.preact && need_pre)
+  if (!sv.preact || a.d_w_gate_up.present) experts::gather_rows_cuda(a.x, plan.expert_token_indices, P, d, xg, s);
+  if (!sv.preact)  // RECOMPUTE_UP: the up GEMM again
     for_experts([&](int64_t e, int64_t p0, int64_t n) {
       gemm(n, gh, d, {xg + p0 * d * es, dt, d, false}, {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], false},
            pre + p0 * gh * es, dt, gh, 0.f, w, s);
     });
-  if (!sv.act) experts::activation_forward_cuda(cfg_.activation, dt, P, h, pre, gh, act, s);
 
-  // dact = dy W_down^T, written into the first h columns of each dpre row.
-  experts::gather_rows_cuda(a.dy, plan.expert_token_indices, nullptr, P, d, dyg, s);
+  // dact = dy W_down^T into the first h columns of each dpre row; then one fused pass gives
+  // dg, dpre (in place) and g * act (recomputed from pre, so no saved act is needed).
+  experts::gather_rows_cuda(a.dy, plan.expert_token_indices, P, d, dyg, s);
   for_experts([&](int64_t e, int64_t p0, int64_t n) {
     gemm(n, h, d, {dyg + p0 * d * es, dt, d, false}, {a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], true},
          dpre + p0 * gh * es, dt, gh, 0.f, w, s);
   });
-  experts::activation_backward_cuda(cfg_.activation, dt, P, h, pre, act, w.gate_pos, dpre, w.dg_pos, s);
+  experts::activation_backward_cuda(cfg_.activation, dt, P, h, pre, w.gate_pos, dpre, gact, w.dg_pos, s);
 
   auto zero_expert = [&](const View& v, int64_t e, int64_t rows, int64_t cols) {
     if (v.accumulate) return;
     MOEBLAZE_CUDA_CHECK(cudaMemset2DAsync(v.row(e, 0), static_cast<size_t>(v.stride[1]) * v.elem(), 0,
                                           static_cast<size_t>(cols) * v.elem(), static_cast<size_t>(rows), s));
   };
-  if (a.d_w_down.present) {  // dW_down[e] = act_e^T (g dy)_e
-    experts::gather_rows_cuda(a.dy, plan.expert_token_indices, w.gate_pos, P, d, dyg, s);
+  if (a.d_w_down.present) {  // dW_down[e] = (g act)_e^T dy_e
     for (int64_t e = 0; e < E; ++e) {
       const int64_t p0 = off[e], n = off[e + 1] - p0;
       if (n == 0) { zero_expert(a.d_w_down, e, h, d); continue; }
-      gemm(h, d, n, {act + p0 * h * es, dt, h, true}, {dyg + p0 * d * es, dt, d, false}, a.d_w_down.row(e, 0),
+      gemm(h, d, n, {gact + p0 * h * es, dt, h, true}, {dyg + p0 * d * es, dt, d, false}, a.d_w_down.row(e, 0),
            a.d_w_down.dtype, a.d_w_down.stride[1], a.d_w_down.accumulate ? 1.f : 0.f, w, s);
     }
   }
@@ -299,10 +299,10 @@ void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* 
            a.d_w_gate_up.dtype, a.d_w_gate_up.stride[1], a.d_w_gate_up.accumulate ? 1.f : 0.f, w, s);
     }
   }
-  if (a.dx.present)  // per-slot dx contributions, fp32
+  if (a.dx.present)  // per-slot dx contributions
     for_experts([&](int64_t e, int64_t p0, int64_t n) {
       gemm(n, d, gh, {dpre + p0 * gh * es, dt, gh, false}, {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], true},
-           w.dx_part + p0 * d, DType::kF32, d, 0.f, w, s);
+           dx_part + p0 * d * es, dt, d, 0.f, w, s);
     });
 
   combine::to_token_order_cuda(plan, L, k, w.dg_pos, w.dg_tok, s);
@@ -333,7 +333,8 @@ void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* 
       }
     }
   }
-  if (a.dx.present) combine::reduce_dx_cuda(plan, L, k, d, w.dx_part, DType::kF32, router_dx ? w.router_dx : nullptr, a.dx, s);
+  if (a.dx.present)
+    combine::combine_rows_cuda(plan.token_index_map, nullptr, L, k, d, dx_part, router_dx ? w.router_dx : nullptr, a.dx, s);
 }
 
 }  // namespace

@@ -3,32 +3,26 @@
 #include "experts/expert_cuda.hpp"
 #include "util/align.hpp"
 #include "util/dtype.hpp"
+#include "util/vec8.cuh"
 
 namespace moeblaze {
 inline namespace v0 {
 namespace experts {
 namespace {
 
-__global__ void gather_rows_kernel(const char* src, DType t, int64_t stride, const int32_t* rows, const float* scale,
-                                   int64_t P, int64_t d, char* out) {
+__global__ void gather_rows_kernel(const char* src, int64_t es, int64_t stride, const int32_t* rows, int64_t P,
+                                   int64_t d, char* out) {
   const int64_t p = blockIdx.x;
   if (p >= P) return;
-  const int64_t es = static_cast<int64_t>(dtype_size(t));
   const char* in = src + static_cast<int64_t>(rows[p]) * stride * es;
   char* o = out + p * d * es;
-  if (!scale) {
-    // Plain copy, 16 bytes per thread where the row allows it.
-    const int64_t bytes = d * es;
-    if ((bytes % 16 == 0) && (reinterpret_cast<uintptr_t>(in) % 16 == 0) && (reinterpret_cast<uintptr_t>(o) % 16 == 0)) {
-      for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
-        reinterpret_cast<uint4*>(o)[i] = reinterpret_cast<const uint4*>(in)[i];
-    } else {
-      for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) o[i] = in[i];
-    }
-    return;
+  const int64_t bytes = d * es;
+  if ((bytes % 16 == 0) && (reinterpret_cast<uintptr_t>(in) % 16 == 0) && (reinterpret_cast<uintptr_t>(o) % 16 == 0)) {
+    for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(o)[i] = reinterpret_cast<const uint4*>(in)[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) o[i] = in[i];
   }
-  const float g = scale[p];
-  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) store_f32(o, t, i, g * load_f32(in, t, i));
 }
 
 __global__ void gates_to_positions_kernel(const int32_t* map, const float* gates, int64_t n, float* out) {
@@ -36,56 +30,94 @@ __global__ void gates_to_positions_kernel(const int32_t* map, const float* gates
   if (i < n) out[map[i]] = gates[i];
 }
 
-__global__ void activation_forward_kernel(Activation a, DType dt, int64_t P, int64_t h, const char* pre, int64_t ld,
-                                          char* act) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= P * h) return;
-  const int64_t p = i / h, c = i % h;
-  const int64_t es = static_cast<int64_t>(dtype_size(dt));
-  const char* row = pre + p * ld * es;
-  float v = act_fn(a, load_f32(row, dt, c));
-  if (is_gated(a)) v *= load_f32(row, dt, h + c);
-  store_f32(act, dt, i, v);
+// One thread per 8 columns (vector path, h % 8 == 0) or per column.
+template <class T, int W>
+__global__ void activation_forward_kernel(Activation a, int64_t P, int64_t h, const T* pre, int64_t ld, T* act) {
+  const int64_t chunks = h / W;
+  const bool gated = is_gated(a);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < P * chunks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t p = i / chunks, c = (i % chunks) * W;
+    const T* row = pre + p * ld;
+    float u[W], b[W], o[W];
+    if (W == 8) {
+      Elem<T>::load8(row + c, u);
+      if (gated) Elem<T>::load8(row + h + c, b);
+    } else {
+      u[0] = Elem<T>::load1(row + c);
+      if (gated) b[0] = Elem<T>::load1(row + h + c);
+    }
+#pragma unroll
+    for (int q = 0; q < W; ++q) o[q] = gated ? act_fn(a, u[q]) * b[q] : act_fn(a, u[q]);
+    if (W == 8) Elem<T>::store8(act + p * h + c, o);
+    else Elem<T>::store1(act + p * h + c, o[0]);
+  }
 }
 
-// One warp per position: dg = <dact, act> in fixed lane order, then the in-place backward.
-__global__ void activation_backward_kernel(Activation a, DType dt, int64_t P, int64_t h, const char* pre,
-                                           const char* act, const float* gate, char* dpre, float* dg_pos) {
+// One warp per row; lanes take W-column chunks in a fixed order, then a fixed-order shuffle
+// reduction: dg is bitwise reproducible.
+template <class T, int W>
+__global__ void activation_backward_kernel(Activation a, int64_t P, int64_t h, const T* pre, const float* gate, T* dpre,
+                                           T* gact, float* dg_pos) {
   const int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (p >= P) return;
   const bool gated = is_gated(a);
   const int64_t ld = gated ? 2 * h : h;
-  const int64_t es = static_cast<int64_t>(dtype_size(dt));
-  const char* pr = pre + p * ld * es;
-  const char* ar = act + p * h * es;
-  char* dr = dpre + p * ld * es;
+  const T* pr = pre + p * ld;
+  T* dr = dpre + p * ld;
+  T* gr = gact + p * h;
   const float g = gate[p];
   float dot = 0.f;
-  for (int64_t c = lane; c < h; c += 32) {
-    const float dact = load_f32(dr, dt, c);
-    dot += dact * load_f32(ar, dt, c);
-    const float u = load_f32(pr, dt, c);
-    const float gd = g * dact;
-    if (gated) {
-      const float b = load_f32(pr, dt, h + c);
-      store_f32(dr, dt, c, gd * b * act_grad(a, u));
-      store_f32(dr, dt, h + c, gd * act_fn(a, u));
+  for (int64_t c = lane * W; c < h; c += 32 * W) {
+    float u[W], b[W], da[W], o1[W], o2[W], ga[W];
+    if (W == 8) {
+      Elem<T>::load8(pr + c, u);
+      if (gated) Elem<T>::load8(pr + h + c, b);
+      Elem<T>::load8(dr + c, da);
     } else {
-      store_f32(dr, dt, c, gd * act_grad(a, u));
+      u[0] = Elem<T>::load1(pr + c);
+      if (gated) b[0] = Elem<T>::load1(pr + h + c);
+      da[0] = Elem<T>::load1(dr + c);
+    }
+#pragma unroll
+    for (int q = 0; q < W; ++q) {
+      const float f = act_fn(a, u[q]);
+      const float act = round_as<T>(gated ? f * b[q] : f);
+      dot += da[q] * act;
+      const float gd = g * da[q];
+      if (gated) {
+        o1[q] = gd * b[q] * act_grad(a, u[q]);
+        o2[q] = gd * f;
+      } else {
+        o1[q] = gd * act_grad(a, u[q]);
+      }
+      ga[q] = g * act;
+    }
+    if (W == 8) {
+      Elem<T>::store8(dr + c, o1);
+      if (gated) Elem<T>::store8(dr + h + c, o2);
+      Elem<T>::store8(gr + c, ga);
+    } else {
+      Elem<T>::store1(dr + c, o1[0]);
+      if (gated) Elem<T>::store1(dr + h + c, o2[0]);
+      Elem<T>::store1(gr + c, ga[0]);
     }
   }
   for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
   if (lane == 0) dg_pos[p] = dot;
 }
 
+unsigned grid_for(int64_t n, int threads) {
+  return static_cast<unsigned>(std::min<int64_t>(ceil_div(n, threads), int64_t{1} << 20));
+}
+
 }  // namespace
 
-void gather_rows_cuda(const View& src, const int32_t* rows, const float* scale, int64_t P, int64_t d, void* out,
-                      cudaStream_t s) {
+void gather_rows_cuda(const View& src, const int32_t* rows, int64_t P, int64_t d, void* out, cudaStream_t s) {
   if (P == 0) return;
-  gather_rows_kernel<<<static_cast<unsigned>(P), 128, 0, s>>>(src.data, src.dtype, src.stride[0], rows, scale, P, d,
-                                                              static_cast<char*>(out));
+  gather_rows_kernel<<<static_cast<unsigned>(P), 128, 0, s>>>(src.data, static_cast<int64_t>(src.elem()), src.stride[0],
+                                                              rows, P, d, static_cast<char*>(out));
   MOEBLAZE_CUDA_LAUNCH_CHECK("gather_rows");
 }
 
@@ -99,16 +131,28 @@ void gates_to_positions_cuda(const RoutingPlan& plan, int64_t L, int64_t k, floa
 void activation_forward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, int64_t ld, void* act,
                              cudaStream_t s) {
   if (P * h == 0) return;
-  activation_forward_kernel<<<static_cast<unsigned>(ceil_div(P * h, 256)), 256, 0, s>>>(
-      a, dt, P, h, static_cast<const char*>(pre), ld, static_cast<char*>(act));
+  const bool vec = h % 8 == 0;
+  MOEBLAZE_DISPATCH_FLOAT(dt, T, {
+    const T* in = static_cast<const T*>(pre);
+    T* out = static_cast<T*>(act);
+    if (vec) activation_forward_kernel<T, 8><<<grid_for(P * h / 8, 256), 256, 0, s>>>(a, P, h, in, ld, out);
+    else activation_forward_kernel<T, 1><<<grid_for(P * h, 256), 256, 0, s>>>(a, P, h, in, ld, out);
+  });
   MOEBLAZE_CUDA_LAUNCH_CHECK("activation_forward");
 }
 
-void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, const void* act,
-                              const float* gate, void* dpre, float* dg_pos, cudaStream_t s) {
+void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, const float* gate, void* dpre,
+                              void* gact, float* dg_pos, cudaStream_t s) {
   if (P == 0) return;
-  activation_backward_kernel<<<static_cast<unsigned>(ceil_div(P, 8)), 256, 0, s>>>(
-      a, dt, P, h, static_cast<const char*>(pre), static_cast<const char*>(act), gate, static_cast<char*>(dpre), dg_pos);
+  const bool vec = h % 8 == 0;
+  const unsigned blocks = static_cast<unsigned>(ceil_div(P, 8));
+  MOEBLAZE_DISPATCH_FLOAT(dt, T, {
+    const T* in = static_cast<const T*>(pre);
+    if (vec)
+      activation_backward_kernel<T, 8><<<blocks, 256, 0, s>>>(a, P, h, in, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos);
+    else
+      activation_backward_kernel<T, 1><<<blocks, 256, 0, s>>>(a, P, h, in, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos);
+  });
   MOEBLAZE_CUDA_LAUNCH_CHECK("activation_backward");
 }
 

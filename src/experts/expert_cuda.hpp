@@ -1,5 +1,6 @@
 // Expert-stage kernels of the CUDA cuBLASLt engine: row gathers through the routing plan,
-// the activation forward, and the fused activation backward that also produces dg.
+// the activation forward, and the fused activation backward (dg, dpre and g * act in one pass).
+// Memory-bound: 16-byte vector access where rows allow it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,23 +15,24 @@ namespace moeblaze {
 inline namespace v0 {
 namespace experts {
 
-// out[p, :] = scale_p * src[expert_token_indices[p], :] for p in [0, P); scale is
-// gate_of_position[p] when non-null, else 1. out is dense [P, d] of src's dtype.
-void gather_rows_cuda(const View& src, const int32_t* expert_token_indices, const float* gate_of_position, int64_t P,
-                      int64_t d, void* out, cudaStream_t s);
+// out[p, :] = src[expert_token_indices[p], :] for p in [0, P); out is dense [P, d] of src's dtype.
+void gather_rows_cuda(const View& src, const int32_t* expert_token_indices, int64_t P, int64_t d, void* out,
+                      cudaStream_t s);
 
 // gate_of_position[token_index_map[t k + j]] = gates[t k + j].
 void gates_to_positions_cuda(const RoutingPlan& plan, int64_t L, int64_t k, float* gate_of_position, cudaStream_t s);
 
-// act[p, :] = f(pre[p, 0:h]) (* pre[p, h:2h] if gated), rounded to dtype. pre rows have
+// act[p, :] = f(pre[p, 0:h]) (* pre[p, h:2h] if gated), rounded to dtype; pre rows have
 // stride pre_ld, act rows stride h.
 void activation_forward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, int64_t pre_ld, void* act,
                              cudaStream_t s);
 
-// On entry dpre[p, 0:h] holds dact = dy W_down^T (dtype dt). Writes dg_pos[p] = <dact, act>
-// and, in place, dpre[p, :] = activation backward of gate * dact (dA, dB or dH), rounded.
-void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, const void* act,
-                              const float* gate_of_position, void* dpre, float* dg_pos, cudaStream_t s);
+// On entry dpre[p, 0:h] holds dact = dy W_down^T. One pass per row p, with g = gate[p] and
+// act recomputed from pre exactly as the forward rounded it:
+//   dg_pos[p] = <dact, act>;  dpre[p, :] = backward of g * dact (dA, dB or dH), in place;
+//   gact[p, :] = g * act (the dW_down operand).
+void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre,
+                              const float* gate_of_position, void* dpre, void* gact, float* dg_pos, cudaStream_t s);
 
 }  // namespace experts
 }  // namespace v0

@@ -1,0 +1,538 @@
+/* The CUDA engine against the CPU reference engine on fresh random inputs, with every GPU
+ * output poisoned (NaN) before each run: every activation x dtype x save policy, routing from
+ * logits / from W_g / caller-given, experts with no tokens, all tokens on one expert, L = 1,
+ * L not a multiple of the plan tile, very large E, L = 0, bad caller ids (clear status, nothing
+ * written, guard bytes intact), the accumulate flag, determinism (three runs, same bits) and two
+ * handles used from two threads and streams at once. Exits 77 (skipped) without a GPU. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test_util.h"
+
+#define CUDA_OK(call)                                                                  \
+  do {                                                                                 \
+    cudaError_t e_ = (call);                                                           \
+    if (e_ != cudaSuccess) fail_msg("%s: %s", #call, cudaGetErrorString(e_));          \
+  } while (0)
+
+enum { MODE_LOGITS = 0, MODE_WG = 1, MODE_CALLER = 2 };
+enum { GUARD = 256 }; /* guard bytes after every device output */
+
+typedef struct gcase {
+  tu_layer layer;
+  int64_t L;
+  int mode;
+  int caller_experts; /* caller routing: route into the first n experts only (0 = all) */
+  int accumulate;
+} gcase;
+
+/* All tensors of one step, host side. */
+typedef struct step {
+  int64_t L, E, k, d, h, gh;
+  moeblaze_dtype_t at, wt;
+  void *x, *wg, *logits, *wgu, *wd, *ids, *gw, *dy;         /* inputs */
+  void *y, *oid, *ow, *tpe, *aux, *z;                        /* forward outputs */
+  void *dx, *dwgu, *dwd, *dlog, *dwg, *dgw;                  /* gradients */
+} step;
+
+static size_t n_x(const step* s) { return (size_t)(s->L * s->d); }
+
+static void make_inputs(step* s, const gcase* c, tu_rng* r) {
+  const tu_layer* l = &c->layer;
+  s->L = c->L; s->E = l->experts; s->k = l->top_k; s->d = l->d; s->h = l->h;
+  s->gh = (l->activation == MOEBLAZE_ACTIVATION_SWIGLU || l->activation == MOEBLAZE_ACTIVATION_GEGLU ? 2 : 1) * l->h;
+  s->at = l->act_dtype; s->wt = l->weight_dtype;
+  s->x = tu_alloc(s->at, n_x(s) + 1);
+  tu_fill_normal(r, s->x, s->at, n_x(s), 1.0);
+  s->wg = tu_alloc(s->wt, (size_t)(s->E * s->d));
+  tu_fill_normal(r, s->wg, s->wt, (size_t)(s->E * s->d), 1.0 / sqrt((double)s->d));
+  s->logits = tu_alloc(tu_f32, (size_t)(s->L * s->E) + 1);
+  tu_fill_normal(r, s->logits, tu_f32, (size_t)(s->L * s->E), 1.5);
+  s->wgu = tu_alloc(s->wt, (size_t)(s->E * s->d * s->gh));
+  tu_fill_normal(r, s->wgu, s->wt, (size_t)(s->E * s->d * s->gh), 1.0 / sqrt((double)s->d));
+  s->wd = tu_alloc(s->wt, (size_t)(s->E * s->h * s->d));
+  tu_fill_normal(r, s->wd, s->wt, (size_t)(s->E * s->h * s->d), 1.0 / sqrt((double)s->h));
+  s->dy = tu_alloc(s->at, n_x(s) + 1);
+  tu_fill_normal(r, s->dy, s->at, n_x(s), 1.0);
+  s->ids = tu_alloc(tu_i32, (size_t)(s->L * s->k) + 1);
+  s->gw = tu_alloc(tu_f32, (size_t)(s->L * s->k) + 1);
+  const int64_t span = c->caller_experts ? c->caller_experts : s->E;
+  for (int64_t t = 0; t < s->L; ++t) {
+    int64_t* perm = malloc(sizeof(int64_t) * (size_t)span);
+    for (int64_t e = 0; e < span; ++e) perm[e] = e;
+    for (int64_t e = span - 1; e > 0; --e) { int64_t j = tu_rng_below(r, e + 1), tmp = perm[e]; perm[e] = perm[j]; perm[j] = tmp; }
+    for (int64_t j = 0; j < s->k; ++j) {
+      ((int32_t*)s->ids)[t * s->k + j] = (int32_t)perm[j];
+      ((float*)s->gw)[t * s->k + j] = (float)(0.2 + tu_rng_uniform(r));
+    }
+    free(perm);
+  }
+}
+
+static void alloc_outputs(step* s) {
+  s->y = tu_alloc(s->at, n_x(s) + 1);
+  s->oid = tu_alloc(tu_i32, (size_t)(s->L * s->k) + 1);
+  s->ow = tu_alloc(tu_f32, (size_t)(s->L * s->k) + 1);
+  s->tpe = tu_alloc(tu_i64, (size_t)s->E);
+  s->aux = tu_alloc(tu_f32, 1);
+  s->z = tu_alloc(tu_f32, 1);
+  s->dx = tu_alloc(s->at, n_x(s) + 1);
+  s->dwgu = tu_alloc(s->wt, (size_t)(s->E * s->d * s->gh));
+  s->dwd = tu_alloc(s->wt, (size_t)(s->E * s->h * s->d));
+  s->dlog = tu_alloc(tu_f32, (size_t)(s->L * s->E) + 1);
+  s->dwg = tu_alloc(s->wt, (size_t)(s->E * s->d));
+  s->dgw = tu_alloc(tu_f32, (size_t)(s->L * s->k) + 1);
+}
+
+/* Copies of a step share its inputs and own their outputs. */
+static void free_outputs(step* s) {
+  void* outs[] = {s->y, s->oid, s->ow, s->tpe, s->aux, s->z, s->dx, s->dwgu, s->dwd, s->dlog, s->dwg, s->dgw};
+  for (size_t i = 0; i < sizeof outs / sizeof outs[0]; ++i) tu_free(outs[i]);
+}
+static void free_step(step* s) {
+  void* ins[] = {s->x, s->wg, s->logits, s->wgu, s->wd, s->ids, s->gw, s->dy};
+  for (size_t i = 0; i < sizeof ins / sizeof ins[0]; ++i) tu_free(ins[i]);
+  free_outputs(s);
+}
+
+/* Tensor slots of a step, in one table so host and device copies line up. */
+enum { T_X, T_WG, T_LOG, T_WGU, T_WD, T_IDS, T_GW, T_DY, T_Y, T_OID, T_OW, T_TPE, T_AUX, T_Z, T_DX, T_DWGU, T_DWD, T_DLOG, T_DWG, T_DGW, T_COUNT };
+typedef struct slotinfo { void** host; moeblaze_dtype_t dt; size_t n; int output; } slotinfo;
+
+static void slots(step* s, slotinfo* t) {
+  slotinfo v[T_COUNT] = {
+      {&s->x, s->at, n_x(s), 0}, {&s->wg, s->wt, (size_t)(s->E * s->d), 0}, {&s->logits, tu_f32, (size_t)(s->L * s->E), 0},
+      {&s->wgu, s->wt, (size_t)(s->E * s->d * s->gh), 0}, {&s->wd, s->wt, (size_t)(s->E * s->h * s->d), 0},
+      {&s->ids, tu_i32, (size_t)(s->L * s->k), 0}, {&s->gw, tu_f32, (size_t)(s->L * s->k), 0}, {&s->dy, s->at, n_x(s), 0},
+      {&s->y, s->at, n_x(s), 1}, {&s->oid, tu_i32, (size_t)(s->L * s->k), 1}, {&s->ow, tu_f32, (size_t)(s->L * s->k), 1},
+      {&s->tpe, tu_i64, (size_t)s->E, 1}, {&s->aux, tu_f32, 1, 1}, {&s->z, tu_f32, 1, 1}, {&s->dx, s->at, n_x(s), 1},
+      {&s->dwgu, s->wt, (size_t)(s->E * s->d * s->gh), 1}, {&s->dwd, s->wt, (size_t)(s->E * s->h * s->d), 1},
+      {&s->dlog, tu_f32, (size_t)(s->L * s->E), 1}, {&s->dwg, s->wt, (size_t)(s->E * s->d), 1},
+      {&s->dgw, tu_f32, (size_t)(s->L * s->k), 1}};
+  memcpy(t, v, sizeof v);
+}
+
+/* Runs forward (training) + backward of `s` on a handle; `dev` holds device copies (or NULL
+ * for a CPU handle, which uses the host buffers). Returns the status of the first failing call. */
+typedef struct runner {
+  moeblaze_handle_t h;
+  int cuda;
+  void* dev[T_COUNT];
+  cudaStream_t stream;
+} runner;
+
+static moeblaze_tensor_t tens(const runner* r, const slotinfo* t, int slot, int32_t nd, const int64_t* shape) {
+  moeblaze_tensor_t x = tu_tensor(r->cuda ? r->dev[slot] : *t[slot].host, t[slot].dt, nd, shape);
+  if (r->cuda) x.device.device_type = MOEBLAZE_DEVICE_CUDA;
+  return x;
+}
+
+static moeblaze_status_t run_step(runner* r, step* s, const gcase* c) {
+  slotinfo t[T_COUNT];
+  slots(s, t);
+  const int64_t sx[2] = {s->L, s->d}, swg[2] = {s->E, s->d}, sl[2] = {s->L, s->E}, swgu[3] = {s->E, s->d, s->gh},
+                swd[3] = {s->E, s->h, s->d}, sk[2] = {s->L, s->k}, se[1] = {s->E};
+  moeblaze_arg_t f[12];
+  size_t nf = 0;
+  f[nf++] = tu_arg(MOEBLAZE_ARG_INPUT, tens(r, t, T_X, 2, sx));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_W_GATE_UP, tens(r, t, T_WGU, 3, swgu));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_W_DOWN, tens(r, t, T_WD, 3, swd));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_OUTPUT, tens(r, t, T_Y, 2, sx));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_TOKENS_PER_EXPERT, tens(r, t, T_TPE, 1, se));
+  if (c->mode == MODE_CALLER) {
+    f[nf++] = tu_arg(MOEBLAZE_ARG_TOPK_INDICES, tens(r, t, T_IDS, 2, sk));
+    f[nf++] = tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tens(r, t, T_GW, 2, sk));
+  } else {
+    if (c->mode == MODE_LOGITS) f[nf++] = tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tens(r, t, T_LOG, 2, sl));
+    else f[nf++] = tu_arg(MOEBLAZE_ARG_ROUTER_WEIGHT, tens(r, t, T_WG, 2, swg));
+    f[nf++] = tu_arg(MOEBLAZE_ARG_TOPK_INDICES, tens(r, t, T_OID, 2, sk));
+    f[nf++] = tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tens(r, t, T_OW, 2, sk));
+    f[nf++] = tu_arg(MOEBLAZE_ARG_AUX_LOSS, tens(r, t, T_AUX, 0, NULL));
+    f[nf++] = tu_arg(MOEBLAZE_ARG_Z_LOSS, tens(r, t, T_Z, 0, NULL));
+  }
+  size_t wf = 0, wb = 0, sv = 0;
+  moeblaze_status_t st;
+  if ((st = moeblaze_get_workspace_size(r->h, MOEBLAZE_PASS_FORWARD_TRAINING, s->L, &wf))) return st;
+  if ((st = moeblaze_get_workspace_size(r->h, MOEBLAZE_PASS_BACKWARD, s->L, &wb))) return st;
+  if ((st = moeblaze_get_saved_size(r->h, s->L, &sv))) return st;
+  size_t wsz = wf > wb ? wf : wb;
+  void *ws = NULL, *saved = NULL;
+  if (r->cuda) {
+    if (cudaMalloc(&ws, wsz + 256) != cudaSuccess || cudaMalloc(&saved, sv + 256) != cudaSuccess) return MOEBLAZE_STATUS_OUT_OF_DEVICE_MEMORY;
+  } else {
+    ws = tu_alloc_bytes(wsz);
+    saved = tu_alloc_bytes(sv);
+  }
+  st = moeblaze_forward(r->h, MOEBLAZE_PASS_FORWARD_TRAINING, f, nf, ws, wsz, saved, sv, r->stream);
+  if (st == MOEBLAZE_STATUS_SUCCESS) {
+    moeblaze_arg_t b[14];
+    size_t nb = 0;
+    b[nb++] = f[0]; b[nb++] = f[1]; b[nb++] = f[2];
+    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_OUTPUT, tens(r, t, T_DY, 2, sx));
+    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_INPUT, tens(r, t, T_DX, 2, sx));
+    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_W_GATE_UP, tens(r, t, T_DWGU, 3, swgu));
+    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_W_DOWN, tens(r, t, T_DWD, 3, swd));
+    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, tens(r, t, T_DGW, 2, sk));
+    if (c->mode == MODE_LOGITS) {
+      b[nb++] = tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tens(r, t, T_LOG, 2, sl));
+      b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_ROUTER_LOGITS, tens(r, t, T_DLOG, 2, sl));
+    } else if (c->mode == MODE_WG) {
+      b[nb++] = tu_arg(MOEBLAZE_ARG_ROUTER_WEIGHT, tens(r, t, T_WG, 2, swg));
+      b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_ROUTER_WEIGHT, tens(r, t, T_DWG, 2, swg));
+    }
+    if (c->accumulate)
+      for (size_t i = 4; i < nb; ++i)
+        if (b[i].kind >= MOEBLAZE_ARG_GRAD_INPUT) b[i].flags = MOEBLAZE_ARG_FLAG_ACCUMULATE;
+    st = moeblaze_backward(r->h, b, nb, saved, sv, ws, wsz, r->stream);
+  }
+  if (r->cuda) {
+    cudaStreamSynchronize(r->stream);
+    cudaFree(ws);
+    cudaFree(saved);
+  } else {
+    tu_free(ws);
+    tu_free(saved);
+  }
+  return st;
+}
+
+/* Device copies of every slot, outputs poisoned (or, with accumulate, given `prior`), plus
+ * guard bytes after each buffer filled with 0xA5. */
+static void to_device(runner* r, step* s, const step* prior) {
+  slotinfo t[T_COUNT];
+  slots(s, t);
+  for (int i = 0; i < T_COUNT; ++i) {
+    size_t bytes = t[i].n * tu_dtype_size(t[i].dt);
+    CUDA_OK(cudaMalloc(&r->dev[i], bytes + GUARD));
+    CUDA_OK(cudaMemset((char*)r->dev[i] + bytes, 0xA5, GUARD));
+    if (!t[i].output) {
+      CUDA_OK(cudaMemcpy(r->dev[i], *t[i].host, bytes, cudaMemcpyHostToDevice));
+    } else if (prior) {
+      slotinfo pt[T_COUNT];
+      slots((step*)prior, pt);
+      CUDA_OK(cudaMemcpy(r->dev[i], *pt[i].host, bytes, cudaMemcpyHostToDevice));
+    } else {
+      void* tmp = tu_alloc(t[i].dt, t[i].n + 1);
+      tu_poison(tmp, t[i].dt, t[i].n);
+      CUDA_OK(cudaMemcpy(r->dev[i], tmp, bytes, cudaMemcpyHostToDevice));
+      tu_free(tmp);
+    }
+  }
+}
+
+static int guards_intact(runner* r, step* s) {
+  slotinfo t[T_COUNT];
+  slots(s, t);
+  unsigned char buf[GUARD];
+  for (int i = 0; i < T_COUNT; ++i) {
+    size_t bytes = t[i].n * tu_dtype_size(t[i].dt);
+    if (cudaMemcpy(buf, (char*)r->dev[i] + bytes, GUARD, cudaMemcpyDeviceToHost) != cudaSuccess) return 0;
+    for (int b = 0; b < GUARD; ++b)
+      if (buf[b] != 0xA5) return 0;
+  }
+  return 1;
+}
+
+static void from_device(runner* r, step* s) {
+  slotinfo t[T_COUNT];
+  slots(s, t);
+  for (int i = 0; i < T_COUNT; ++i)
+    if (t[i].output) CUDA_OK(cudaMemcpy(*t[i].host, r->dev[i], t[i].n * tu_dtype_size(t[i].dt), cudaMemcpyDeviceToHost));
+}
+
+static void free_device(runner* r) {
+  for (int i = 0; i < T_COUNT; ++i) cudaFree(r->dev[i]);
+}
+
+static moeblaze_status_t create(const tu_layer* l, int cuda, moeblaze_handle_t* out) {
+  if (!cuda) return tu_create_cpu(l, out);
+  moeblaze_config_t cfg = NULL;
+  moeblaze_status_t st = moeblaze_config_create(&cfg);
+  if (st) return st;
+  /* The CPU handle's attributes, on CUDA device 0. */
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CUDA);
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_ID, 0);
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, l->experts);
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, l->top_k);
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_HIDDEN_SIZE, l->d);
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, l->h);
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_MAX_TOKENS, l->max_tokens);
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ACTIVATION, l->activation);
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SCORE_FUNCTION, l->score_fn);
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NORMALIZE_TOPK, l->normalize);
+  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SAVE_POLICY, l->save_policy);
+  moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_AUX_LOSS_COEFF, l->aux_coeff);
+  moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_Z_LOSS_COEFF, l->z_coeff);
+  moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, l->act_dtype);
+  moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, l->weight_dtype);
+  st = moeblaze_create(out, cfg);
+  moeblaze_config_destroy(cfg);
+  return st;
+}
+
+/* Compares every output of the GPU step with the CPU step. */
+static void compare(const char* what, step* g, step* c, const gcase* gc) {
+  slotinfo tg[T_COUNT], tcpu[T_COUNT];
+  slots(g, tg);
+  slots(c, tcpu);
+  static const char* names[T_COUNT] = {"x", "wg", "logits", "wgu", "wd", "ids", "gw", "dy", "y", "topk_ids", "topk_w", "tokens_per_expert",
+                                       "aux", "z", "dx", "dW_gate_up", "dW_down", "dlogits", "dW_g", "dtopk_w"};
+  for (int i = T_Y; i < T_COUNT; ++i) {
+    if (gc->mode == MODE_CALLER && (i == T_OID || i == T_OW || i == T_AUX || i == T_Z)) continue;
+    if (i == T_DLOG && gc->mode != MODE_LOGITS) continue;
+    if (i == T_DWG && gc->mode != MODE_WG) continue;
+    size_t n = tg[i].n;
+    if (n == 0) continue;
+    if (i == T_OID || i == T_TPE) {
+      for (size_t j = 0; j < n; ++j)
+        if (tu_load(*tg[i].host, tg[i].dt, j) != tu_load(*tcpu[i].host, tcpu[i].dt, j))
+          fail_msg("%s: %s[%zu] GPU %g vs CPU %g", what, names[i], j, tu_load(*tg[i].host, tg[i].dt, j), tu_load(*tcpu[i].host, tcpu[i].dt, j));
+      continue;
+    }
+    double* a = malloc(sizeof(double) * n);
+    double* b = malloc(sizeof(double) * n);
+    tu_to_f64(*tg[i].host, tg[i].dt, n, a);
+    tu_to_f64(*tcpu[i].host, tcpu[i].dt, n, b);
+    double err = tu_rel_err(a, b, n);
+    const double tol = tu_tol(gc->layer.act_dtype);
+    free(a);
+    free(b);
+    if (!(err <= tol)) fail_msg("%s: %s rel err %.3e > %.1e", what, names[i], err, tol);
+  }
+}
+
+static int have_gpu(void) {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+static void describe(char* buf, size_t n, const gcase* c) {
+  static const char* acts[] = {"relu", "gelu", "silu", "swiglu", "geglu"};
+  static const char* modes[] = {"logits", "W_g", "caller"};
+  static const char* pol[] = {"preact", "recompute", "all"};
+  snprintf(buf, n, "%s/%s/%s/%s L=%lld E=%lld k=%lld d=%lld h=%lld%s", acts[c->layer.activation], tu_dtype_name(c->layer.act_dtype),
+           pol[c->layer.save_policy], modes[c->mode], (long long)c->L, (long long)c->layer.experts, (long long)c->layer.top_k,
+           (long long)c->layer.d, (long long)c->layer.h, c->accumulate ? " accumulate" : "");
+}
+
+/* One case: CPU vs GPU (poisoned outputs), then determinism (three GPU runs, same bits). */
+static void run_case(const gcase* c, tu_rng* rng, int determinism) {
+  char what[256];
+  describe(what, sizeof what, c);
+  step s, cpu, gpu, prior;
+  make_inputs(&s, c, rng);
+  cpu = s; gpu = s; prior = s;
+  alloc_outputs(&cpu);
+  alloc_outputs(&gpu);
+  alloc_outputs(&prior);
+  slotinfo tp[T_COUNT];
+  slots(&prior, tp);
+  for (int i = T_Y; i < T_COUNT; ++i) tu_fill_normal(rng, *tp[i].host, tp[i].dt, tp[i].n, 0.5);
+  if (c->accumulate) { /* the CPU engine starts from the same prior gradients */
+    slotinfo tc[T_COUNT];
+    slots(&cpu, tc);
+    for (int i = T_DX; i < T_COUNT; ++i) memcpy(*tc[i].host, *tp[i].host, tp[i].n * tu_dtype_size(tp[i].dt));
+  }
+  runner rc = {0}, rg = {0};
+  assert_ok(create(&c->layer, 0, &rc.h));
+  assert_ok(create(&c->layer, 1, &rg.h));
+  rg.cuda = 1;
+  CUDA_OK(cudaStreamCreate(&rg.stream));
+  moeblaze_status_t st = run_step(&rc, &cpu, c);
+  if (st) fail_msg("%s: CPU step: %s: %s", what, moeblaze_status_name(st), moeblaze_get_last_error_message());
+  to_device(&rg, &gpu, c->accumulate ? &prior : NULL);
+  st = run_step(&rg, &gpu, c);
+  if (st) fail_msg("%s: GPU step: %s: %s", what, moeblaze_status_name(st), moeblaze_get_last_error_message());
+  if (!guards_intact(&rg, &gpu)) fail_msg("%s: a GPU output was written past its end", what);
+  from_device(&rg, &gpu);
+  compare(what, &gpu, &cpu, c);
+  if (determinism) {
+    step again = s;
+    alloc_outputs(&again);
+    for (int rep = 0; rep < 2; ++rep) {
+      runner r2 = {0};
+      r2.h = rg.h; r2.cuda = 1; r2.stream = rg.stream;
+      to_device(&r2, &again, c->accumulate ? &prior : NULL);
+      assert_ok(run_step(&r2, &again, c));
+      from_device(&r2, &again);
+      free_device(&r2);
+      slotinfo ta[T_COUNT], tgp[T_COUNT];
+      slots(&again, ta);
+      slots(&gpu, tgp);
+      for (int i = T_Y; i < T_COUNT; ++i)
+        if (memcmp(*ta[i].host, *tgp[i].host, ta[i].n * tu_dtype_size(ta[i].dt)) != 0)
+          fail_msg("%s: run %d differs from run 1 in slot %d (not deterministic)", what, rep + 2, i);
+    }
+    free_outputs(&again);
+  }
+  free_device(&rg);
+  cudaStreamDestroy(rg.stream);
+  moeblaze_destroy(rc.h);
+  moeblaze_destroy(rg.h);
+  free_outputs(&gpu);
+  free_outputs(&prior);
+  free_step(&cpu);
+  printf("  ok  %s\n", what);
+}
+
+static gcase base_case(int64_t E, int64_t k, int64_t d, int64_t h, int64_t L, int act, moeblaze_dtype_t dt, int policy, int mode) {
+  gcase c;
+  memset(&c, 0, sizeof c);
+  c.layer = tu_layer_default(E, k, d, h, L > 0 ? L : 1, act);
+  c.layer.act_dtype = dt;
+  c.layer.weight_dtype = dt;
+  c.layer.save_policy = policy;
+  c.layer.aux_coeff = 0.01;
+  c.layer.z_coeff = 0.001;
+  c.L = L;
+  c.mode = mode;
+  return c;
+}
+
+static void every_activation_dtype_policy(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_matrix"));
+  const moeblaze_dtype_t dts[3] = {tu_f32, tu_bf16, tu_f16};
+  /* MOEBLAZE_GPU_TEST_QUICK=1 (the compute-sanitizer run): one dtype and policy per activation. */
+  const int quick = getenv("MOEBLAZE_GPU_TEST_QUICK") != NULL;
+  for (int act = 0; act < 5; ++act)
+    for (int di = quick ? 1 : 0; di < (quick ? 2 : 3); ++di)
+      for (int pol = quick ? act % 3 : 0; pol < (quick ? act % 3 + 1 : 3); ++pol) {
+        gcase c = base_case(6, 2, 40, 56, 77, act, dts[di], pol, (act + pol) % 3);
+        c.layer.normalize = (act + di) % 2;
+        c.layer.score_fn = (di == 2) ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX;
+        run_case(&c, &rng, act == 3 && pol == 0);
+      }
+}
+
+static void routing_modes_and_edges(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_edges"));
+  for (int mode = 0; mode < 3; ++mode) {
+    gcase c = base_case(8, 2, 64, 128, 333, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, mode);
+    run_case(&c, &rng, 1);
+  }
+  gcase empty = base_case(16, 2, 32, 48, 200, MOEBLAZE_ACTIVATION_SILU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_CALLER);
+  empty.caller_experts = 5; /* experts 5..15 get no tokens */
+  run_case(&empty, &rng, 0);
+  gcase one = base_case(8, 1, 32, 48, 150, MOEBLAZE_ACTIVATION_GEGLU, tu_f32, MOEBLAZE_SAVE_ALL, MODE_CALLER);
+  one.caller_experts = 1; /* all tokens on expert 0 */
+  run_case(&one, &rng, 0);
+  gcase single = base_case(4, 2, 24, 40, 1, MOEBLAZE_ACTIVATION_RELU, tu_f32, MOEBLAZE_SAVE_RECOMPUTE_UP, MODE_LOGITS);
+  run_case(&single, &rng, 0);
+  gcase ragged = base_case(8, 4, 32, 32, 1037, MOEBLAZE_ACTIVATION_SILU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  run_case(&ragged, &rng, 0); /* L not a multiple of the 1024-token plan tile */
+  gcase kE = base_case(4, 4, 16, 24, 50, MOEBLAZE_ACTIVATION_GELU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_WG);
+  run_case(&kE, &rng, 0); /* k = E */
+  gcase wide = base_case(40000, 2, 8, 8, 20, MOEBLAZE_ACTIVATION_SILU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  run_case(&wide, &rng, 0); /* one token per plan tile */
+  gcase widest = base_case(65536, 1, 8, 8, 6, MOEBLAZE_ACTIVATION_SILU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_CALLER);
+  run_case(&widest, &rng, 0); /* 64 KiB dense map: the opt-in shared-memory path */
+  gcase acc = base_case(6, 2, 32, 40, 90, MOEBLAZE_ACTIVATION_SWIGLU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_WG);
+  acc.accumulate = 1;
+  run_case(&acc, &rng, 1);
+  gcase zero = base_case(6, 2, 32, 40, 0, MOEBLAZE_ACTIVATION_SWIGLU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  run_case(&zero, &rng, 0);
+}
+
+static void bad_caller_ids_write_nothing(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_bad_ids"));
+  for (int variant = 0; variant < 3; ++variant) {
+    gcase c = base_case(8, 2, 32, 32, 64, MOEBLAZE_ACTIVATION_SILU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_CALLER);
+    step s;
+    make_inputs(&s, &c, &rng);
+    alloc_outputs(&s);
+    int32_t* ids = (int32_t*)s.ids;
+    if (variant == 0) ids[17] = 8;          /* == E */
+    else if (variant == 1) ids[40] = -1;    /* negative */
+    else ids[21] = ids[20];                 /* repeated within token 10 */
+    runner r = {0};
+    assert_ok(create(&c.layer, 1, &r.h));
+    r.cuda = 1;
+    CUDA_OK(cudaStreamCreate(&r.stream));
+    to_device(&r, &s, NULL);
+    moeblaze_status_t st = run_step(&r, &s, &c);
+    assert_int_equal(st, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_true(moeblaze_get_last_error_message()[0] != '\0');
+    assert_true(guards_intact(&r, &s));
+    from_device(&r, &s);
+    for (int64_t i = 0; i < s.L * s.d; ++i) assert_true(isnan(tu_load(s.y, s.at, (size_t)i))); /* y untouched */
+    free_device(&r);
+    cudaStreamDestroy(r.stream);
+    moeblaze_destroy(r.h);
+    free_step(&s);
+  }
+}
+
+typedef struct thread_job { gcase c; step s; runner r; moeblaze_status_t st; } thread_job;
+static void* thread_main(void* p) {
+  thread_job* j = p;
+  j->st = run_step(&j->r, &j->s, &j->c);
+  return NULL;
+}
+
+static void two_handles_two_streams(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_streams"));
+  thread_job jobs[2];
+  step ref[2];
+  for (int i = 0; i < 2; ++i) {
+    jobs[i].c = base_case(8, 2, 64, 96, 500 + 100 * i, i ? MOEBLAZE_ACTIVATION_SILU : MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16,
+                          MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+    make_inputs(&jobs[i].s, &jobs[i].c, &rng);
+    ref[i] = jobs[i].s;
+    alloc_outputs(&jobs[i].s);
+    alloc_outputs(&ref[i]);
+    runner rc = {0};
+    assert_ok(create(&jobs[i].c.layer, 0, &rc.h));
+    assert_ok(run_step(&rc, &ref[i], &jobs[i].c));
+    moeblaze_destroy(rc.h);
+    memset(&jobs[i].r, 0, sizeof jobs[i].r);
+    assert_ok(create(&jobs[i].c.layer, 1, &jobs[i].r.h));
+    jobs[i].r.cuda = 1;
+    CUDA_OK(cudaStreamCreateWithFlags(&jobs[i].r.stream, cudaStreamNonBlocking));
+    to_device(&jobs[i].r, &jobs[i].s, NULL);
+  }
+  pthread_t th[2];
+  for (int i = 0; i < 2; ++i) pthread_create(&th[i], NULL, thread_main, &jobs[i]);
+  for (int i = 0; i < 2; ++i) pthread_join(th[i], NULL);
+  for (int i = 0; i < 2; ++i) {
+    if (jobs[i].st) fail_msg("thread %d: %s", i, moeblaze_status_name(jobs[i].st));
+    from_device(&jobs[i].r, &jobs[i].s);
+    compare("two streams", &jobs[i].s, &ref[i], &jobs[i].c);
+    free_device(&jobs[i].r);
+    cudaStreamDestroy(jobs[i].r.stream);
+    moeblaze_destroy(jobs[i].r.h);
+    free_outputs(&ref[i]);
+    free_step(&jobs[i].s);
+  }
+}
+
+int main(void) {
+  if (!have_gpu()) {
+    printf("no CUDA device: skipping the GPU tests\n");
+    return 77;
+  }
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(every_activation_dtype_policy),
+      cmocka_unit_test(routing_modes_and_edges),
+      cmocka_unit_test(bad_caller_ids_write_nothing),
+      cmocka_unit_test(two_handles_two_streams),
+  };
+  return cmocka_run_group_tests_name("gpu_vs_cpu", tests, NULL, NULL);
+}
