@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, a
 # compute-sanitizer memcheck pass, and the benchmark; logs under $OUT, a short summary last.
-# Usage (device tool, carry .deps): bash scripts/gpu-check.sh [tests|sanitize|bench|all]...
+# Usage (device tool, carry .deps): bash scripts/gpu-check.sh [tests|sanitize|plan|torch|bench|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moeblaze-out}
@@ -26,24 +26,39 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 t0=$(date +%s)
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEBLAZE_ENABLE_CUDA=ON -DMOEBLAZE_BUILD_DOCS=OFF \
-      -DMOEBLAZE_BUILD_RUST=OFF > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-if ! cmake --build build-gpu --parallel 16 > "$OUT/build.log" 2>&1; then
+      -DMOEBLAZE_BUILD_RUST=OFF > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+if ! cmake --build build-gpu --parallel 16 >> "$OUT/build.log" 2>&1; then
   grep -E 'error|FAILED' "$OUT/build.log" | head -30; exit 1
 fi
 summary+=("build: ok in $(( $(date +%s) - t0 )) s")
 
 if want tests; then
-  ctest --test-dir build-gpu -L gpu -V --timeout 900 > "$OUT/gpu-tests.log" 2>&1
+  ctest --test-dir build-gpu -L gpu -V --timeout 900 > "$OUT/tests.log" 2>&1
   rc=$?
-  grep -E '^\[ *(PASSED|FAILED|  OK|RUN) *\]|ok  |rel err|differs|failed|Error' "$OUT/gpu-tests.log" | tail -40
-  summary+=("gpu tests: rc=$rc; $(grep -E 'tests passed|tests failed' "$OUT/gpu-tests.log" | tail -1)")
-  ctest --test-dir build-gpu -L host --timeout 900 > "$OUT/host-tests.log" 2>&1
-  summary+=("host tests on the GPU machine: rc=$?; $(grep -E 'tests passed|tests failed' "$OUT/host-tests.log" | tail -1)")
+  grep -E '^\[ *(PASSED|FAILED|  OK|RUN) *\]|ok  |rel err|differs|failed|Error' "$OUT/tests.log" | tail -40
+  summary+=("gpu tests: rc=$rc; $(grep -E 'tests passed|tests failed' "$OUT/tests.log" | tail -1)")
+  ctest --test-dir build-gpu -L host --timeout 900 > /tmp/host-tests.log 2>&1
+  rc=$?
+  cat /tmp/host-tests.log >> "$OUT/tests.log"
+  summary+=("host tests on the GPU machine: rc=$rc; $(grep -E 'tests passed|tests failed' /tmp/host-tests.log | tail -1)")
 fi
 if want sanitize; then
   MOEBLAZE_GPU_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/gpu/test_gpu_vs_cpu \
-    > "$OUT/memcheck.log" 2>&1
-  summary+=("compute-sanitizer memcheck: rc=$?; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)")
+    > /tmp/memcheck.log 2>&1
+  rc=$?
+  cat /tmp/memcheck.log >> "$OUT/tests.log"
+  summary+=("compute-sanitizer memcheck: rc=$rc; $(grep -E 'ERROR SUMMARY' /tmp/memcheck.log | tail -1)")
+fi
+if want plan; then
+  build-gpu/perf/plan-bench > "$OUT/plan-bench.md" 2>&1
+  summary+=("plan-bench: rc=$?")
+  cat "$OUT/plan-bench.md"
+fi
+if want torch; then
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONUNBUFFERED=1 \
+    python3 perf/torch_baselines.py --json "$OUT/torch.json" > "$OUT/torch.md" 2>&1
+  summary+=("torch baselines: rc=$?")
+  tail -45 "$OUT/torch.md"
 fi
 if want bench; then
   build-gpu/perf/moeblaze-bench --json "$OUT/bench.jsonl" > "$OUT/bench.md" 2>&1
