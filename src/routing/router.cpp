@@ -11,9 +11,11 @@ namespace {
 float scores_of(const LayerConfig& cfg, const float* l, int64_t E, float* s) {
   float m = l[0];
   for (int64_t e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
-  float sum = 0.f;
-  for (int64_t e = 0; e < E; ++e) sum += std::exp(l[e] - m);
-  const float lse = m + std::log(sum);
+  // The normaliser sums E terms: in fp64, so it stays accurate for any E (E = 65536 in fp32
+  // would lose ~1e-5 relative, and engines summing in different orders would disagree).
+  double sum = 0.0;
+  for (int64_t e = 0; e < E; ++e) sum += std::exp(static_cast<double>(l[e] - m));
+  const float lse = m + static_cast<float>(std::log(sum));
   if (cfg.score_fn == ScoreFn::kSoftmax) {
     for (int64_t e = 0; e < E; ++e) s[e] = std::exp(l[e] - lse);
   } else {
@@ -103,9 +105,10 @@ void router_backward(const LayerConfig& cfg, int64_t L, const float* logits, con
       int64_t top = 0;
       for (int64_t e = 1; e < E; ++e) top = s[e] > s[top] ? e : top;
       const float shift = ds[top];
-      float dot = 0.f;
-      for (int64_t e = 0; e < E; ++e) dot += (ds[e] - shift) * s[e];
-      for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * ((ds[e] - shift) - dot);
+      double dot = 0.0;  // an E-term reduction: fp64, as for the normaliser
+      for (int64_t e = 0; e < E; ++e) dot += static_cast<double>((ds[e] - shift) * s[e]);
+      const float dotf = static_cast<float>(dot);
+      for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * ((ds[e] - shift) - dotf);
     } else {  // s (1 - s) as sigmoid(l) sigmoid(-l): no cancellation for saturated scores
       for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (1.f / (1.f + std::exp(l[e])));
     }

@@ -20,6 +20,10 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
@@ -38,10 +42,10 @@ __device__ float row_lse(const float* l, int64_t E, int lane) {
   float m = -FLT_MAX;
   for (int64_t e = lane; e < E; e += 32) m = fmaxf(m, l[e]);
   m = warp_max(m);
-  float s = 0.f;
-  for (int64_t e = lane; e < E; e += 32) s += expf(l[e] - m);
+  double s = 0.0;  // E-term reduction in fp64 (see routing/router.cpp)
+  for (int64_t e = lane; e < E; e += 32) s += exp(static_cast<double>(l[e] - m));
   s = warp_sum(s);
-  return m + logf(s);
+  return m + static_cast<float>(log(s));
 }
 
 __device__ __forceinline__ float score(ScoreFn fn, float l, float lse) {
@@ -163,7 +167,8 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
     for (int64_t j = 0; j < k; ++j) ds += sel[warp][j] == e ? dsel[warp][j] : 0.f;
     return ds;
   };
-  float dot = 0.f, shift = 0.f;
+  double dot = 0.0;
+  float shift = 0.f;
   if (fn == ScoreFn::kSoftmax) {
     float best = -FLT_MAX;
     int best_i = -1;
@@ -173,13 +178,13 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
     }
     warp_argmax(best, best_i);
     shift = ds_of(best_i);
-    for (int64_t e = lane; e < E; e += 32) dot += (ds_of(e) - shift) * score(fn, l[e], lse);
+    for (int64_t e = lane; e < E; e += 32) dot += static_cast<double>((ds_of(e) - shift) * score(fn, l[e], lse));
     dot = warp_sum(dot);
   }
   for (int64_t e = lane; e < E; e += 32) {
     const float ds = ds_of(e);
     const float s = score(fn, l[e], lse);
-    float dl = fn == ScoreFn::kSoftmax ? s * ((ds - shift) - dot) : ds * s * (1.f / (1.f + expf(l[e])));
+    float dl = fn == ScoreFn::kSoftmax ? s * ((ds - shift) - static_cast<float>(dot)) : ds * s * (1.f / (1.f + expf(l[e])));
     if (z_coeff > 0.f) dl += z_scale * lse * expf(l[e] - lse);
     dlogits[t * E + e] = dl;
   }
