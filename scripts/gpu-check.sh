@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, a
 # compute-sanitizer memcheck pass, and the benchmark; logs under $OUT, a short summary last.
-# Usage (device tool, carry .deps): bash scripts/gpu-check.sh [tests|sanitize|plan|torch|bench|all]...
+# Usage (device tool, carry .deps): bash scripts/gpu-check.sh [tests|sanitize|plan|torch|policies|bench|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moeblaze-out}
@@ -59,6 +59,14 @@ if want torch; then
     python3 perf/torch_baselines.py --json "$OUT/torch.json" > "$OUT/torch.md" 2>&1
   summary+=("torch baselines: rc=$?")
   tail -45 "$OUT/torch.md"
+fi
+if want policies; then  # the save policies' memory/speed trade-off on two configs
+  for pol in recompute all; do
+    build-gpu/perf/moeblaze-bench --only conf3,conf4 --policy $pol --no-check > /tmp/pol-$pol.md 2>&1
+    summary+=("bench --policy $pol: rc=$?")
+    cat /tmp/pol-$pol.md >> "$OUT/policies.md"
+  done
+  cat "$OUT/policies.md"
 fi
 if want bench; then
   build-gpu/perf/moeblaze-bench --json "$OUT/bench.jsonl" > "$OUT/bench.md" 2>&1

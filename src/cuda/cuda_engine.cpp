@@ -85,6 +85,13 @@ class CudaEngine final : public Engine {
   void router_logits(const CallArgs& a, const GpuWork& w, cudaStream_t s) const;
   std::vector<int32_t> host_offsets(const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const;
   void write_router_outputs(const CallArgs& a, const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const;
+  // pre = x_e W_gate_up[e] for every expert with tokens (xg: gathered x rows).
+  void up_projection(const CallArgs& a, const std::vector<int32_t>& off, const char* xg, char* pre, const GpuWork& w,
+                     cudaStream_t s) const;
+  // out[e] = op(A_e)^T B_e over each expert's rows (a weight gradient), or zero for experts
+  // without tokens (left alone when accumulating).
+  void weight_gradient(const View& out, const std::vector<int32_t>& off, int64_t rows, int64_t cols, const char* a_rows,
+                       int64_t a_ld, const char* b_rows, int64_t b_ld, const GpuWork& w, cudaStream_t s) const;
   void gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, const GemmOperand& B, void* C, DType ct, int64_t ldc,
             float beta, const GpuWork& w, cudaStream_t s) const {
     gemm_->gemm(M, N, K, A, B, C, ct, ldc, 1.f, beta, w.gemm_ws, experts::CublasLtGemm::kWorkspaceBytes, s);
@@ -185,6 +192,41 @@ void CudaEngine::write_router_outputs(const CallArgs& a, const RoutingPlan& plan
   routing::write_tokens_per_expert_cuda(plan.expert_token_offsets, E, a.tokens_per_expert, s);
 }
 
+// Calls fn(e, first position, rows) for every expert with tokens.
+template <class F>
+void for_each_expert(const std::vector<int32_t>& off, int64_t E, F&& fn) {
+  for (int64_t e = 0; e < E; ++e)
+    if (off[e + 1] > off[e]) fn(e, static_cast<int64_t>(off[e]), static_cast<int64_t>(off[e + 1] - off[e]));
+}
+
+void CudaEngine::up_projection(const CallArgs& a, const std::vector<int32_t>& off, const char* xg, char* pre,
+                               const GpuWork& w, cudaStream_t s) const {
+  const int64_t d = cfg_.hidden, gh = cfg_.gate_up_cols(), es = static_cast<int64_t>(dtype_size(cfg_.act_dtype));
+  for_each_expert(off, cfg_.num_experts, [&](int64_t e, int64_t p0, int64_t n) {
+    gemm(n, gh, d, {xg + p0 * d * es, cfg_.act_dtype, d, false},
+         {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], false}, pre + p0 * gh * es, cfg_.act_dtype, gh,
+         0.f, w, s);
+  });
+}
+
+void CudaEngine::weight_gradient(const View& out, const std::vector<int32_t>& off, int64_t rows, int64_t cols,
+                                 const char* a_rows, int64_t a_ld, const char* b_rows, int64_t b_ld, const GpuWork& w,
+                                 cudaStream_t s) const {
+  const DType dt = cfg_.act_dtype;
+  const int64_t es = static_cast<int64_t>(dtype_size(dt));
+  for (int64_t e = 0; e < cfg_.num_experts; ++e) {
+    const int64_t p0 = off[e], n = off[e + 1] - p0;
+    if (n == 0) {
+      if (!out.accumulate)
+        MOEBLAZE_CUDA_CHECK(cudaMemset2DAsync(out.row(e, 0), static_cast<size_t>(out.stride[1]) * out.elem(), 0,
+                                              static_cast<size_t>(cols) * out.elem(), static_cast<size_t>(rows), s));
+      continue;
+    }
+    gemm(rows, cols, n, {a_rows + p0 * a_ld * es, dt, a_ld, true}, {b_rows + p0 * b_ld * es, dt, b_ld, false}, out.row(e, 0),
+         out.dtype, out.stride[1], out.accumulate ? 1.f : 0.f, w, s);
+  }
+}
+
 void CudaEngine::route(const CallArgs& a, void* ws, void* stream) const {
   DeviceGuard guard(cfg_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -219,19 +261,12 @@ void CudaEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, vo
   char* xg = static_cast<char*>(w.xg);
   char* out = static_cast<char*>(w.out);
   experts::gather_rows_cuda(a.x, plan.expert_token_indices, P, d, xg, s);
-  for (int64_t e = 0; e < E; ++e) {  // pre = x_e W_gate_up[e]
-    const int64_t p0 = off[e], n = off[e + 1] - p0;
-    if (n == 0) continue;
-    gemm(n, gh, d, {xg + p0 * d * es, dt, d, false}, {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], false},
-         pre + p0 * gh * es, dt, gh, 0.f, w, s);
-  }
+  up_projection(a, off, xg, pre, w, s);
   experts::activation_forward_cuda(cfg_.activation, dt, P, h, pre, gh, act, s);
-  for (int64_t e = 0; e < E; ++e) {  // O = act W_down[e]
-    const int64_t p0 = off[e], n = off[e + 1] - p0;
-    if (n == 0) continue;
+  for_each_expert(off, E, [&](int64_t e, int64_t p0, int64_t n) {  // O = act W_down[e]
     gemm(n, d, h, {act + p0 * h * es, dt, h, false}, {a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], false},
          out + p0 * d * es, dt, d, 0.f, w, s);
-  }
+  });
   combine::combine_rows_cuda(plan.token_index_map, plan.gates, L, k, d, out, nullptr, a.y, s);
 }
 
@@ -256,51 +291,24 @@ void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* 
   char* dyg = static_cast<char*>(w.dyg);
   char* dx_part = static_cast<char*>(w.dx_part);
   char* dpre = static_cast<char*>(w.dpre);
-  auto for_experts = [&](auto&& fn) {
-    for (int64_t e = 0; e < E; ++e)
-      if (off[e + 1] > off[e]) fn(e, static_cast<int64_t>(off[e]), static_cast<int64_t>(off[e + 1] - off[e]));
-  };
 
   experts::gates_to_positions_cuda(plan, L, k, w.gate_pos, s);
   if (!sv.preact || a.d_w_gate_up.present) experts::gather_rows_cuda(a.x, plan.expert_token_indices, P, d, xg, s);
-  if (!sv.preact)  // RECOMPUTE_UP: the up GEMM again
-    for_experts([&](int64_t e, int64_t p0, int64_t n) {
-      gemm(n, gh, d, {xg + p0 * d * es, dt, d, false}, {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], false},
-           pre + p0 * gh * es, dt, gh, 0.f, w, s);
-    });
+  if (!sv.preact) up_projection(a, off, xg, pre, w, s);  // RECOMPUTE_UP: the up GEMM again
 
   // dact = dy W_down^T into the first h columns of each dpre row; then one fused pass gives
   // dg, dpre (in place) and g * act (recomputed from pre, so no saved act is needed).
   experts::gather_rows_cuda(a.dy, plan.expert_token_indices, P, d, dyg, s);
-  for_experts([&](int64_t e, int64_t p0, int64_t n) {
+  for_each_expert(off, E, [&](int64_t e, int64_t p0, int64_t n) {
     gemm(n, h, d, {dyg + p0 * d * es, dt, d, false}, {a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], true},
          dpre + p0 * gh * es, dt, gh, 0.f, w, s);
   });
   experts::activation_backward_cuda(cfg_.activation, dt, P, h, pre, w.gate_pos, dpre, gact, w.dg_pos, s);
 
-  auto zero_expert = [&](const View& v, int64_t e, int64_t rows, int64_t cols) {
-    if (v.accumulate) return;
-    MOEBLAZE_CUDA_CHECK(cudaMemset2DAsync(v.row(e, 0), static_cast<size_t>(v.stride[1]) * v.elem(), 0,
-                                          static_cast<size_t>(cols) * v.elem(), static_cast<size_t>(rows), s));
-  };
-  if (a.d_w_down.present) {  // dW_down[e] = (g act)_e^T dy_e
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t p0 = off[e], n = off[e + 1] - p0;
-      if (n == 0) { zero_expert(a.d_w_down, e, h, d); continue; }
-      gemm(h, d, n, {gact + p0 * h * es, dt, h, true}, {dyg + p0 * d * es, dt, d, false}, a.d_w_down.row(e, 0),
-           a.d_w_down.dtype, a.d_w_down.stride[1], a.d_w_down.accumulate ? 1.f : 0.f, w, s);
-    }
-  }
-  if (a.d_w_gate_up.present) {  // dW_gate_up[e] = x_e^T dpre_e
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t p0 = off[e], n = off[e + 1] - p0;
-      if (n == 0) { zero_expert(a.d_w_gate_up, e, d, gh); continue; }
-      gemm(d, gh, n, {xg + p0 * d * es, dt, d, true}, {dpre + p0 * gh * es, dt, gh, false}, a.d_w_gate_up.row(e, 0),
-           a.d_w_gate_up.dtype, a.d_w_gate_up.stride[1], a.d_w_gate_up.accumulate ? 1.f : 0.f, w, s);
-    }
-  }
+  if (a.d_w_down.present) weight_gradient(a.d_w_down, off, h, d, gact, h, dyg, d, w, s);            // (g act)^T dy
+  if (a.d_w_gate_up.present) weight_gradient(a.d_w_gate_up, off, d, gh, xg, d, dpre, gh, w, s);     // x^T dpre
   if (a.dx.present)  // per-slot dx contributions
-    for_experts([&](int64_t e, int64_t p0, int64_t n) {
+    for_each_expert(off, E, [&](int64_t e, int64_t p0, int64_t n) {
       gemm(n, d, gh, {dpre + p0 * gh * es, dt, gh, false}, {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], true},
            dx_part + p0 * d * es, dt, d, 0.f, w, s);
     });
