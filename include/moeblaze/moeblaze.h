@@ -42,7 +42,7 @@ extern "C" {
  * @brief Compile-time and run-time version numbers.
  *
  * The product version (VERSION file, semantic versioning) and the ABI version (the SONAME
- * suffix, libmoeblaze.so.<ABI>) are independent: the ABI version is bumped only when the ABI
+ * suffix, libmoeblaze.so.N for ABI version N) are independent: the ABI version is bumped only when the ABI
  * breaks, which the project avoids (docs/abi-policy.md).
  * @{
  */
