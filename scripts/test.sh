@@ -4,7 +4,8 @@
 #   build-test  RelWithDebInfo with the CUDA part when nvcc exists: all tests (host, plan,
 #               reference, ABI guard, Doxygen as part of the build, Python and Rust bindings;
 #               GPU tests skip themselves without a GPU).
-#   build-asan  the host library and host tests under AddressSanitizer + UBSan (CUDA off).
+#   build-asan  the host library, host tests and the Python binding under AddressSanitizer +
+#               UBSan (CUDA off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh test
@@ -22,5 +23,5 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMOEBLAZE_ENABLE_CUD
       -DMOEBLAZE_BUILD_PERF=OFF >/dev/null
 cmake --build build-asan --parallel "$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --parallel "$jobs" -L host --timeout 900
+  ctest --test-dir build-asan --parallel "$jobs" -L 'host|bindings' --timeout 900
 echo "== all tests passed"

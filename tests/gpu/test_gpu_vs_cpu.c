@@ -478,6 +478,75 @@ static void bad_caller_ids_write_nothing(void** state) {
   }
 }
 
+/* moeblaze_route on the GPU against the CPU engine: ids and counts exact, gates and losses
+ * within tolerance, from logits and from W_g. */
+static void route_only(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_route"));
+  for (int mode = MODE_LOGITS; mode <= MODE_WG; ++mode) {
+    gcase c = base_case(12, 3, 48, 16, 1000, MOEBLAZE_ACTIVATION_SILU, tu_f32, MOEBLAZE_SAVE_PREACT, mode);
+    c.layer.normalize = 1;
+    step s, g;
+    make_inputs(&s, &c, &rng);
+    alloc_outputs(&s);
+    g = s;
+    alloc_outputs(&g);
+    slotinfo t[T_COUNT];
+    slots(&s, t);
+    const int64_t sx[2] = {s.L, s.d}, swg[2] = {s.E, s.d}, sl[2] = {s.L, s.E}, sk[2] = {s.L, s.k}, se[1] = {s.E};
+    runner rc = {0}, rg = {0};
+    assert_ok(create(&c.layer, 0, &rc.h));
+    assert_ok(create(&c.layer, 1, &rg.h));
+    rg.cuda = 1;
+    to_device(&rg, &g, NULL);
+    for (int which = 0; which < 2; ++which) {
+      runner* r = which ? &rg : &rc;
+      slotinfo tt[T_COUNT];
+      slots(which ? &g : &s, tt);
+      moeblaze_arg_t a[7];
+      size_t n = 0;
+      if (mode == MODE_LOGITS) {
+        a[n++] = tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tens(r, tt, T_LOG, 2, sl));
+      } else {
+        a[n++] = tu_arg(MOEBLAZE_ARG_INPUT, tens(r, tt, T_X, 2, sx));
+        a[n++] = tu_arg(MOEBLAZE_ARG_ROUTER_WEIGHT, tens(r, tt, T_WG, 2, swg));
+      }
+      a[n++] = tu_arg(MOEBLAZE_ARG_TOPK_INDICES, tens(r, tt, T_OID, 2, sk));
+      a[n++] = tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tens(r, tt, T_OW, 2, sk));
+      a[n++] = tu_arg(MOEBLAZE_ARG_TOKENS_PER_EXPERT, tens(r, tt, T_TPE, 1, se));
+      a[n++] = tu_arg(MOEBLAZE_ARG_AUX_LOSS, tens(r, tt, T_AUX, 0, NULL));
+      a[n++] = tu_arg(MOEBLAZE_ARG_Z_LOSS, tens(r, tt, T_Z, 0, NULL));
+      size_t wsz = 0;
+      assert_ok(moeblaze_get_workspace_size(r->h, MOEBLAZE_PASS_ROUTE, s.L, &wsz));
+      void* ws = NULL;
+      if (which) CUDA_OK(cudaMalloc(&ws, wsz + 256));
+      else ws = tu_alloc_bytes(wsz);
+      assert_ok(moeblaze_route(r->h, a, n, ws, wsz, NULL));
+      if (which) { CUDA_OK(cudaDeviceSynchronize()); cudaFree(ws); }
+      else tu_free(ws);
+    }
+    assert_true(guards_intact(&rg, &g));
+    from_device(&rg, &g);
+    for (int64_t i = 0; i < s.L * s.k; ++i) assert_int_equal(((int32_t*)g.oid)[i], ((int32_t*)s.oid)[i]);
+    for (int64_t e = 0; e < s.E; ++e) assert_int_equal(((int64_t*)g.tpe)[e], ((int64_t*)s.tpe)[e]);
+    double a[4096], b[4096];
+    const size_t nk = (size_t)(s.L * s.k);
+    tu_to_f64(g.ow, tu_f32, nk, a);
+    tu_to_f64(s.ow, tu_f32, nk, b);
+    assert_true(tu_rel_err(a, b, nk) <= 1e-5);
+    const double aux_g = tu_load(g.aux, tu_f32, 0), aux_c = tu_load(s.aux, tu_f32, 0), z_g = tu_load(g.z, tu_f32, 0), z_c = tu_load(s.z, tu_f32, 0);
+    if (!(fabs(aux_g - aux_c) <= 1e-5 * fabs(aux_c)) || !(fabs(z_g - z_c) <= 1e-5 * fabs(z_c)))
+      fail_msg("route losses: aux GPU %.9g CPU %.9g, z GPU %.9g CPU %.9g", aux_g, aux_c, z_g, z_c);
+    free_device(&rg);
+    moeblaze_destroy(rc.h);
+    moeblaze_destroy(rg.h);
+    free_outputs(&g);
+    free_step(&s);
+    printf("  ok  route only (%s)\n", mode == MODE_LOGITS ? "logits" : "W_g");
+  }
+}
+
 typedef struct thread_job { gcase c; step s; runner r; moeblaze_status_t st; } thread_job;
 static void* thread_main(void* p) {
   thread_job* j = p;
@@ -532,6 +601,7 @@ int main(void) {
       cmocka_unit_test(every_activation_dtype_policy),
       cmocka_unit_test(routing_modes_and_edges),
       cmocka_unit_test(bad_caller_ids_write_nothing),
+      cmocka_unit_test(route_only),
       cmocka_unit_test(two_handles_two_streams),
   };
   return cmocka_run_group_tests_name("gpu_vs_cpu", tests, NULL, NULL);
