@@ -720,7 +720,9 @@ typedef struct moeblaze_arg {
 } moeblaze_arg_t;
 
 /**
- * @brief Validates arguments on the host exactly as the call for @p pass would, doing no work.
+ * @brief Validates argument descriptors on the host exactly as the call for @p pass would,
+ *        doing no work. It reads no tensor data: caller-given expert ids are checked by the
+ *        call itself, and buffer sizes by forward/backward/route.
  * @param[in] handle The handle.
  * @param[in] pass The call the arguments are for.
  * @param[in] args The arguments.

@@ -1,0 +1,483 @@
+/* The API contract: every entry point with bad input returns the documented status with a
+ * message, never crashes, and writes nothing outside (or, on failure, inside) the caller's
+ * buffers. Also: L = 0, device discovery without a GPU, thread-local messages, the log
+ * callback, and destroy calls that leave the message alone. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test_util.h"
+
+enum { L0 = 9, E0 = 5, K0 = 2, D0 = 8, H0 = 12, MAXL = 16, GUARD = 64 };
+
+/* One valid CPU forward/backward setup; every test perturbs one thing. */
+typedef struct fixture {
+  moeblaze_handle_t h;
+  int64_t sx[2], sl[2], sw[3], sd[3], sk[2], se[1], swg[2];
+  float *x, *logits, *wgu, *wd, *y, *dy, *dx, *gw, *wg;
+  int32_t* ids;
+  void *ws, *saved;
+  size_t ws_bytes, saved_bytes;
+} fixture;
+
+/* Buffers carry GUARD trailing bytes of 0xA5 so an overrun is visible. */
+static float* guarded(size_t n) {
+  float* p = tu_alloc_bytes(n * sizeof(float) + GUARD);
+  memset((char*)p + n * sizeof(float), 0xA5, GUARD);
+  return p;
+}
+static int guard_intact(const void* p, size_t bytes) {
+  const unsigned char* g = (const unsigned char*)p + bytes;
+  for (int i = 0; i < GUARD; ++i)
+    if (g[i] != 0xA5) return 0;
+  return 1;
+}
+
+static int setup(void** state) {
+  fixture* f = calloc(1, sizeof *f);
+  tu_layer l = tu_layer_default(E0, K0, D0, H0, MAXL, MOEBLAZE_ACTIVATION_SWIGLU);
+  l.aux_coeff = 0.01;
+  if (tu_create_cpu(&l, &f->h) != MOEBLAZE_STATUS_SUCCESS) return -1;
+  tu_rng r;
+  tu_rng_seed(&r, 7);
+  f->sx[0] = L0; f->sx[1] = D0;
+  f->sl[0] = L0; f->sl[1] = E0;
+  f->sw[0] = E0; f->sw[1] = D0; f->sw[2] = 2 * H0;
+  f->sd[0] = E0; f->sd[1] = H0; f->sd[2] = D0;
+  f->sk[0] = L0; f->sk[1] = K0;
+  f->se[0] = E0;
+  f->swg[0] = E0; f->swg[1] = D0;
+  f->x = guarded(L0 * D0); f->logits = guarded(L0 * E0); f->wgu = guarded(E0 * D0 * 2 * H0); f->wd = guarded(E0 * H0 * D0);
+  f->y = guarded(L0 * D0); f->dy = guarded(L0 * D0); f->dx = guarded(L0 * D0); f->gw = guarded(L0 * K0);
+  f->wg = guarded(E0 * D0);
+  f->ids = (int32_t*)guarded(L0 * K0);
+  tu_fill_normal(&r, f->x, tu_f32, L0 * D0, 1.0);
+  tu_fill_normal(&r, f->logits, tu_f32, L0 * E0, 1.0);
+  tu_fill_normal(&r, f->wgu, tu_f32, E0 * D0 * 2 * H0, 0.3);
+  tu_fill_normal(&r, f->wd, tu_f32, E0 * H0 * D0, 0.3);
+  tu_fill_normal(&r, f->dy, tu_f32, L0 * D0, 1.0);
+  tu_fill_normal(&r, f->wg, tu_f32, E0 * D0, 0.3);
+  for (int t = 0; t < L0; ++t)
+    for (int j = 0; j < K0; ++j) { f->ids[t * K0 + j] = (t + 2 * j) % E0; f->gw[t * K0 + j] = 0.5f; }
+  size_t wf, wb;
+  moeblaze_get_workspace_size(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, L0, &wf);
+  moeblaze_get_workspace_size(f->h, MOEBLAZE_PASS_BACKWARD, L0, &wb);
+  moeblaze_get_saved_size(f->h, L0, &f->saved_bytes);
+  f->ws_bytes = wf > wb ? wf : wb;
+  f->ws = tu_alloc_bytes(f->ws_bytes + 256);
+  f->saved = tu_alloc_bytes(f->saved_bytes + 256);
+  *state = f;
+  return 0;
+}
+static int teardown(void** state) {
+  fixture* f = *state;
+  void* all[] = {f->x, f->logits, f->wgu, f->wd, f->y, f->dy, f->dx, f->gw, f->wg, f->ids, f->ws, f->saved};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) tu_free(all[i]);
+  moeblaze_destroy(f->h);
+  free(f);
+  return 0;
+}
+
+static moeblaze_arg_t A(int32_t kind, void* data, moeblaze_dtype_t t, int32_t nd, const int64_t* shape) {
+  return tu_arg(kind, tu_tensor(data, t, nd, shape));
+}
+/* The valid forward argument list (routing from logits). Returns the count. */
+static size_t fwd_args(fixture* f, moeblaze_arg_t* a) {
+  size_t n = 0;
+  a[n++] = A(MOEBLAZE_ARG_INPUT, f->x, tu_f32, 2, f->sx);
+  a[n++] = A(MOEBLAZE_ARG_ROUTER_LOGITS, f->logits, tu_f32, 2, f->sl);
+  a[n++] = A(MOEBLAZE_ARG_W_GATE_UP, f->wgu, tu_f32, 3, f->sw);
+  a[n++] = A(MOEBLAZE_ARG_W_DOWN, f->wd, tu_f32, 3, f->sd);
+  a[n++] = A(MOEBLAZE_ARG_OUTPUT, f->y, tu_f32, 2, f->sx);
+  return n;
+}
+static moeblaze_status_t fwd(fixture* f, const moeblaze_arg_t* a, size_t n) {
+  return moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, f->ws_bytes, f->saved, f->saved_bytes, NULL);
+}
+/* Asserts `want` from forward on the given args and that y was left untouched. check_args
+ * sees the same descriptor problems; it reads no tensor data, so a bad expert id (data) and a
+ * too-small buffer pass it. */
+static void expect_forward_ex(fixture* f, const moeblaze_arg_t* a, size_t n, moeblaze_status_t want, int data_error) {
+  memset(f->y, 0x3c, L0 * D0 * sizeof(float));
+  assert_status(fwd(f, a, n), want);
+  for (size_t i = 0; i < L0 * D0 * sizeof(float); ++i) assert_int_equal(((unsigned char*)f->y)[i], 0x3c);
+  assert_true(guard_intact(f->y, L0 * D0 * sizeof(float)));
+  assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n),
+                want == MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE || data_error ? MOEBLAZE_STATUS_SUCCESS : want);
+}
+static void expect_forward(fixture* f, const moeblaze_arg_t* a, size_t n, moeblaze_status_t want) {
+  expect_forward_ex(f, a, n, want, 0);
+}
+
+static void valid_call_succeeds_and_clears_the_message(void** state) {
+  fixture* f = *state;
+  moeblaze_arg_t a[8];
+  size_t n = fwd_args(f, a);
+  assert_status(moeblaze_config_create(NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_true(moeblaze_get_last_error_message()[0] != '\0');
+  assert_ok(fwd(f, a, n));
+  assert_string_equal(moeblaze_get_last_error_message(), "");
+  assert_true(guard_intact(f->y, L0 * D0 * sizeof(float)));
+}
+
+static void null_pointers(void** state) {
+  fixture* f = *state;
+  moeblaze_arg_t a[8];
+  size_t n = fwd_args(f, a);
+  size_t bytes;
+  moeblaze_handle_t h;
+  moeblaze_config_t cfg;
+  assert_ok(moeblaze_config_create(&cfg));
+  assert_status(moeblaze_create(NULL, cfg), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_create(&h, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  moeblaze_config_destroy(cfg);
+  assert_status(moeblaze_get_workspace_size(NULL, MOEBLAZE_PASS_BACKWARD, 1, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_get_workspace_size(f->h, MOEBLAZE_PASS_BACKWARD, 1, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_get_saved_size(NULL, 1, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_get_saved_size(f->h, 1, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_get_device_count(MOEBLAZE_DEVICE_CPU, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_check_args(NULL, MOEBLAZE_PASS_FORWARD_TRAINING, a, n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, NULL, n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_forward(NULL, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, f->ws_bytes, f->saved, f->saved_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  expect_forward(f, NULL, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_backward(NULL, a, n, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_route(NULL, a, n, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* A NULL data pointer on a non-empty tensor. */
+  a[0].tensor.data = NULL;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[0].tensor.shape = NULL;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* Workspace or saved NULL while bytes are needed. */
+  n = fwd_args(f, a);
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, NULL, f->ws_bytes, f->saved,
+                                 f->saved_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, f->ws_bytes, NULL, f->saved_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+}
+
+static void bad_create(void** state) {
+  (void)state;
+  moeblaze_handle_t h = NULL;
+  tu_layer l = tu_layer_default(4, 5, 8, 8, 16, MOEBLAZE_ACTIVATION_SILU); /* k > E */
+  assert_status(tu_create_cpu(&l, &h), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_null(h);
+  moeblaze_config_t cfg;
+  assert_ok(moeblaze_config_create(&cfg));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CPU));
+  assert_status(moeblaze_create(&h, cfg), MOEBLAZE_STATUS_INVALID_ARGUMENT); /* required attributes missing */
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "num_experts"));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, 4));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, 2));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_HIDDEN_SIZE, 8));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, 8));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_MAX_TOKENS, 2000000000));
+  assert_status(moeblaze_create(&h, cfg), MOEBLAZE_STATUS_INVALID_ARGUMENT); /* max_tokens * k >= 2^31 */
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_MAX_TOKENS, 16));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ENGINE, MOEBLAZE_ENGINE_CUDA_CUBLASLT));
+  assert_status(moeblaze_create(&h, cfg), MOEBLAZE_STATUS_INVALID_ARGUMENT); /* CUDA engine on the CPU */
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ENGINE, MOEBLAZE_ENGINE_AUTO));
+  assert_ok(moeblaze_create(&h, cfg));
+  moeblaze_destroy(h);
+  moeblaze_config_destroy(cfg);
+}
+
+static void no_gpu_here(void** state) {
+  (void)state;
+  int32_t n = -1;
+  assert_ok(moeblaze_get_device_count(MOEBLAZE_DEVICE_CPU, &n));
+  assert_int_equal(n, 1);
+  assert_status(moeblaze_get_device_count(7, &n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_ok(moeblaze_get_device_count(MOEBLAZE_DEVICE_CUDA, &n));
+  if (n > 0) {
+    skip(); /* a GPU machine: the CUDA engine is tested in tests/gpu */
+    return;
+  }
+  moeblaze_config_t cfg;
+  assert_ok(moeblaze_config_create(&cfg));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, 4));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, 2));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_HIDDEN_SIZE, 8));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, 8));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_MAX_TOKENS, 16));
+  moeblaze_handle_t h = NULL;
+  assert_status(moeblaze_create(&h, cfg), MOEBLAZE_STATUS_ARCH_MISMATCH); /* device type defaults to CUDA */
+  assert_null(h);
+  moeblaze_config_destroy(cfg);
+}
+
+static void wrong_dtype_shape_stride_device(void** state) {
+  fixture* f = *state;
+  moeblaze_arg_t a[8];
+  size_t n = fwd_args(f, a);
+  a[0].tensor.dtype = tu_bf16; /* x must be the activation dtype (f32 here) */
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[1].tensor.dtype = tu_i32; /* logits: f32 or the activation dtype */
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[4].tensor.dtype.lanes = 2;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  const int64_t bad_w[3] = {E0, D0, H0}; /* SwiGLU needs 2h columns */
+  n = fwd_args(f, a);
+  a[2].tensor.shape = bad_w;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[3].tensor.ndim = 2;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  const int64_t short_y[2] = {L0 - 1, D0};
+  n = fwd_args(f, a);
+  a[4].tensor.shape = short_y;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  const int64_t inner2[2] = {2 * D0, 2}; /* non-unit innermost stride */
+  n = fwd_args(f, a);
+  a[0].tensor.strides = inner2;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  const int64_t overlap[2] = {D0 - 1, 1}; /* rows would overlap */
+  n = fwd_args(f, a);
+  a[4].tensor.strides = overlap;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  const int64_t negative[2] = {-D0, 1};
+  n = fwd_args(f, a);
+  a[0].tensor.strides = negative;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[1].tensor.device.device_type = MOEBLAZE_DEVICE_CUDA;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[1].tensor.device.device_id = 1;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[0].tensor.byte_offset = 2; /* misaligned for f32 */
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* A padded row stride is honoured, not rejected. */
+  float* padded = guarded(L0 * (D0 + 3));
+  for (int t = 0; t < L0; ++t) memcpy(padded + t * (D0 + 3), f->x + t * D0, D0 * sizeof(float));
+  const int64_t pad_stride[2] = {D0 + 3, 1};
+  n = fwd_args(f, a);
+  a[0].tensor.data = padded;
+  a[0].tensor.strides = pad_stride;
+  assert_ok(fwd(f, a, n));
+  tu_free(padded);
+}
+
+static void tokens_and_buffers(void** state) {
+  fixture* f = *state;
+  moeblaze_arg_t a[8];
+  size_t n = fwd_args(f, a), bytes;
+  assert_status(moeblaze_get_workspace_size(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, MAXL + 1, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_get_workspace_size(f->h, (moeblaze_pass_t)9, 1, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_get_saved_size(f->h, -1, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* L > MAX_TOKENS in the arguments */
+  float* big = guarded((MAXL + 1) * E0 * 2 * 2);
+  const int64_t bx[2] = {MAXL + 1, D0}, bl[2] = {MAXL + 1, E0};
+  a[0].tensor.data = big; a[0].tensor.shape = bx;
+  a[1].tensor.data = big; a[1].tensor.shape = bl;
+  a[4].tensor.shape = bx;
+  memset(f->y, 0x3c, L0 * D0 * sizeof(float));
+  assert_status(fwd(f, a, n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  tu_free(big);
+  n = fwd_args(f, a);
+  /* Too small */
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, 256, f->saved, f->saved_bytes, NULL),
+                MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE);
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, f->ws_bytes, f->saved, f->saved_bytes - 1, NULL),
+                MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE);
+  /* Misaligned */
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, (char*)f->ws + 8, f->ws_bytes, f->saved, f->saved_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, f->ws_bytes, (char*)f->saved + 64, f->saved_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* Backward with a too-small saved buffer */
+  assert_ok(fwd(f, a, n));
+  moeblaze_arg_t b[8];
+  size_t nb = 0;
+  b[nb++] = a[0]; b[nb++] = a[1]; b[nb++] = a[2]; b[nb++] = a[3];
+  b[nb++] = A(MOEBLAZE_ARG_GRAD_OUTPUT, f->dy, tu_f32, 2, f->sx);
+  b[nb++] = A(MOEBLAZE_ARG_GRAD_INPUT, f->dx, tu_f32, 2, f->sx);
+  assert_status(moeblaze_backward(f->h, b, nb, f->saved, 256, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE);
+  assert_status(moeblaze_backward(f->h, b, nb, f->saved, f->saved_bytes, f->ws, 0, NULL), MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE);
+  assert_ok(moeblaze_backward(f->h, b, nb, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL));
+  assert_true(guard_intact(f->dx, L0 * D0 * sizeof(float)));
+  /* The pass must match the call */
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_BACKWARD, a, n, f->ws, f->ws_bytes, f->saved, f->saved_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+}
+
+static void zero_tokens(void** state) {
+  fixture* f = *state;
+  moeblaze_arg_t a[8];
+  size_t n = fwd_args(f, a), ws = 0, sv = 0;
+  const int64_t zx[2] = {0, D0}, zl[2] = {0, E0};
+  a[0].tensor.shape = zx; a[1].tensor.shape = zl; a[4].tensor.shape = zx;
+  float aux = -1.f;
+  int64_t counts[E0];
+  memset(counts, 0x7f, sizeof counts);
+  const int64_t se[1] = {E0};
+  a[n++] = A(MOEBLAZE_ARG_AUX_LOSS, &aux, tu_f32, 0, NULL);
+  a[n++] = A(MOEBLAZE_ARG_TOKENS_PER_EXPERT, counts, tu_i64, 1, se);
+  assert_ok(moeblaze_get_workspace_size(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, 0, &ws));
+  assert_ok(moeblaze_get_saved_size(f->h, 0, &sv));
+  assert_ok(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, ws, f->saved, sv, NULL));
+  assert_true(aux == 0.f);
+  for (int e = 0; e < E0; ++e) assert_int_equal(counts[e], 0);
+}
+
+static void caller_ids_are_validated(void** state) {
+  fixture* f = *state;
+  const int32_t bad_values[3] = {E0, -1, 0};
+  for (int v = 0; v < 3; ++v) {
+    moeblaze_arg_t a[8];
+    size_t n = 0;
+    a[n++] = A(MOEBLAZE_ARG_INPUT, f->x, tu_f32, 2, f->sx);
+    a[n++] = A(MOEBLAZE_ARG_W_GATE_UP, f->wgu, tu_f32, 3, f->sw);
+    a[n++] = A(MOEBLAZE_ARG_W_DOWN, f->wd, tu_f32, 3, f->sd);
+    a[n++] = A(MOEBLAZE_ARG_OUTPUT, f->y, tu_f32, 2, f->sx);
+    a[n++] = A(MOEBLAZE_ARG_TOPK_INDICES, f->ids, tu_i32, 2, f->sk);
+    a[n++] = A(MOEBLAZE_ARG_TOPK_WEIGHTS, f->gw, tu_f32, 2, f->sk);
+    const int32_t keep = f->ids[7], keep2 = f->ids[6];
+    if (v < 2) f->ids[7] = bad_values[v];
+    else f->ids[7] = f->ids[6]; /* token 3 names one expert twice */
+    int64_t counts[E0];
+    memset(counts, 0x11, sizeof counts);
+    const int64_t se[1] = {E0};
+    a[n++] = A(MOEBLAZE_ARG_TOKENS_PER_EXPERT, counts, tu_i64, 1, se);
+    expect_forward_ex(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT, 1);
+    for (int e = 0; e < E0; ++e) assert_int_equal(counts[e], 0x1111111111111111LL);
+    f->ids[7] = keep;
+    f->ids[6] = keep2;
+    assert_ok(fwd(f, a, n));
+  }
+}
+
+static void argument_list_rules(void** state) {
+  fixture* f = *state;
+  moeblaze_arg_t a[10];
+  size_t n = fwd_args(f, a);
+  a[n] = a[0]; /* duplicated kind */
+  expect_forward(f, a, n + 1, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  a[n] = a[0];
+  a[n].kind = 4; /* reserved, unknown */
+  expect_forward(f, a, n + 1, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  a[n].kind = 12345;
+  expect_forward(f, a, n + 1, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[4].flags = 0x4; /* unknown flag bit */
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[4].flags = MOEBLAZE_ARG_FLAG_ACCUMULATE; /* not a gradient output */
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[n++] = A(MOEBLAZE_ARG_ROUTER_WEIGHT, f->wg, tu_f32, 2, f->swg); /* with ROUTER_LOGITS */
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  a[1] = A(MOEBLAZE_ARG_TOPK_INDICES, f->ids, tu_i32, 2, f->sk);
+  a[n++] = A(MOEBLAZE_ARG_TOPK_WEIGHTS, f->gw, tu_f32, 2, f->sk);
+  float aux;
+  a[n++] = A(MOEBLAZE_ARG_AUX_LOSS, &aux, tu_f32, 0, NULL); /* no scores with caller routing */
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  expect_forward(f, a, n - 1, MOEBLAZE_STATUS_INVALID_ARGUMENT); /* OUTPUT missing */
+  n = fwd_args(f, a);
+  a[n++] = A(MOEBLAZE_ARG_GRAD_INPUT, f->dx, tu_f32, 2, f->sx); /* a backward argument */
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  n = fwd_args(f, a);
+  const int64_t vec[1] = {2};
+  a[n++] = A(MOEBLAZE_ARG_AUX_LOSS, &aux, tu_f32, 1, vec); /* a scalar must have one element */
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* GRAD_ROUTER_WEIGHT needs ROUTER_WEIGHT in backward */
+  n = fwd_args(f, a);
+  assert_ok(fwd(f, a, n));
+  moeblaze_arg_t b[8];
+  size_t nb = 0;
+  b[nb++] = a[0]; b[nb++] = a[1]; b[nb++] = a[2]; b[nb++] = a[3];
+  b[nb++] = A(MOEBLAZE_ARG_GRAD_OUTPUT, f->dy, tu_f32, 2, f->sx);
+  b[nb++] = A(MOEBLAZE_ARG_GRAD_ROUTER_WEIGHT, f->wg, tu_f32, 2, f->swg);
+  assert_status(moeblaze_backward(f->h, b, nb, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_BACKWARD, b, nb), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* route needs logits or W_g, and its TOPK outputs */
+  moeblaze_arg_t r[2] = {A(MOEBLAZE_ARG_INPUT, f->x, tu_f32, 2, f->sx), A(MOEBLAZE_ARG_TOPK_INDICES, f->ids, tu_i32, 2, f->sk)};
+  assert_status(moeblaze_route(f->h, r, 2, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+}
+
+static void* error_in_thread(void* p) {
+  (void)p;
+  moeblaze_status_t s = moeblaze_config_create(NULL);
+  const char* msg = moeblaze_get_last_error_message();
+  return (void*)(intptr_t)(s == MOEBLAZE_STATUS_INVALID_ARGUMENT && msg[0] != '\0');
+}
+
+static void messages_are_thread_local(void** state) {
+  (void)state;
+  int32_t n;
+  assert_ok(moeblaze_get_device_count(MOEBLAZE_DEVICE_CPU, &n)); /* clears this thread's message */
+  pthread_t th;
+  void* ok = NULL;
+  assert_int_equal(pthread_create(&th, NULL, error_in_thread, NULL), 0);
+  pthread_join(th, &ok);
+  assert_true(ok != NULL);
+  assert_string_equal(moeblaze_get_last_error_message(), ""); /* the other thread's error is not ours */
+}
+
+static void destroy_keeps_the_message(void** state) {
+  (void)state;
+  moeblaze_config_t cfg;
+  assert_ok(moeblaze_config_create(&cfg));
+  assert_status(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, -5), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  char before[512];
+  strncpy(before, moeblaze_get_last_error_message(), sizeof before - 1);
+  before[sizeof before - 1] = '\0';
+  assert_ok(moeblaze_config_destroy(cfg));
+  assert_ok(moeblaze_destroy(NULL));
+  assert_string_equal(moeblaze_get_last_error_message(), before);
+}
+
+typedef struct log_capture { int calls; int32_t level; char func[64]; char msg[512]; } log_capture;
+static void capture(void* user, int32_t level, const char* func, const char* msg) {
+  log_capture* c = user;
+  c->calls++;
+  c->level = level;
+  strncpy(c->func, func, sizeof c->func - 1);
+  strncpy(c->msg, msg, sizeof c->msg - 1);
+}
+
+static void log_callback(void** state) {
+  (void)state;
+  log_capture c;
+  memset(&c, 0, sizeof c);
+  assert_status(moeblaze_set_log_callback(capture, &c, 9), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_ok(moeblaze_set_log_callback(capture, &c, MOEBLAZE_LOG_ERROR));
+  assert_status(moeblaze_config_create(NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(c.calls, 1);
+  assert_int_equal(c.level, MOEBLAZE_LOG_ERROR);
+  assert_string_equal(c.func, "moeblaze_config_create");
+  assert_string_equal(c.msg, moeblaze_get_last_error_message());
+  assert_ok(moeblaze_set_log_callback(NULL, NULL, 0));
+  assert_status(moeblaze_config_create(NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(c.calls, 1);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(valid_call_succeeds_and_clears_the_message, setup, teardown),
+      cmocka_unit_test_setup_teardown(null_pointers, setup, teardown),
+      cmocka_unit_test(bad_create),
+      cmocka_unit_test(no_gpu_here),
+      cmocka_unit_test_setup_teardown(wrong_dtype_shape_stride_device, setup, teardown),
+      cmocka_unit_test_setup_teardown(tokens_and_buffers, setup, teardown),
+      cmocka_unit_test_setup_teardown(zero_tokens, setup, teardown),
+      cmocka_unit_test_setup_teardown(caller_ids_are_validated, setup, teardown),
+      cmocka_unit_test_setup_teardown(argument_list_rules, setup, teardown),
+      cmocka_unit_test(messages_are_thread_local),
+      cmocka_unit_test(destroy_keeps_the_message),
+      cmocka_unit_test(log_callback),
+  };
+  return cmocka_run_group_tests_name("api_contract", tests, NULL, NULL);
+}
