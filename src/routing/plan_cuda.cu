@@ -1,10 +1,11 @@
 // The routing plan on the GPU, the paper's three atomic-free passes with no sort:
 //   1. dense map: per tile of T tokens, a T x E byte map in shared memory (each (t, e) pair is
-//      written by one thread: a token's experts are distinct), then per-expert column counts;
+//      written by one thread: a token's experts are distinct), then per-expert column counts
+//      (one warp per column: ballot + popcount);
 //   2. one exclusive scan of the counts in (expert, tile) order: expert offsets and the base of
 //      every (tile, expert) block;
 //   3. location map: the tile's map is rebuilt and each expert's column scanned in token order
-//      by one thread, writing expert_token_indices and token_index_map.
+//      by one warp (ballot + prefix popcount), writing expert_token_indices and token_index_map.
 // The dense map never leaves shared memory, so scratch is O((L / T) E), bounded for large E.
 // A CUB radix-sort build sits beside it as the baseline of perf/plan-bench.
 #include <algorithm>
@@ -27,26 +28,35 @@ namespace {
 constexpr int kPlanThreads = 256;
 constexpr int64_t kDenseMapBytes = 32768;
 
-__device__ void fill_dense(const int32_t* ids, int64_t t0, int64_t rows, int64_t k, int64_t E, uint8_t* dense) {
-  const int64_t bytes = rows * E;
-  for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) dense[i] = 0;
+// The tile's map is stored expert-major (dense[e T + r]), so a warp reading 32 consecutive
+// rows of one expert's column touches 32 consecutive bytes: no shared-memory bank conflicts.
+__device__ void fill_dense(const int32_t* ids, int64_t t0, int64_t rows, int64_t T, int64_t k, int64_t E, uint8_t* dense) {
+  const int64_t bytes = T * E;
+  for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(dense)[i] = make_uint4(0, 0, 0, 0);
+  for (int64_t i = bytes / 16 * 16 + threadIdx.x; i < bytes; i += blockDim.x) dense[i] = 0;
   __syncthreads();
   for (int64_t i = threadIdx.x; i < rows * k; i += blockDim.x) {
     const int64_t r = i / k, j = i % k;
-    dense[r * E + ids[(t0 + r) * k + j]] = static_cast<uint8_t>(j + 1);
+    dense[ids[(t0 + r) * k + j] * T + r] = static_cast<uint8_t>(j + 1);
   }
   __syncthreads();
 }
 
+// Each warp owns expert columns; 32 rows at a time it ballots the column's marks: counts by
+// popcount, no atomics.
 __global__ void plan_count_kernel(const int32_t* ids, int64_t L, int64_t k, int64_t E, int64_t T, int64_t tiles,
                                   int32_t* counts) {
-  extern __shared__ uint8_t dense[];
+  extern __shared__ __align__(16) uint8_t dense[];
   const int64_t tile = blockIdx.x, t0 = tile * T, rows = min(T, L - t0);
-  fill_dense(ids, t0, rows, k, E, dense);
-  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+  fill_dense(ids, t0, rows, T, k, E, dense);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int64_t e = warp; e < E; e += warps) {
     int32_t n = 0;
-    for (int64_t r = 0; r < rows; ++r) n += dense[r * E + e] != 0;
-    counts[e * tiles + tile] = n;
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+      const int64_t r = r0 + lane;
+      n += __popc(__ballot_sync(0xffffffffu, r < rows && dense[e * T + r] != 0));
+    }
+    if (lane == 0) counts[e * tiles + tile] = n;
   }
 }
 
@@ -57,19 +67,27 @@ __global__ void plan_offsets_kernel(const int32_t* counts, const int32_t* bases,
   if (e == E) offsets[E] = tiles > 0 ? bases[E * tiles - 1] + counts[E * tiles - 1] : 0;
 }
 
+// The location map: a warp walks its expert's column 32 rows at a time; each marked row's
+// destination is the block base + the marks before it (ballot prefix popcount).
 __global__ void plan_place_kernel(const int32_t* ids, int64_t L, int64_t k, int64_t E, int64_t T, int64_t tiles,
                                   const int32_t* bases, int32_t* expert_token, int32_t* token_index_map) {
-  extern __shared__ uint8_t dense[];
+  extern __shared__ __align__(16) uint8_t dense[];
   const int64_t tile = blockIdx.x, t0 = tile * T, rows = min(T, L - t0);
-  fill_dense(ids, t0, rows, k, E, dense);
-  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+  fill_dense(ids, t0, rows, T, k, E, dense);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const unsigned below = (1u << lane) - 1u;
+  for (int64_t e = warp; e < E; e += warps) {
     int32_t cursor = bases[e * tiles + tile];
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t slot = dense[r * E + e];
-      if (!slot) continue;
-      expert_token[cursor] = static_cast<int32_t>(t0 + r);
-      token_index_map[(t0 + r) * k + (slot - 1)] = cursor;
-      ++cursor;
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+      const int64_t r = r0 + lane;
+      const uint8_t slot = r < rows ? dense[e * T + r] : 0;
+      const unsigned marks = __ballot_sync(0xffffffffu, slot != 0);
+      if (slot) {
+        const int32_t pos = cursor + __popc(marks & below);
+        expert_token[pos] = static_cast<int32_t>(t0 + r);
+        token_index_map[(t0 + r) * k + (slot - 1)] = pos;
+      }
+      cursor += __popc(marks);
     }
   }
 }
@@ -106,7 +124,11 @@ int end_bit(int64_t E) {
 }  // namespace
 
 PlanGeometryCuda plan_geometry_cuda(int64_t L, int64_t E) {
-  const int64_t T = std::clamp<int64_t>(kDenseMapBytes / std::max<int64_t>(E, 1), 1, 1024);
+  // Tiles of T tokens: the T x E map fits in 32 KiB of shared memory, and there are enough
+  // tiles (about two per SM of a large GPU) to fill the chip; T is a multiple of 32 where it can be.
+  int64_t T = std::clamp<int64_t>(kDenseMapBytes / std::max<int64_t>(E, 1), 1, 1024);
+  const int64_t fill = std::max<int64_t>(32, ceil_div(ceil_div(L, 264), 32) * 32);
+  if (T > fill) T = fill;
   return {T, ceil_div(L, T), static_cast<size_t>(T * E)};
 }
 
