@@ -71,6 +71,17 @@ moeblaze_dtype_t from_dtype(DType t) {
 }
 const RawArg* raw(const moeblaze_arg_t* a) { return reinterpret_cast<const RawArg*>(a); }
 
+// A C caller may pass any 32-bit value for an enum parameter (e.g. -1, or a value from a newer
+// header). In C++ an out-of-range value must not be read as the enum type, so parameters are
+// read through their bytes and handled as int32_t from then on.
+template <class Enum>
+int32_t raw_enum(const Enum& e) {
+  static_assert(sizeof(Enum) == sizeof(int32_t), "public enums are 32-bit");
+  int32_t v;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
+
 }  // namespace
 
 extern "C" {
@@ -82,8 +93,8 @@ MOEBLAZE_API uint32_t moeblaze_get_abi_version(void) { return MOEBLAZE_ABI_VERSI
 MOEBLAZE_API const char* moeblaze_get_build_info(void) { return MOEBLAZE_BUILD_INFO; }
 
 /* ---- errors ---- */
-MOEBLAZE_API const char* moeblaze_status_name(moeblaze_status_t s) {
-  switch (s) {
+MOEBLAZE_API const char* moeblaze_status_name(moeblaze_status_t status) {
+  switch (raw_enum(status)) {
     case MOEBLAZE_STATUS_SUCCESS: return "MOEBLAZE_STATUS_SUCCESS";
     case MOEBLAZE_STATUS_INVALID_ARGUMENT: return "MOEBLAZE_STATUS_INVALID_ARGUMENT";
     case MOEBLAZE_STATUS_NOT_SUPPORTED: return "MOEBLAZE_STATUS_NOT_SUPPORTED";
@@ -101,8 +112,8 @@ MOEBLAZE_API const char* moeblaze_status_name(moeblaze_status_t s) {
   }
 }
 
-MOEBLAZE_API const char* moeblaze_status_string(moeblaze_status_t s) {
-  switch (s) {
+MOEBLAZE_API const char* moeblaze_status_string(moeblaze_status_t status) {
+  switch (raw_enum(status)) {
     case MOEBLAZE_STATUS_SUCCESS: return "The call succeeded.";
     case MOEBLAZE_STATUS_INVALID_ARGUMENT: return "An argument is NULL, malformed or out of range.";
     case MOEBLAZE_STATUS_NOT_SUPPORTED: return "The request is valid but not implemented by this build or engine.";
@@ -148,14 +159,14 @@ MOEBLAZE_API moeblaze_status_t moeblaze_config_destroy(moeblaze_config_t cfg) {
 MOEBLAZE_API moeblaze_status_t moeblaze_config_set_i64(moeblaze_config_t cfg, moeblaze_attr_t attr, int64_t v) {
   return api::guard(__func__, [&] {
     require(cfg, "cfg");
-    cfg->values.set_i64(attr, v);
+    cfg->values.set_i64(raw_enum(attr), v);
   });
 }
 
 MOEBLAZE_API moeblaze_status_t moeblaze_config_set_f64(moeblaze_config_t cfg, moeblaze_attr_t attr, double v) {
   return api::guard(__func__, [&] {
     require(cfg, "cfg");
-    cfg->values.set_f64(attr, v);
+    cfg->values.set_f64(raw_enum(attr), v);
   });
 }
 
@@ -163,7 +174,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_config_set_dtype(moeblaze_config_t cfg, 
                                                          moeblaze_dtype_t v) {
   return api::guard(__func__, [&] {
     require(cfg, "cfg");
-    cfg->values.set_dtype(attr, to_dtype(v));
+    cfg->values.set_dtype(raw_enum(attr), to_dtype(v));
   });
 }
 
@@ -171,7 +182,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_config_get_i64(moeblaze_config_t cfg, mo
   return api::guard(__func__, [&] {
     require(cfg, "cfg");
     require(out, "out");
-    *out = cfg->values.get_i64(attr);
+    *out = cfg->values.get_i64(raw_enum(attr));
   });
 }
 
@@ -179,7 +190,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_config_get_f64(moeblaze_config_t cfg, mo
   return api::guard(__func__, [&] {
     require(cfg, "cfg");
     require(out, "out");
-    *out = cfg->values.get_f64(attr);
+    *out = cfg->values.get_f64(raw_enum(attr));
   });
 }
 
@@ -188,7 +199,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_config_get_dtype(moeblaze_config_t cfg, 
   return api::guard(__func__, [&] {
     require(cfg, "cfg");
     require(out, "out");
-    *out = from_dtype(cfg->values.get_dtype(attr));
+    *out = from_dtype(cfg->values.get_dtype(raw_enum(attr)));
   });
 }
 
@@ -199,8 +210,8 @@ MOEBLAZE_API moeblaze_status_t moeblaze_attr_query(moeblaze_attr_t attr, moeblaz
     if (info->struct_size < prefix)
       fail(Status::kVersionMismatch, "info->struct_size = %zu is smaller than the first two fields (%zu bytes)",
            info->struct_size, prefix);
-    const AttrInfo* a = attr_info(attr);
-    if (!a) fail(Status::kUnknownAttribute, "unknown attribute %d", static_cast<int>(attr));
+    const AttrInfo* a = attr_info(raw_enum(attr));
+    if (!a) fail(Status::kUnknownAttribute, "unknown attribute %d", raw_enum(attr));
     moeblaze_attr_info_t full;
     std::memset(&full, 0, sizeof full);
     full.struct_size = sizeof full;
@@ -246,7 +257,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_handle_get_i64(moeblaze_handle_t h, moeb
   return api::guard(__func__, [&] {
     require(h, "handle");
     require(out, "out");
-    *out = h->layer.config().to_values().get_i64(attr);
+    *out = h->layer.config().to_values().get_i64(raw_enum(attr));
   });
 }
 
@@ -254,7 +265,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_handle_get_f64(moeblaze_handle_t h, moeb
   return api::guard(__func__, [&] {
     require(h, "handle");
     require(out, "out");
-    *out = h->layer.config().to_values().get_f64(attr);
+    *out = h->layer.config().to_values().get_f64(raw_enum(attr));
   });
 }
 
@@ -263,7 +274,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_handle_get_dtype(moeblaze_handle_t h, mo
   return api::guard(__func__, [&] {
     require(h, "handle");
     require(out, "out");
-    *out = from_dtype(h->layer.config().to_values().get_dtype(attr));
+    *out = from_dtype(h->layer.config().to_values().get_dtype(raw_enum(attr)));
   });
 }
 
@@ -273,7 +284,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_get_workspace_size(moeblaze_handle_t h, 
   return api::guard(__func__, [&] {
     require(h, "handle");
     require(bytes, "bytes");
-    *bytes = h->layer.workspace_size(static_cast<Pass>(pass), num_tokens);
+    *bytes = h->layer.workspace_size(static_cast<Pass>(raw_enum(pass)), num_tokens);
   });
 }
 
@@ -290,7 +301,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_check_args(moeblaze_handle_t h, moeblaze
                                                    const moeblaze_arg_t* args, size_t num_args) {
   return api::guard(__func__, [&] {
     require(h, "handle");
-    h->layer.check(static_cast<Pass>(pass), raw(args), num_args);
+    h->layer.check(static_cast<Pass>(raw_enum(pass)), raw(args), num_args);
   });
 }
 
@@ -299,7 +310,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_forward(moeblaze_handle_t h, moeblaze_pa
                                                 size_t saved_bytes, moeblaze_stream_t stream) {
   return api::guard(__func__, [&] {
     require(h, "handle");
-    h->layer.forward(static_cast<Pass>(pass), raw(args), num_args, workspace, workspace_bytes, saved, saved_bytes,
+    h->layer.forward(static_cast<Pass>(raw_enum(pass)), raw(args), num_args, workspace, workspace_bytes, saved, saved_bytes,
                      stream);
   });
 }
