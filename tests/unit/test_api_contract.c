@@ -210,6 +210,11 @@ static void no_gpu_here(void** state) {
   moeblaze_handle_t h = NULL;
   assert_status(moeblaze_create(&h, cfg), MOEBLAZE_STATUS_ARCH_MISMATCH); /* device type defaults to CUDA */
   assert_null(h);
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CUDA));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_ID, 0));
+  assert_status(moeblaze_create(&h, cfg), MOEBLAZE_STATUS_ARCH_MISMATCH);
+  assert_null(h);
+  assert_true(strlen(moeblaze_get_last_error_message()) > strlen("moeblaze_create: "));
   moeblaze_config_destroy(cfg);
 }
 
@@ -330,31 +335,64 @@ static void zero_tokens(void** state) {
   for (int e = 0; e < E0; ++e) assert_int_equal(counts[e], 0);
 }
 
+/* Caller-given ids: out of range (>= E, negative, beyond 32 bits for I64) or repeated within a
+ * token fail with INVALID_ARGUMENT before anything is written: y, TOKENS_PER_EXPERT and the
+ * saved buffer keep their pre-filled bytes, and the guard bytes after every output stay
+ * intact. check_args reads no data, so it accepts the same descriptors. */
 static void caller_ids_are_validated(void** state) {
   fixture* f = *state;
-  const int32_t bad_values[3] = {E0, -1, 0};
-  for (int v = 0; v < 3; ++v) {
-    moeblaze_arg_t a[8];
-    size_t n = 0;
-    a[n++] = A(MOEBLAZE_ARG_INPUT, f->x, tu_f32, 2, f->sx);
-    a[n++] = A(MOEBLAZE_ARG_W_GATE_UP, f->wgu, tu_f32, 3, f->sw);
-    a[n++] = A(MOEBLAZE_ARG_W_DOWN, f->wd, tu_f32, 3, f->sd);
-    a[n++] = A(MOEBLAZE_ARG_OUTPUT, f->y, tu_f32, 2, f->sx);
-    a[n++] = A(MOEBLAZE_ARG_TOPK_INDICES, f->ids, tu_i32, 2, f->sk);
-    a[n++] = A(MOEBLAZE_ARG_TOPK_WEIGHTS, f->gw, tu_f32, 2, f->sk);
-    const int32_t keep = f->ids[7], keep2 = f->ids[6];
-    if (v < 2) f->ids[7] = bad_values[v];
-    else f->ids[7] = f->ids[6]; /* token 3 names one expert twice */
-    int64_t counts[E0];
-    memset(counts, 0x11, sizeof counts);
-    const int64_t se[1] = {E0};
-    a[n++] = A(MOEBLAZE_ARG_TOKENS_PER_EXPERT, counts, tu_i64, 1, se);
-    expect_forward_ex(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT, 1);
-    for (int e = 0; e < E0; ++e) assert_int_equal(counts[e], 0x1111111111111111LL);
-    f->ids[7] = keep;
-    f->ids[6] = keep2;
-    assert_ok(fwd(f, a, n));
+  int64_t* ids64 = (int64_t*)guarded(2 * L0 * K0);
+  int64_t* counts = (int64_t*)guarded(2 * E0);
+  const size_t cb = E0 * sizeof(int64_t);
+  const int64_t bad64[] = {E0, -1, (int64_t)1 << 32, ((int64_t)1 << 32) + 1, INT64_MIN};
+  const size_t nbad32 = 3, nbad64 = sizeof bad64 / sizeof bad64[0] + 1;
+  for (int wide = 0; wide < 2; ++wide) {
+    const size_t ncase = wide ? nbad64 : nbad32;
+    for (size_t v = 0; v < ncase; ++v) {
+      for (int t = 0; t < L0; ++t)
+        for (int j = 0; j < K0; ++j) {
+          f->ids[t * K0 + j] = (t + 2 * j) % E0;
+          ids64[t * K0 + j] = f->ids[t * K0 + j];
+        }
+      const int dup = v == ncase - 1; /* the last case: token 3 names one expert twice */
+      if (wide) ids64[7] = dup ? ids64[6] : bad64[v];
+      else f->ids[7] = dup ? f->ids[6] : (v == 0 ? E0 : -1);
+      moeblaze_arg_t a[8];
+      size_t n = 0;
+      a[n++] = A(MOEBLAZE_ARG_INPUT, f->x, tu_f32, 2, f->sx);
+      a[n++] = A(MOEBLAZE_ARG_W_GATE_UP, f->wgu, tu_f32, 3, f->sw);
+      a[n++] = A(MOEBLAZE_ARG_W_DOWN, f->wd, tu_f32, 3, f->sd);
+      a[n++] = A(MOEBLAZE_ARG_OUTPUT, f->y, tu_f32, 2, f->sx);
+      a[n++] = wide ? A(MOEBLAZE_ARG_TOPK_INDICES, ids64, tu_i64, 2, f->sk)
+                    : A(MOEBLAZE_ARG_TOPK_INDICES, f->ids, tu_i32, 2, f->sk);
+      a[n++] = A(MOEBLAZE_ARG_TOPK_WEIGHTS, f->gw, tu_f32, 2, f->sk);
+      a[n++] = A(MOEBLAZE_ARG_TOKENS_PER_EXPERT, counts, tu_i64, 1, f->se);
+      memset(counts, 0x11, cb);
+      memset(f->saved, 0x5e, f->saved_bytes);
+      expect_forward_ex(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT, 1);
+      for (size_t i = 0; i < cb; ++i) assert_int_equal(((unsigned char*)counts)[i], 0x11);
+      for (size_t i = 0; i < f->saved_bytes; ++i)
+        if (((unsigned char*)f->saved)[i] != 0x5e) fail_msg("case %zu (%s ids): saved byte %zu was written", v, wide ? "i64" : "i32", i);
+      assert_true(guard_intact(counts, cb));
+      assert_true(guard_intact(wide ? (void*)ids64 : (void*)f->ids, L0 * K0 * (wide ? 8 : 4)));
+      /* inference fails the same way */
+      memset(f->y, 0x3c, L0 * D0 * sizeof(float));
+      assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_INFERENCE, a, n, f->ws, f->ws_bytes, NULL, 0, NULL),
+                    MOEBLAZE_STATUS_INVALID_ARGUMENT);
+      for (size_t i = 0; i < L0 * D0 * sizeof(float); ++i) assert_int_equal(((unsigned char*)f->y)[i], 0x3c);
+      /* repaired, the same arguments succeed and stay inside their buffers */
+      if (wide) ids64[7] = (3 + 2) % E0;
+      else f->ids[7] = (3 + 2) % E0;
+      assert_ok(fwd(f, a, n));
+      int64_t total = 0;
+      for (int e = 0; e < E0; ++e) total += counts[e];
+      assert_int_equal(total, L0 * K0);
+      assert_true(guard_intact(f->y, L0 * D0 * sizeof(float)));
+      assert_true(guard_intact(counts, cb));
+    }
   }
+  tu_free(ids64);
+  tu_free(counts);
 }
 
 static void argument_list_rules(void** state) {
@@ -407,11 +445,217 @@ static void argument_list_rules(void** state) {
   assert_status(moeblaze_route(f->h, r, 2, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
 }
 
+/* Every status-returning entry point, with each pointer parameter NULL in turn. */
+static void every_entry_point_rejects_null(void** state) {
+  fixture* f = *state;
+  moeblaze_arg_t a[8];
+  const size_t n = fwd_args(f, a);
+  moeblaze_config_t cfg;
+  moeblaze_handle_t h;
+  int64_t i64;
+  double f64;
+  moeblaze_dtype_t dt;
+  size_t bytes;
+  moeblaze_attr_info_t info;
+  memset(&info, 0, sizeof info);
+  info.struct_size = sizeof info;
+  assert_ok(moeblaze_config_create(&cfg));
+  /* config */
+  assert_status(moeblaze_config_create(NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_set_i64(NULL, MOEBLAZE_ATTR_TOP_K, 1), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_set_f64(NULL, MOEBLAZE_ATTR_Z_LOSS_COEFF, 0.5), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_set_dtype(NULL, MOEBLAZE_ATTR_WEIGHT_DTYPE, tu_f32), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_get_i64(NULL, MOEBLAZE_ATTR_TOP_K, &i64), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_get_i64(cfg, MOEBLAZE_ATTR_TOP_K, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_get_f64(NULL, MOEBLAZE_ATTR_Z_LOSS_COEFF, &f64), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_get_f64(cfg, MOEBLAZE_ATTR_Z_LOSS_COEFF, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_get_dtype(NULL, MOEBLAZE_ATTR_WEIGHT_DTYPE, &dt), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_get_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_attr_query(MOEBLAZE_ATTR_TOP_K, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* handle */
+  assert_status(moeblaze_get_device_count(MOEBLAZE_DEVICE_CPU, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_get_device_count(MOEBLAZE_DEVICE_CUDA, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_create(NULL, cfg), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_create(&h, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_handle_get_i64(NULL, MOEBLAZE_ATTR_TOP_K, &i64), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_handle_get_i64(f->h, MOEBLAZE_ATTR_TOP_K, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_handle_get_f64(NULL, MOEBLAZE_ATTR_Z_LOSS_COEFF, &f64), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_handle_get_f64(f->h, MOEBLAZE_ATTR_Z_LOSS_COEFF, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_handle_get_dtype(NULL, MOEBLAZE_ATTR_WEIGHT_DTYPE, &dt), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_handle_get_dtype(f->h, MOEBLAZE_ATTR_WEIGHT_DTYPE, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* sizes */
+  for (int p = MOEBLAZE_PASS_FORWARD_TRAINING; p <= MOEBLAZE_PASS_ROUTE; ++p) {
+    assert_status(moeblaze_get_workspace_size(NULL, (moeblaze_pass_t)p, 1, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_status(moeblaze_get_workspace_size(f->h, (moeblaze_pass_t)p, 1, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  }
+  assert_status(moeblaze_get_saved_size(NULL, 1, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_get_saved_size(f->h, 1, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* execution: NULL handle, NULL argument array (with and without a count) */
+  for (int p = MOEBLAZE_PASS_FORWARD_TRAINING; p <= MOEBLAZE_PASS_ROUTE; ++p) {
+    assert_status(moeblaze_check_args(NULL, (moeblaze_pass_t)p, a, n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_status(moeblaze_check_args(f->h, (moeblaze_pass_t)p, NULL, n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_status(moeblaze_check_args(f->h, (moeblaze_pass_t)p, NULL, 0), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  }
+  assert_status(moeblaze_forward(NULL, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, f->ws_bytes, f->saved, f->saved_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_INFERENCE, NULL, n, f->ws, f->ws_bytes, NULL, 0, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, NULL, 0, f->ws, f->ws_bytes, f->saved, f->saved_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_backward(NULL, a, n, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_backward(f->h, NULL, n, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_route(NULL, a, n, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_route(f->h, NULL, n, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* NULL is valid where documented: destroy calls and removing the log callback. */
+  assert_ok(moeblaze_config_destroy(NULL));
+  assert_ok(moeblaze_destroy(NULL));
+  assert_ok(moeblaze_set_log_callback(NULL, NULL, 0));
+  /* Pure getters never return NULL. */
+  assert_non_null(moeblaze_get_version_string());
+  assert_non_null(moeblaze_get_build_info());
+  assert_non_null(moeblaze_get_last_error_message());
+  assert_ok(moeblaze_config_destroy(cfg));
+}
+
+/* The backward argument list matching fwd_args (routing from logits). Returns the count. */
+static size_t bwd_args(fixture* f, moeblaze_arg_t* b) {
+  size_t n = fwd_args(f, b) - 1; /* drop OUTPUT */
+  b[n++] = A(MOEBLAZE_ARG_GRAD_OUTPUT, f->dy, tu_f32, 2, f->sx);
+  b[n++] = A(MOEBLAZE_ARG_GRAD_INPUT, f->dx, tu_f32, 2, f->sx);
+  return n;
+}
+
+/* A NULL workspace (or saved buffer) is accepted exactly when the queried size is 0; a
+ * buffer that is too small is INSUFFICIENT_WORKSPACE whether or not it is NULL. */
+static void null_workspace_only_when_not_needed(void** state) {
+  fixture* f = *state;
+  int exercised_zero = 0;
+  const int64_t Ls[2] = {0, L0};
+  for (int li = 0; li < 2; ++li) {
+    const int64_t L = Ls[li];
+    const int64_t sx[2] = {L, D0}, sl[2] = {L, E0}, sk[2] = {L, K0};
+    moeblaze_arg_t a[8], b[8], r[4];
+    size_t n = fwd_args(f, a), nb = bwd_args(f, b), nr = 0;
+    a[0].tensor.shape = sx; a[1].tensor.shape = sl; a[4].tensor.shape = sx;
+    b[0].tensor.shape = sx; b[1].tensor.shape = sl; b[4].tensor.shape = sx; b[5].tensor.shape = sx;
+    r[nr++] = A(MOEBLAZE_ARG_ROUTER_LOGITS, f->logits, tu_f32, 2, sl);
+    r[nr++] = A(MOEBLAZE_ARG_TOPK_INDICES, f->ids, tu_i32, 2, sk);
+    r[nr++] = A(MOEBLAZE_ARG_TOPK_WEIGHTS, f->gw, tu_f32, 2, sk);
+    size_t need[4], saved = 0;
+    for (int p = 0; p < 4; ++p) assert_ok(moeblaze_get_workspace_size(f->h, (moeblaze_pass_t)p, L, &need[p]));
+    assert_ok(moeblaze_get_saved_size(f->h, L, &saved));
+    assert_true(saved > 0); /* the expert offsets are always saved */
+    for (int p = 0; p < 4; ++p) {
+      moeblaze_status_t s_null, s_null_zero;
+      if (p == MOEBLAZE_PASS_BACKWARD) {
+        assert_ok(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, f->ws_bytes, f->saved, saved, NULL));
+        s_null = moeblaze_backward(f->h, b, nb, f->saved, saved, NULL, need[p], NULL);
+        s_null_zero = moeblaze_backward(f->h, b, nb, f->saved, saved, NULL, 0, NULL);
+      } else if (p == MOEBLAZE_PASS_ROUTE) {
+        s_null = moeblaze_route(f->h, r, nr, NULL, need[p], NULL);
+        s_null_zero = moeblaze_route(f->h, r, nr, NULL, 0, NULL);
+      } else {
+        s_null = moeblaze_forward(f->h, (moeblaze_pass_t)p, a, n, NULL, need[p], f->saved, saved, NULL);
+        s_null_zero = moeblaze_forward(f->h, (moeblaze_pass_t)p, a, n, NULL, 0, f->saved, saved, NULL);
+      }
+      if (need[p] == 0) {
+        exercised_zero = 1;
+        assert_int_equal(s_null, MOEBLAZE_STATUS_SUCCESS);
+        assert_int_equal(s_null_zero, MOEBLAZE_STATUS_SUCCESS);
+        assert_string_equal(moeblaze_get_last_error_message(), "");
+      } else {
+        assert_int_equal(s_null, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+        assert_int_equal(s_null_zero, MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE);
+        assert_true(moeblaze_get_last_error_message()[0] != '\0');
+      }
+    }
+    /* The saved buffer is never optional for training forward and backward. */
+    assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, f->ws_bytes, NULL, saved, NULL),
+                  MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, f->ws, f->ws_bytes, NULL, 0, NULL),
+                  MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE);
+    assert_status(moeblaze_backward(f->h, b, nb, NULL, saved, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    /* Inference ignores the saved buffer entirely. */
+    assert_ok(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_INFERENCE, a, n, f->ws, f->ws_bytes, NULL, 0, NULL));
+  }
+  if (!exercised_zero) print_message("note: no pass needs 0 workspace bytes on this engine; the NULL-accepted branch was not reached\n");
+}
+
+/* Backward and route reject bad descriptors too, and leave their outputs untouched. */
+static void backward_and_route_validate(void** state) {
+  fixture* f = *state;
+  moeblaze_arg_t a[8], b[10];
+  size_t n = fwd_args(f, a), nb;
+  assert_ok(fwd(f, a, n));
+  const size_t dxb = L0 * D0 * sizeof(float);
+  const int64_t inner2[2] = {2 * D0, 2}, short_x[2] = {L0 - 1, D0};
+  for (int c = 0; c < 7; ++c) {
+    nb = bwd_args(f, b);
+    switch (c) {
+      case 0: b[4].tensor.dtype = tu_bf16; break;                   /* dy dtype */
+      case 1: b[5].tensor.strides = inner2; break;                  /* dx inner stride */
+      case 2: b[5].tensor.shape = short_x; break;                   /* dx shape */
+      case 3: b[5].tensor.device.device_type = MOEBLAZE_DEVICE_CUDA; break;
+      case 4: b[nb - 1].kind = MOEBLAZE_ARG_OUTPUT; break;          /* a forward-only kind */
+      case 5: b[5].flags = 0x80000000u; break;                      /* unknown flag bit */
+      case 6: b[4].flags = MOEBLAZE_ARG_FLAG_ACCUMULATE; break;     /* dy is an input */
+    }
+    memset(f->dx, 0x3c, dxb);
+    assert_status(moeblaze_backward(f->h, b, nb, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL),
+                  MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_BACKWARD, b, nb), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    for (size_t i = 0; i < dxb; ++i) assert_int_equal(((unsigned char*)f->dx)[i], 0x3c);
+    assert_true(guard_intact(f->dx, dxb));
+  }
+  /* GRAD_OUTPUT missing */
+  nb = bwd_args(f, b);
+  b[4] = b[5];
+  assert_status(moeblaze_backward(f->h, b, nb - 1, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* ACCUMULATE on a gradient output is valid */
+  nb = bwd_args(f, b);
+  b[5].flags = MOEBLAZE_ARG_FLAG_ACCUMULATE;
+  memset(f->dx, 0, dxb);
+  assert_ok(moeblaze_backward(f->h, b, nb, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL));
+  assert_true(guard_intact(f->dx, dxb));
+  /* route */
+  moeblaze_arg_t r[4];
+  r[0] = A(MOEBLAZE_ARG_ROUTER_LOGITS, f->logits, tu_f32, 2, f->sl);
+  r[1] = A(MOEBLAZE_ARG_TOPK_INDICES, f->ids, tu_i32, 2, f->sk);
+  r[2] = A(MOEBLAZE_ARG_TOPK_WEIGHTS, f->gw, tu_f32, 2, f->sk);
+  memset(f->ids, 0x3c, L0 * K0 * sizeof(int32_t));
+  r[1].flags = MOEBLAZE_ARG_FLAG_ACCUMULATE; /* not a gradient output */
+  assert_status(moeblaze_route(f->h, r, 3, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  r[1].flags = 0;
+  r[1].tensor.dtype = tu_f32; /* ids are I32 or I64 */
+  assert_status(moeblaze_route(f->h, r, 3, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  r[1].tensor.dtype = tu_i32;
+  assert_status(moeblaze_route(f->h, r, 2, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT); /* no TOPK_WEIGHTS */
+  r[3] = A(MOEBLAZE_ARG_ROUTER_WEIGHT, f->wg, tu_f32, 2, f->swg);
+  assert_status(moeblaze_route(f->h, r, 4, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT); /* logits and W_g */
+  for (size_t i = 0; i < L0 * K0 * sizeof(int32_t); ++i) assert_int_equal(((unsigned char*)f->ids)[i], 0x3c);
+  assert_true(guard_intact(f->ids, L0 * K0 * sizeof(int32_t)));
+  assert_ok(moeblaze_route(f->h, r, 3, f->ws, f->ws_bytes, NULL));
+  assert_true(guard_intact(f->ids, L0 * K0 * sizeof(int32_t)));
+  assert_true(guard_intact(f->gw, L0 * K0 * sizeof(float)));
+  /* L > MAX_TOKENS and inconsistent L between tensors */
+  const int64_t big[2] = {MAXL + 1, E0}, other[2] = {L0 + 1, E0};
+  r[0].tensor.shape = big;
+  assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_ROUTE, r, 3), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  r[0].tensor.shape = other;
+  assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_ROUTE, r, 3), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+}
+
 static void* error_in_thread(void* p) {
   (void)p;
   moeblaze_status_t s = moeblaze_config_create(NULL);
   const char* msg = moeblaze_get_last_error_message();
   return (void*)(intptr_t)(s == MOEBLAZE_STATUS_INVALID_ARGUMENT && msg[0] != '\0');
+}
+
+static void* message_is_empty(void* p) {
+  (void)p;
+  return (void*)(intptr_t)(moeblaze_get_last_error_message()[0] == '\0');
 }
 
 static void messages_are_thread_local(void** state) {
@@ -424,6 +668,19 @@ static void messages_are_thread_local(void** state) {
   pthread_join(th, &ok);
   assert_true(ok != NULL);
   assert_string_equal(moeblaze_get_last_error_message(), ""); /* the other thread's error is not ours */
+  /* and ours is not theirs: a fresh thread starts with "" while this one holds an error */
+  assert_status(moeblaze_get_saved_size(NULL, 1, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  char mine[512];
+  strncpy(mine, moeblaze_get_last_error_message(), sizeof mine - 1);
+  mine[sizeof mine - 1] = '\0';
+  void* empty = NULL;
+  assert_int_equal(pthread_create(&th, NULL, message_is_empty, NULL), 0);
+  pthread_join(th, &empty);
+  assert_true(empty != NULL);
+  assert_int_equal(pthread_create(&th, NULL, error_in_thread, NULL), 0);
+  pthread_join(th, &ok);
+  assert_true(ok != NULL);
+  assert_string_equal(moeblaze_get_last_error_message(), mine);
 }
 
 static void destroy_keeps_the_message(void** state) {
@@ -452,22 +709,44 @@ static void log_callback(void** state) {
   (void)state;
   log_capture c;
   memset(&c, 0, sizeof c);
-  assert_status(moeblaze_set_log_callback(capture, &c, 9), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  const int32_t bad_levels[] = {-1, 5, 9, INT32_MIN, INT32_MAX};
+  for (size_t i = 0; i < sizeof bad_levels / sizeof bad_levels[0]; ++i)
+    assert_status(moeblaze_set_log_callback(capture, &c, bad_levels[i]), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(c.calls, 0); /* a rejected installation installs nothing */
+  /* min_level 0 installs the callback but delivers nothing (errors are level 1). */
+  assert_ok(moeblaze_set_log_callback(capture, &c, 0));
+  assert_status(moeblaze_config_create(NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(c.calls, 0);
   assert_ok(moeblaze_set_log_callback(capture, &c, MOEBLAZE_LOG_ERROR));
   assert_status(moeblaze_config_create(NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_int_equal(c.calls, 1);
   assert_int_equal(c.level, MOEBLAZE_LOG_ERROR);
   assert_string_equal(c.func, "moeblaze_config_create");
   assert_string_equal(c.msg, moeblaze_get_last_error_message());
+  /* a successful call logs nothing at ERROR; another failing entry point names itself */
+  int32_t n;
+  assert_ok(moeblaze_get_device_count(MOEBLAZE_DEVICE_CPU, &n));
+  assert_int_equal(c.calls, 1);
+  assert_ok(moeblaze_set_log_callback(capture, &c, MOEBLAZE_LOG_DEBUG));
+  const int before = c.calls;
+  assert_status(moeblaze_get_device_count(MOEBLAZE_DEVICE_CPU, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_true(c.calls > before);
+  assert_int_equal(c.level, MOEBLAZE_LOG_ERROR);
+  assert_string_equal(c.func, "moeblaze_get_device_count");
+  assert_string_equal(c.msg, moeblaze_get_last_error_message());
+  const int after = c.calls;
   assert_ok(moeblaze_set_log_callback(NULL, NULL, 0));
   assert_status(moeblaze_config_create(NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
-  assert_int_equal(c.calls, 1);
+  assert_int_equal(c.calls, after); /* removed */
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(valid_call_succeeds_and_clears_the_message, setup, teardown),
       cmocka_unit_test_setup_teardown(null_pointers, setup, teardown),
+      cmocka_unit_test_setup_teardown(every_entry_point_rejects_null, setup, teardown),
+      cmocka_unit_test_setup_teardown(null_workspace_only_when_not_needed, setup, teardown),
+      cmocka_unit_test_setup_teardown(backward_and_route_validate, setup, teardown),
       cmocka_unit_test(bad_create),
       cmocka_unit_test(no_gpu_here),
       cmocka_unit_test_setup_teardown(wrong_dtype_shape_stride_device, setup, teardown),

@@ -123,8 +123,18 @@ static void accum_dtype_and_struct_size(void** state) {
   assert_status(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACCUM_DTYPE, tu_f16), MOEBLAZE_STATUS_NOT_SUPPORTED);
   moeblaze_attr_info_t info;
   memset(&info, 0x5a, sizeof info);
-  info.struct_size = 4; /* smaller than the first two fields */
-  assert_status(moeblaze_attr_query(MOEBLAZE_ATTR_TOP_K, &info), MOEBLAZE_STATUS_VERSION_MISMATCH);
+  const size_t too_small[] = {0, 4, offsetof(moeblaze_attr_info_t, name) + sizeof(const char*) - 1};
+  for (size_t i = 0; i < 3; ++i) { /* smaller than the first two fields */
+    info.struct_size = too_small[i];
+    assert_status(moeblaze_attr_query(MOEBLAZE_ATTR_TOP_K, &info), MOEBLAZE_STATUS_VERSION_MISMATCH);
+  }
+  /* a newer, larger struct: the library writes only its own size */
+  unsigned char big[sizeof(moeblaze_attr_info_t) + 32];
+  memset(big, 0x77, sizeof big);
+  ((moeblaze_attr_info_t*)big)->struct_size = sizeof big;
+  assert_ok(moeblaze_attr_query(MOEBLAZE_ATTR_NUM_EXPERTS, (moeblaze_attr_info_t*)big));
+  assert_string_equal(((moeblaze_attr_info_t*)big)->name, "num_experts");
+  for (size_t i = sizeof(moeblaze_attr_info_t); i < sizeof big; ++i) assert_int_equal(big[i], 0x77);
   /* An older, shorter struct: only its prefix is written. */
   unsigned char buf[sizeof(moeblaze_attr_info_t) + 16];
   memset(buf, 0x5a, sizeof buf);
@@ -156,6 +166,21 @@ static void handle_reads_back_effective_values(void** state) {
   assert_true(f == 0.25);
   assert_ok(moeblaze_handle_get_dtype(h, MOEBLAZE_ATTR_ACTIVATION_DTYPE, &t));
   assert_true(tu_dtype_eq(t, tu_f32));
+  assert_ok(moeblaze_handle_get_i64(h, MOEBLAZE_ATTR_DEVICE_TYPE, &v));
+  assert_int_equal(v, MOEBLAZE_DEVICE_CPU);
+  /* every attribute reads back through the getter of its own type, and only that one */
+  for (int a = 0; a < MOEBLAZE_ATTR_COUNT; ++a) {
+    moeblaze_attr_info_t info = info_of(a);
+    const moeblaze_status_t si = moeblaze_handle_get_i64(h, (moeblaze_attr_t)a, &v);
+    const moeblaze_status_t sf = moeblaze_handle_get_f64(h, (moeblaze_attr_t)a, &f);
+    const moeblaze_status_t sd = moeblaze_handle_get_dtype(h, (moeblaze_attr_t)a, &t);
+    assert_int_equal(si, info.value_type == MOEBLAZE_VALUE_I64 ? MOEBLAZE_STATUS_SUCCESS : MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH);
+    assert_int_equal(sf, info.value_type == MOEBLAZE_VALUE_F64 ? MOEBLAZE_STATUS_SUCCESS : MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH);
+    assert_int_equal(sd, info.value_type == MOEBLAZE_VALUE_DTYPE ? MOEBLAZE_STATUS_SUCCESS : MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH);
+    if (info.value_type == MOEBLAZE_VALUE_I64) {
+      assert_true(v >= info.min_i64 && v <= info.max_i64);
+    }
+  }
   assert_status(moeblaze_handle_get_i64(h, (moeblaze_attr_t)777, &v), MOEBLAZE_STATUS_UNKNOWN_ATTRIBUTE);
   assert_status(moeblaze_handle_get_f64(h, MOEBLAZE_ATTR_TOP_K, &f), MOEBLAZE_STATUS_ATTRIBUTE_TYPE_MISMATCH);
   assert_status(moeblaze_handle_get_i64(NULL, MOEBLAZE_ATTR_TOP_K, &v), MOEBLAZE_STATUS_INVALID_ARGUMENT);
