@@ -1,5 +1,6 @@
 #include "core/args.hpp"
 
+#include <cstdint>
 #include <cstring>
 
 #include "util/error.hpp"
@@ -7,6 +8,11 @@
 namespace moeblaze {
 inline namespace v0 {
 namespace {
+
+// No user-space address (host or CUDA unified addressing) reaches 2^57: x86-64 with 5-level
+// paging and 52-bit ARM64 stay below it. A view that would, wrapped or was given a wild
+// byte_offset.
+constexpr uint64_t kMaxAddress = uint64_t{1} << 57;
 
 enum Use : uint8_t { kNo = 0, kOptional = 1, kRequired = 2 };
 enum class Role : uint8_t { kInput, kOutput, kGradOutput };
@@ -169,18 +175,62 @@ View make_view(const LayerConfig& cfg, const KindInfo& ki, const RawArg& a, int6
                static_cast<long long>(s), static_cast<long long>(contiguous));
       }
       v.stride[i] = (v.shape[i] > 1) ? s : contiguous;
-      contiguous = v.stride[i] * (v.shape[i] > 0 ? v.shape[i] : 1);
+      if (__builtin_mul_overflow(v.stride[i], v.shape[i] > 0 ? v.shape[i] : 1, &contiguous))
+        fail(Status::kInvalidArgument, "%s: stride[%d] = %lld times its extent overflows 64 bits", ki.name, i,
+             static_cast<long long>(v.stride[i]));
     }
   }
   int64_t count = 1;
   for (int i = 0; i < nd; ++i) count *= v.shape[i];
   if (count > 0 || nd == 0) {
     if (!t.data) fail(Status::kInvalidArgument, "%s has a NULL data pointer", ki.name);
-    v.data = static_cast<char*>(t.data) + t.byte_offset;
-    if (reinterpret_cast<uintptr_t>(v.data) % dtype_size(dt) != 0)
+    // The whole view, data + byte_offset up to its last element, must lie inside the address
+    // space: no pointer arithmetic below may wrap.
+    uint64_t last = 0;  // element offset of the last element
+    for (int i = 0; i < nd; ++i) last += static_cast<uint64_t>(v.shape[i] - 1) * static_cast<uint64_t>(v.stride[i]);
+    uint64_t span = 0, begin = 0, end = 0;
+    const uint64_t es = dtype_size(dt);
+    if (__builtin_mul_overflow(last + 1, es, &span) ||
+        __builtin_add_overflow(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(t.data)), t.byte_offset, &begin) ||
+        __builtin_add_overflow(begin, span, &end) || end > kMaxAddress)
+      fail(Status::kInvalidArgument, "%s: data + byte_offset (%llu) + its extent (%llu bytes) leaves the address space",
+           ki.name, static_cast<unsigned long long>(t.byte_offset), static_cast<unsigned long long>(span));
+    if (begin % es != 0)
       fail(Status::kInvalidArgument, "%s data + byte_offset is not aligned to its %zu-byte elements", ki.name, dtype_size(dt));
+    v.data = reinterpret_cast<char*>(static_cast<uintptr_t>(begin));
+    v.span_bytes = static_cast<size_t>(span);
   }
   return v;
+}
+
+// Whether the call writes this argument: outputs and gradient outputs, and the router outputs
+// TOPK_INDICES / TOPK_WEIGHTS when the call routes (they are inputs only for caller routing).
+bool is_written(const KindInfo& ki, Pass pass, RoutingMode mode) {
+  if (ki.role != Role::kInput) return true;
+  const bool router_out = ki.kind == ArgKind::kTopkIndices || ki.kind == ArgKind::kTopkWeights;
+  return router_out && pass != Pass::kBackward && mode != RoutingMode::kCallerTopK;
+}
+
+// Every buffer the call writes must not share a byte with any other argument: no engine
+// supports in-place updates, and a read after an aliased write would be silently wrong. The
+// test is on each view's byte interval [data, data + span), so it is conservative for
+// interleaved strided views.
+void check_no_overlap(const CallArgs& c, Pass pass, const RawArg* const* by_kind) {
+  struct Range { const char* name; uintptr_t lo, hi; bool written; };
+  Range r[kNumKinds];
+  size_t n = 0;
+  for (size_t i = 0; i < kNumKinds; ++i) {
+    if (!by_kind[i]) continue;
+    const View* v = slot(const_cast<CallArgs&>(c), kKinds[i].kind);
+    if (!v->present || v->span_bytes == 0) continue;
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(v->data);
+    r[n++] = {kKinds[i].name, lo, lo + v->span_bytes, is_written(kKinds[i], pass, c.mode)};
+  }
+  for (size_t a = 0; a < n; ++a)
+    for (size_t b = a + 1; b < n; ++b)
+      if ((r[a].written || r[b].written) && r[a].lo < r[b].hi && r[b].lo < r[a].hi)
+        fail(Status::kInvalidArgument, "%s and %s overlap in memory; %s is written by this call, so they must not alias",
+             r[a].name, r[b].name, r[a].written ? r[a].name : r[b].name);
 }
 
 }  // namespace
@@ -253,6 +303,7 @@ CallArgs decode_args(const LayerConfig& cfg, Pass pass, const RawArg* args, size
     if (c.aux_loss.present || c.z_loss.present)
       fail(Status::kInvalidArgument, "AUX_LOSS and Z_LOSS need router scores: route from ROUTER_LOGITS or ROUTER_WEIGHT");
   }
+  check_no_overlap(c, pass, by_kind);
   if (pass == Pass::kBackward) {
     if (c.d_logits.present && c.mode != RoutingMode::kLogits)
       fail(Status::kInvalidArgument, "GRAD_ROUTER_LOGITS needs ROUTER_LOGITS among the backward arguments");

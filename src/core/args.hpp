@@ -49,6 +49,7 @@ struct View {
   int ndim = 0;
   int64_t shape[3] = {0, 0, 0};
   int64_t stride[3] = {0, 0, 0};
+  size_t span_bytes = 0;  // bytes from data to one past the last element (0 for no elements)
 
   size_t elem() const { return dtype_size(dtype); }
   // Row r of a 2-D view, or row (a, r) of a 3-D view.

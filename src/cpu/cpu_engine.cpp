@@ -253,6 +253,7 @@ void CpuEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, voi
                              acc, acc + d);
   });
   write_router_outputs(a, plan, w);
+  if (sv.header) *sv.header = make_saved_header(cfg_, L);  // last: the buffer is now complete
 }
 
 void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) const {
@@ -262,6 +263,9 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
   const int64_t es = static_cast<int64_t>(dtype_size(adt));
   Work w = carve(Pass::kBackward, L, ws);
   const SavedRegions sv = carve_saved(cfg_, L, const_cast<void*>(saved));
+  // The saved buffer is the caller's: check its header, then the plan, before following any index.
+  check_saved_header(*sv.header, cfg_, L);
+  routing::validate_plan(sv.plan, L, k, E);
   const RoutingPlan& plan = sv.plan;
   const char* act_rows = static_cast<const char*>(sv.act ? sv.act : w.act);
 

@@ -2,7 +2,9 @@
 // one cuBLASLt GEMM per expert and pass, activation and combine kernels, the full backward.
 // All work is stream-ordered on the caller's stream. Once per forward and once per backward it
 // copies the E+1 expert offsets to the host (the per-expert GEMM shapes), which synchronises
-// that stream: this engine is not CUDA-graph capturable (the fused engine will be).
+// that stream: forward and backward cannot be captured in a CUDA graph, and say so
+// (NOT_SUPPORTED) before they enqueue anything, leaving the caller's capture intact. route has
+// no host sync and can be captured.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,8 +15,11 @@
 #include "core/engine.hpp"
 #include "core/memory_layout.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/saved_header_cuda.hpp"
 #include "experts/cublaslt_gemm.hpp"
 #include "experts/expert_cuda.hpp"
+#include "routing/plan.hpp"
+#include "routing/plan_check_cuda.hpp"
 #include "routing/router_cuda.hpp"
 #include "util/align.hpp"
 
@@ -39,6 +44,24 @@ class DeviceGuard {
  private:
   int previous_ = 0;
   bool switched_ = false;
+};
+
+// Forward and backward copy the expert offsets to the host, which a stream capture forbids (and
+// which would invalidate the caller's capture): refuse before enqueuing anything.
+void refuse_capture(cudaStream_t s, const char* what) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  MOEBLAZE_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+  if (status != cudaStreamCaptureStatusNone)
+    fail(Status::kNotSupported,
+         "the cuBLASLt engine's %s synchronises the stream once (expert offsets to the host) and cannot be captured "
+         "in a CUDA graph; nothing was enqueued and the capture is intact (the fused engine is capturable)", what);
+}
+
+// What a call reads back at its one host sync.
+struct HostState {
+  std::vector<int32_t> offsets;  // [E + 1]
+  int32_t error_flag = 0;        // routing::kCallerIdsInvalid | routing::kPlanInvalid
+  SavedHeader header{};          // backward: the saved buffer's header
 };
 
 struct GpuWork {
@@ -83,7 +106,7 @@ class CudaEngine final : public Engine {
   GpuWork carve(Pass pass, int64_t L, void* base) const;
   void route_and_plan(const CallArgs& a, RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const;
   void router_logits(const CallArgs& a, const GpuWork& w, cudaStream_t s) const;
-  std::vector<int32_t> host_offsets(const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const;
+  HostState sync_host(const RoutingPlan& plan, const GpuWork& w, const SavedHeader* header, cudaStream_t s) const;
   void write_router_outputs(const CallArgs& a, const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const;
   // pre = x_e W_gate_up[e] for every expert with tokens (xg: gathered x rows).
   void up_projection(const CallArgs& a, const std::vector<int32_t>& off, const char* xg, char* pre, const GpuWork& w,
@@ -172,11 +195,13 @@ void CudaEngine::route_and_plan(const CallArgs& a, RoutingPlan& plan, const GpuW
   routing::build_plan_cuda(plan, L, k, E, w.plan_scratch, s);
 }
 
-std::vector<int32_t> CudaEngine::host_offsets(const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const {
+HostState CudaEngine::sync_host(const RoutingPlan& plan, const GpuWork& w, const SavedHeader* header, cudaStream_t s) const {
   const int64_t E = cfg_.num_experts;
-  std::vector<int32_t> h(static_cast<size_t>(E + 2), 0);
-  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(h.data(), plan.expert_token_offsets, sizeof(int32_t) * (E + 1), cudaMemcpyDeviceToHost, s));
-  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(h.data() + E + 1, w.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+  HostState h;
+  h.offsets.assign(static_cast<size_t>(E + 1), 0);
+  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(h.offsets.data(), plan.expert_token_offsets, sizeof(int32_t) * (E + 1), cudaMemcpyDeviceToHost, s));
+  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(&h.error_flag, w.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+  if (header) MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(&h.header, header, sizeof(SavedHeader), cudaMemcpyDeviceToHost, s));
   MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
   return h;
 }
@@ -242,16 +267,20 @@ void CudaEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, vo
   const int64_t gh = cfg_.gate_up_cols(), P = L * k;
   const DType dt = cfg_.act_dtype;
   const int64_t es = static_cast<int64_t>(dtype_size(dt));
+  refuse_capture(s, "forward");
   GpuWork w = carve(pass, L, ws);
   SavedRegions sv;
   if (pass == Pass::kForwardTraining) {
     sv = carve_saved(cfg_, L, saved);
     w.plan = sv.plan;
+    // Until this forward completes, the buffer vouches for nothing.
+    MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(sv.header, 0, sizeof(SavedHeader), s));
   }
   RoutingPlan& plan = w.plan;
   route_and_plan(a, plan, w, s);
-  const std::vector<int32_t> off = host_offsets(plan, w, s);
-  if (off[static_cast<size_t>(E + 1)] != 0)
+  const HostState host = sync_host(plan, w, nullptr, s);
+  const std::vector<int32_t>& off = host.offsets;
+  if (host.error_flag & routing::kCallerIdsInvalid)
     fail(Status::kInvalidArgument, "TOPK_INDICES holds an expert id outside [0, %lld) or repeated within a token; nothing was written",
          static_cast<long long>(E));
   write_router_outputs(a, plan, w, s);
@@ -268,6 +297,7 @@ void CudaEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, vo
          out + p0 * d * es, dt, d, 0.f, w, s);
   });
   combine::combine_rows_cuda(plan.token_index_map, plan.gates, L, k, d, out, nullptr, a.y, s);
+  if (sv.header) cuda::store_saved_header(make_saved_header(cfg_, L), sv.header, s);
 }
 
 void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
@@ -277,11 +307,22 @@ void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* 
   const int64_t gh = cfg_.gate_up_cols(), P = L * k;
   const DType dt = cfg_.act_dtype;
   const int64_t es = static_cast<int64_t>(dtype_size(dt));
+  refuse_capture(s, "backward");
   GpuWork w = carve(Pass::kBackward, L, ws);
   const SavedRegions sv = carve_saved(cfg_, L, const_cast<void*>(saved));
   const RoutingPlan& plan = sv.plan;
+  // The saved buffer is the caller's: its header and plan are checked (the plan on the device,
+  // reading only in-range indices) and read back at this engine's one sync, before any work
+  // that follows an index in it is enqueued.
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.error_flag, 0, sizeof(int32_t), s));
-  const std::vector<int32_t> off = host_offsets(plan, w, s);
+  routing::validate_plan_cuda(plan, L, k, E, w.error_flag, s);
+  const HostState host = sync_host(plan, w, sv.header, s);
+  check_saved_header(host.header, cfg_, L);
+  if (host.error_flag & routing::kPlanInvalid)
+    fail(Status::kInvalidArgument,
+         "saved routing plan is inconsistent (offsets, expert ids or index maps out of range or not a permutation); "
+         "the saved buffer was not written by this handle's forward for these inputs");
+  const std::vector<int32_t>& off = host.offsets;
 
   const bool want_router = a.mode != RoutingMode::kCallerTopK &&
                            (a.d_logits.present || a.d_router_weight.present || (a.dx.present && a.mode == RoutingMode::kRouterWeight));

@@ -49,6 +49,32 @@ void import_topk_ids(const char* ids, bool i64, int64_t stride, int64_t L, int64
                                                 : reinterpret_cast<const int32_t*>(ids)[t * stride + j]);
 }
 
+void validate_plan(const RoutingPlan& plan, int64_t L, int64_t k, int64_t E) {
+  const int32_t* off = plan.expert_token_offsets;
+  const int64_t P = L * k;
+  if (off[0] != 0) fail(Status::kInvalidArgument, "saved routing plan: expert_token_offsets[0] = %d, not 0", off[0]);
+  for (int64_t e = 0; e < E; ++e)
+    if (off[e + 1] < off[e])
+      fail(Status::kInvalidArgument, "saved routing plan: expert_token_offsets decreases at expert %lld", static_cast<long long>(e));
+  if (off[E] != P)
+    fail(Status::kInvalidArgument, "saved routing plan: expert_token_offsets[E] = %d, not L*k = %lld", off[E],
+         static_cast<long long>(P));
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = plan.token_expert_indices[t * k + j];
+      if (e < 0 || e >= E)
+        fail(Status::kInvalidArgument, "saved routing plan: expert id %d of token %lld is outside [0, %lld)", e,
+             static_cast<long long>(t), static_cast<long long>(E));
+      for (int64_t i = 0; i < j; ++i)
+        if (plan.token_expert_indices[t * k + i] == e)
+          fail(Status::kInvalidArgument, "saved routing plan: token %lld names expert %d twice", static_cast<long long>(t), e);
+      const int32_t pos = plan.token_index_map[t * k + j];
+      if (pos < off[e] || pos >= off[e + 1] || plan.expert_token_indices[pos] != t)
+        fail(Status::kInvalidArgument, "saved routing plan: slot (%lld, %lld) does not map to a position of expert %d holding its token",
+             static_cast<long long>(t), static_cast<long long>(j), e);
+    }
+}
+
 namespace {
 
 // Pass 1 for one tile: dense[r][e] = slot + 1 of token t0 + r's pair with expert e, else 0.

@@ -32,6 +32,14 @@ void import_topk_ids(const char* ids, bool ids_are_i64, int64_t row_stride_elems
 void build_plan(RoutingPlan& plan, int64_t num_tokens, int64_t k, int64_t num_experts, void* scratch,
                 int workers);
 
+// Checks a plan that came from outside (a caller's saved buffer) before any of its indices is
+// followed: offsets start at 0, never decrease and end at L*k; every id is in [0, E) and
+// distinct within its token; every slot (t, j) maps to a position of its expert's range that
+// holds token t (so token_index_map is a bijection and expert_token_indices lies in [0, L)).
+// Throws Error(kInvalidArgument) naming the first violation. O(L k^2), reads only [L*k] and
+// [E+1] entries.
+void validate_plan(const RoutingPlan& plan, int64_t num_tokens, int64_t k, int64_t num_experts);
+
 }  // namespace routing
 }  // namespace v0
 }  // namespace moeblaze

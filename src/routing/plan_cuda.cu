@@ -11,10 +11,10 @@
 #include <algorithm>
 
 #include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_scan.cuh>
 
 #include "cuda/cuda_check.hpp"
 #include "routing/router_cuda.hpp"
+#include "routing/scan_cuda.hpp"
 #include "util/align.hpp"
 
 // CUB lives in a private namespace (CUB_WRAPPED_NAMESPACE); CUB_NS_QUALIFIER names it.
@@ -134,25 +134,21 @@ PlanGeometryCuda plan_geometry_cuda(int64_t L, int64_t E) {
 
 size_t plan_scratch_bytes_cuda(int64_t L, int64_t E) {
   const PlanGeometryCuda g = plan_geometry_cuda(L, E);
-  const int n = static_cast<int>(std::max<int64_t>(g.num_tiles * E, 1));
-  size_t cub_bytes = 0;
-  cubw::DeviceScan::ExclusiveSum(nullptr, cub_bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n);
+  const int64_t n = std::max<int64_t>(g.num_tiles * E, 1);
   Carver c;
   c.take<int32_t>(static_cast<size_t>(n));
   c.take<int32_t>(static_cast<size_t>(n));
-  c.take<char>(cub_bytes);
+  c.take<char>(exclusive_scan_scratch_bytes(n));
   return c.size();
 }
 
 void build_plan_cuda(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* scratch, cudaStream_t s) {
   const PlanGeometryCuda g = plan_geometry_cuda(L, E);
-  const int n = static_cast<int>(std::max<int64_t>(g.num_tiles * E, 1));
-  size_t cub_bytes = 0;
-  cubw::DeviceScan::ExclusiveSum(nullptr, cub_bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n);
+  const int64_t n = std::max<int64_t>(g.num_tiles * E, 1);
   Carver c(scratch);
   int32_t* counts = c.take<int32_t>(static_cast<size_t>(n));
   int32_t* bases = c.take<int32_t>(static_cast<size_t>(n));
-  void* cub_tmp = c.take<char>(cub_bytes);
+  void* scan_tmp = c.take<char>(exclusive_scan_scratch_bytes(n));
   if (g.smem_bytes > 48 * 1024) {
     MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem_bytes)));
     MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(plan_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem_bytes)));
@@ -161,7 +157,7 @@ void build_plan_cuda(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* s
     plan_count_kernel<<<static_cast<unsigned>(g.num_tiles), kPlanThreads, g.smem_bytes, s>>>(
         plan.token_expert_indices, L, k, E, g.tile_tokens, g.num_tiles, counts);
     MOEBLAZE_CUDA_LAUNCH_CHECK("plan_count");
-    MOEBLAZE_CUDA_CHECK(cubw::DeviceScan::ExclusiveSum(cub_tmp, cub_bytes, counts, bases, n, s));
+    exclusive_scan_cuda(counts, bases, g.num_tiles * E, scan_tmp, s);
   }
   plan_offsets_kernel<<<static_cast<unsigned>(ceil_div(E + 1, 256)), 256, 0, s>>>(counts, bases, E, g.num_tiles,
                                                                                    plan.expert_token_offsets);

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "routing/score_order.hpp"
+
 namespace moeblaze {
 inline namespace v0 {
 namespace routing {
@@ -9,8 +11,8 @@ namespace {
 
 // scores[e] from one logits row; returns logsumexp(logits).
 float scores_of(const LayerConfig& cfg, const float* l, int64_t E, float* s) {
-  float m = l[0];
-  for (int64_t e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
+  float m = -INFINITY;
+  for (int64_t e = 0; e < E; ++e) m = max_skipping_nan(m, l[e]);
   // The normaliser sums E terms: in fp64, so it stays accurate for any E (E = 65536 in fp32
   // would lose ~1e-5 relative, and engines summing in different orders would disagree).
   double sum = 0.0;
@@ -24,15 +26,14 @@ float scores_of(const LayerConfig& cfg, const float* l, int64_t E, float* s) {
   return lse;
 }
 
-// The k largest scores in descending order, ties to the lower id. O(k E); k <= 64.
+// The k first experts under routing::ranks_before, in rank order: pick j is the best of those
+// ranked after pick j - 1 (no taken-list; NaN scores rank last). O(k E).
 void top_k(const float* s, int64_t E, int64_t k, int32_t* ids) {
   for (int64_t j = 0; j < k; ++j) {
     int64_t best = -1;
     for (int64_t e = 0; e < E; ++e) {
-      bool taken = false;
-      for (int64_t i = 0; i < j; ++i) taken |= ids[i] == e;
-      if (taken) continue;
-      if (best < 0 || s[e] > s[best]) best = e;
+      if (j > 0 && !ranks_before(s[ids[j - 1]], ids[j - 1], s[e], e)) continue;
+      if (ranks_before(s[e], e, best >= 0 ? s[best] : 0.f, best)) best = e;
     }
     ids[j] = static_cast<int32_t>(best);
   }
@@ -103,7 +104,7 @@ void router_backward(const LayerConfig& cfg, int64_t L, const float* logits, con
       // dl = s (ds - <s, ds>) cancels badly in fp32 when one score is near 1; shifting ds by
       // its value at the top score first (softmax is shift-invariant in ds) keeps it exact.
       int64_t top = 0;
-      for (int64_t e = 1; e < E; ++e) top = s[e] > s[top] ? e : top;
+      for (int64_t e = 1; e < E; ++e) top = ranks_before(s[e], e, s[top], top) ? e : top;
       const float shift = ds[top];
       double dot = 0.0;  // an E-term reduction: fp64, as for the normaliser
       for (int64_t e = 0; e < E; ++e) dot += static_cast<double>((ds[e] - shift) * s[e]);

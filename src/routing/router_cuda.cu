@@ -4,7 +4,9 @@
 #include <cfloat>
 
 #include "cuda/cuda_check.hpp"
+#include "routing/plan_check_cuda.hpp"
 #include "routing/router_cuda.hpp"
+#include "routing/score_order.hpp"
 #include "util/align.hpp"
 #include "util/dtype.hpp"
 
@@ -20,24 +22,21 @@ __device__ __forceinline__ double warp_sum(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-// Larger value wins; on equal values the lower index wins (the CPU engine's tie rule).
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+// The warp's first (v, i) under ranks_before (routing/score_order.hpp), in every lane: a strict
+// total order, so the butterfly gives all lanes the same winner whatever the values.
+__device__ __forceinline__ void warp_best(float& v, int& i) {
   for (int o = 16; o > 0; o >>= 1) {
-    float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ov > v || (ov == v && oi >= 0 && (i < 0 || oi < i))) { v = ov; i = oi; }
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ranks_before(ov, oi, v, i)) { v = ov; i = oi; }
   }
 }
 
 // logsumexp of one row; every lane gets it.
 __device__ float row_lse(const float* l, int64_t E, int lane) {
-  float m = -FLT_MAX;
-  for (int64_t e = lane; e < E; e += 32) m = fmaxf(m, l[e]);
-  m = warp_max(m);
+  float m = -INFINITY;
+  for (int64_t e = lane; e < E; e += 32) m = max_skipping_nan(m, l[e]);
+  for (int o = 16; o > 0; o >>= 1) m = max_skipping_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
   double s = 0.0;  // E-term reduction in fp64 (see routing/router.cpp)
   for (int64_t e = lane; e < E; e += 32) s += exp(static_cast<double>(l[e] - m));
   s = warp_sum(s);
@@ -55,36 +54,38 @@ __global__ void logits_to_f32_kernel(const char* src, DType t, int64_t stride, i
   out[i] = load_f32(src + row * stride * static_cast<int64_t>(dtype_size(t)), t, col);
 }
 
+// One warp per token. Pick j is the warp's best expert among those ranked after pick j - 1
+// (the CPU engine's top_k): no taken-list, no shared memory, and every lane agrees on each pick.
+// Lane 0 writes the raw scores as gates, then rescales its own writes when normalising.
 __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* logits, int64_t L, int64_t E, int64_t k,
                                     int32_t* ids, float* gates, float* lse_out) {
-  __shared__ int taken[kWarpsPerBlock][kMaxTopK];
-  __shared__ float taken_score[kWarpsPerBlock][kMaxTopK];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + warp;
   if (t >= L) return;
   const float* l = logits + t * E;
   const float lse = row_lse(l, E, lane);
+  float prev = 0.f, norm = 0.f;
+  int prev_i = -1;
   for (int64_t j = 0; j < k; ++j) {
-    float best = -FLT_MAX;
+    float best = 0.f;
     int best_i = -1;
     for (int64_t e = lane; e < E; e += 32) {
-      bool used = false;
-      for (int64_t q = 0; q < j; ++q) used |= taken[warp][q] == e;
-      if (used) continue;
       const float s = score(fn, l[e], lse);
-      if (best_i < 0 || s > best) { best = s; best_i = static_cast<int>(e); }
+      if (j > 0 && !ranks_before(prev, prev_i, s, e)) continue;
+      if (ranks_before(s, e, best, best_i)) { best = s; best_i = static_cast<int>(e); }
     }
-    warp_argmax(best, best_i);
-    if (lane == 0) { taken[warp][j] = best_i; taken_score[warp][j] = best; }
-    __syncwarp();
+    warp_best(best, best_i);
+    if (lane == 0) {
+      ids[t * k + j] = best_i;
+      gates[t * k + j] = best;
+    }
+    norm += best;
+    prev = best;
+    prev_i = best_i;
   }
   if (lane == 0) {
-    float norm = 0.f;
-    for (int64_t j = 0; j < k; ++j) norm += taken_score[warp][j];
-    for (int64_t j = 0; j < k; ++j) {
-      ids[t * k + j] = taken[warp][j];
-      gates[t * k + j] = normalize ? taken_score[warp][j] / norm : taken_score[warp][j];
-    }
+    if (normalize)
+      for (int64_t j = 0; j < k; ++j) gates[t * k + j] = gates[t * k + j] / norm;
     lse_out[t] = lse;
   }
 }
@@ -157,7 +158,7 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
   __syncwarp();
   // ds_e = selected contribution + aux term. Softmax: dl = s (ds' - <s, ds'>) with ds shifted
   // by its value at the top score (shift-invariant, and no fp32 cancellation when that score
-  // is near 1); the top score is the first selected expert's.
+  // is near 1); the top score is found under the ranking rule of routing/score_order.hpp.
   auto ds_of = [&](int64_t e) {
     float ds = aux_coeff > 0.f ? aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]) : 0.f;
     for (int64_t j = 0; j < k; ++j) ds += sel[warp][j] == e ? dsel[warp][j] : 0.f;
@@ -165,14 +166,14 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
   };
   double dot = 0.0;
   float shift = 0.f;
-  if (fn == ScoreFn::kSoftmax) {
-    float best = -FLT_MAX;
+  if (fn == ScoreFn::kSoftmax) {  // the top score under the router's ranking rule
+    float best = 0.f;
     int best_i = -1;
     for (int64_t e = lane; e < E; e += 32) {
-      const float v = l[e];
-      if (best_i < 0 || v > best) { best = v; best_i = static_cast<int>(e); }
+      const float v = score(fn, l[e], lse);
+      if (ranks_before(v, e, best, best_i)) { best = v; best_i = static_cast<int>(e); }
     }
-    warp_argmax(best, best_i);
+    warp_best(best, best_i);
     shift = ds_of(best_i);
     for (int64_t e = lane; e < E; e += 32) dot += static_cast<double>((ds_of(e) - shift) * score(fn, l[e], lse));
     dot = warp_sum(dot);
@@ -210,7 +211,7 @@ __global__ void import_routing_kernel(const char* ids, bool i64, int64_t id_stri
     out_ids[t * k + j] = static_cast<int32_t>(safe);
     out_gates[t * k + j] = load_f32(w + t * w_stride * static_cast<int64_t>(dtype_size(wt)), wt, j);
   }
-  if (bad) *error_flag = 1;  // every writer stores the same value
+  if (bad) atomicOr(error_flag, kCallerIdsInvalid);
 }
 
 __global__ void write_topk_kernel(const int32_t* ids, const float* gates, int64_t L, int64_t k, char* ids_out, bool i64,

@@ -14,11 +14,12 @@
 
 static uint64_t A(uint64_t x) { return (x + 255u) / 256u * 256u; }
 
-/* docs/design.md, "Saved buffer": regions in order, each on a 256-byte boundary. */
+/* docs/design.md, "Saved buffer": a 256-byte header block, then the regions in order, each on a
+ * 256-byte boundary. */
 static uint64_t formula(int64_t L, int64_t E, int64_t k, int64_t h, int64_t g, uint64_t s,
                         int64_t policy) {
   const uint64_t Lk = (uint64_t)L * (uint64_t)k;
-  uint64_t b = 4 * A(4 * Lk) + A(4 * (uint64_t)(E + 1));
+  uint64_t b = 256 + 4 * A(4 * Lk) + A(4 * (uint64_t)(E + 1));
   if (policy == MOEBLAZE_SAVE_PREACT || policy == MOEBLAZE_SAVE_ALL) b += A(Lk * (uint64_t)g * (uint64_t)h * s);
   if (policy == MOEBLAZE_SAVE_ALL) b += A(Lk * (uint64_t)h * s);
   return b;
@@ -110,10 +111,11 @@ static void test_per_token(void** state) {
       assert_ok(moeblaze_destroy(hd));
     }
     const int64_t g = a == 0 ? 2 : 1;
-    /* L = 4096 and these k, h make every region a multiple of 256: exact per-token figures */
-    assert_int_equal(sz[MOEBLAZE_SAVE_RECOMPUTE_UP], (size_t)(L * 16 * k + 256));
-    assert_int_equal(sz[MOEBLAZE_SAVE_PREACT], (size_t)(L * (16 * k + k * g * h * 2) + 256));
-    assert_int_equal(sz[MOEBLAZE_SAVE_ALL], (size_t)(L * (16 * k + k * g * h * 2 + k * h * 2) + 256));
+    /* L = 4096 and these k, h make every region a multiple of 256: exact per-token figures, plus
+     * the header block and the offsets block */
+    assert_int_equal(sz[MOEBLAZE_SAVE_RECOMPUTE_UP], (size_t)(L * 16 * k + 512));
+    assert_int_equal(sz[MOEBLAZE_SAVE_PREACT], (size_t)(L * (16 * k + k * g * h * 2) + 512));
+    assert_int_equal(sz[MOEBLAZE_SAVE_ALL], (size_t)(L * (16 * k + k * g * h * 2 + k * h * 2) + 512));
   }
 }
 

@@ -1,0 +1,49 @@
+// Device-side checks of a routing plan that came from outside (a caller's saved buffer). Each
+// thread tests one slot or one offset and reads an index only after checking it is in range,
+// so any bytes in the buffer are safe to check. A violation sets bit kPlanInvalid of *flag.
+#include "cuda/cuda_check.hpp"
+#include "routing/plan_check_cuda.hpp"
+#include "util/align.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace routing {
+namespace {
+
+__global__ void validate_plan_kernel(const int32_t* tei, const int32_t* eti, const int32_t* tim, const int32_t* off,
+                                     int64_t L, int64_t k, int64_t E, int32_t* flag) {
+  const int64_t P = L * k;
+  bool bad = false;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < P + E + 1;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i >= P) {  // offsets: 0 first, never decreasing, L*k last
+      const int64_t e = i - P;
+      if (e == 0) bad |= off[0] != 0;
+      else bad |= off[e] < off[e - 1];
+      if (e == E) bad |= off[E] != P;
+      continue;
+    }
+    const int64_t t = i / k, j = i % k;
+    const int32_t e = tei[i];
+    if (e < 0 || e >= E) { bad = true; continue; }
+    for (int64_t q = 0; q < j; ++q) bad |= tei[t * k + q] == e;
+    const int32_t pos = tim[i];
+    if (pos < 0 || pos >= P || pos < off[e] || pos >= off[e + 1]) { bad = true; continue; }
+    bad |= eti[pos] != t;
+  }
+  if (bad) atomicOr(flag, kPlanInvalid);
+}
+
+}  // namespace
+
+void validate_plan_cuda(const RoutingPlan& plan, int64_t L, int64_t k, int64_t E, int32_t* flag, cudaStream_t s) {
+  const int64_t n = L * k + E + 1;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 4096));
+  validate_plan_kernel<<<blocks, 256, 0, s>>>(plan.token_expert_indices, plan.expert_token_indices, plan.token_index_map,
+                                              plan.expert_token_offsets, L, k, E, flag);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("validate_plan");
+}
+
+}  // namespace routing
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,26 @@
+// The GPU form of routing::validate_plan (routing/plan.hpp): the same rules, checked on the
+// device without a host sync; the result lands in a device flag the engine reads when it may.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/memory_layout.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace routing {
+
+// Bits of the engines' device error flag.
+constexpr int32_t kCallerIdsInvalid = 1;  // caller TOPK_INDICES out of range or repeated
+constexpr int32_t kPlanInvalid = 2;       // a saved routing plan failed validate_plan's rules
+
+// Sets kPlanInvalid in *flag if `plan` breaks any rule of validate_plan. Reads only the plan's
+// [L*k] and [E+1] arrays, whatever they hold.
+void validate_plan_cuda(const RoutingPlan& plan, int64_t num_tokens, int64_t k, int64_t num_experts, int32_t* flag,
+                        cudaStream_t s);
+
+}  // namespace routing
+}  // namespace v0
+}  // namespace moeblaze

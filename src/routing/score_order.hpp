@@ -1,0 +1,36 @@
+// The one ranking rule of the router, shared by the CPU engine and the GPU kernels, so every
+// engine picks the same experts bit for bit, whatever the scores hold (docs/design.md,
+// "Non-finite router inputs"):
+//   - a higher score ranks first (+inf above every finite score, -inf below);
+//   - NaN ranks below every number, -inf included;
+//   - equal scores, and two NaNs, go to the lower expert id.
+// This is a strict total order on distinct ids, so top-k always names k distinct experts in
+// [0, E): a NaN or infinite logit never drops an assignment or yields an invalid id. The gates
+// carry the NaN on to that token's output, which is where the caller sees it.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "util/dtype.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace routing {
+
+// True when (a, ia) ranks strictly before (b, ib). An id < 0 marks "no candidate" and ranks last.
+MOEBLAZE_HD bool ranks_before(float a, int64_t ia, float b, int64_t ib) {
+  if (ia < 0 || ib < 0) return ib < 0 && ia >= 0;
+  const bool a_nan = a != a, b_nan = b != b;
+  if (a_nan != b_nan) return b_nan;
+  if (!a_nan && a != b) return a > b;
+  return ia < ib;
+}
+
+// The row maximum used to shift logits before exp: NaN entries are skipped (fmax), so the
+// shift is the same for every engine; a NaN then reaches the normaliser and every score.
+MOEBLAZE_HD float max_skipping_nan(float m, float v) { return fmaxf(m, v); }
+
+}  // namespace routing
+}  // namespace v0
+}  // namespace moeblaze
