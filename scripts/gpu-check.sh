@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, a
-# compute-sanitizer memcheck pass, and the benchmark; logs under $OUT, a short summary last.
-# Usage (device tool, carry .deps): bash scripts/gpu-check.sh [tests|sanitize|plan|torch|policies|bench|all]...
+# One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
+# compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
+# Usage (device tool, carry .deps):
+#   bash scripts/gpu-check.sh [tests|sanitize|sanitize-full|soak|plan|torch|policies|bench|all]...
+# sanitize: memcheck, racecheck, initcheck and synccheck on the quick subset of the GPU tests
+# and on test_gpu_hardening; sanitize-full: racecheck and initcheck on the full GPU test set
+# (not part of "all": about 10 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moeblaze-out}
 mkdir -p "$OUT"
 what=("$@")
 [ ${#what[@]} -gt 0 ] || what=(all)
-want() { for w in "${what[@]}"; do [ "$w" = all ] || [ "$w" = "$1" ] && return 0; done; return 1; }
+want() {
+  for w in "${what[@]}"; do
+    [ "$w" = "$1" ] && return 0
+    [ "$w" = all ] && [ "$1" != sanitize-full ] && return 0
+  done
+  return 1
+}
 summary=()
 
 # CMocka from the carried Debian packages (the GPU image has none).
@@ -42,12 +52,42 @@ if want tests; then
   cat /tmp/host-tests.log >> "$OUT/tests.log"
   summary+=("host tests on the GPU machine: rc=$rc; $(grep -E 'tests passed|tests failed' /tmp/host-tests.log | tail -1)")
 fi
+# compute-sanitizer <tool> on one test binary; the ERROR SUMMARY (or RACECHECK SUMMARY) line
+# goes into the summary. initcheck runs with MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS=1: cuBLASLt's
+# TMA stores are invisible to it (the probe below shows this on cuBLASLt alone).
+sanitize() {  # sanitize <tool> <label> <binary> [env...]
+  local tool=$1 label=$2 bin=$3; shift 3
+  env "$@" compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 "$bin" > /tmp/san.log 2>&1
+  local rc=$?
+  { echo "==== $tool $label"; cat /tmp/san.log; } >> "$OUT/sanitizers.log"
+  summary+=("compute-sanitizer $tool ($label): rc=$rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/san.log | tail -1)")
+}
 if want sanitize; then
-  MOEBLAZE_GPU_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/gpu/test_gpu_vs_cpu \
-    > /tmp/memcheck.log 2>&1
-  rc=$?
-  cat /tmp/memcheck.log >> "$OUT/tests.log"
-  summary+=("compute-sanitizer memcheck: rc=$rc; $(grep -E 'ERROR SUMMARY' /tmp/memcheck.log | tail -1)")
+  for tool in memcheck racecheck initcheck synccheck; do
+    extra=(); [ $tool = initcheck ] && extra=(MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS=1)
+    sanitize $tool "quick subset" build-gpu/tests/gpu/test_gpu_vs_cpu MOEBLAZE_GPU_TEST_QUICK=1 "${extra[@]}"
+    sanitize $tool "hardening" build-gpu/tests/gpu/test_gpu_hardening "${extra[@]}"
+  done
+  for dt in 0 1; do
+    compute-sanitizer --tool initcheck build-gpu/tests/gpu/initcheck-tma-probe $dt > /tmp/probe.log 2>&1
+    summary+=("initcheck probe, cuBLASLt alone ($([ $dt = 0 ] && echo bf16 || echo f32) output): $(grep -E 'ERROR SUMMARY' /tmp/probe.log | tail -1)")
+  done
+fi
+if want sanitize-full; then  # the two slow tools side by side, each on the full GPU test set
+  MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS=1 compute-sanitizer --tool initcheck --error-exitcode 9 --print-limit 20 \
+    build-gpu/tests/gpu/test_gpu_vs_cpu > /tmp/init-full.log 2>&1 &
+  init_pid=$!
+  compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 build-gpu/tests/gpu/test_gpu_vs_cpu \
+    > /tmp/race-full.log 2>&1
+  race_rc=$?
+  wait $init_pid; init_rc=$?
+  cat /tmp/race-full.log /tmp/init-full.log >> "$OUT/sanitizers.log"
+  summary+=("compute-sanitizer racecheck (full GPU test set): rc=$race_rc; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' /tmp/race-full.log | tail -1); $(grep -cE '^\[ +OK' /tmp/race-full.log) tests OK")
+  summary+=("compute-sanitizer initcheck (full GPU test set): rc=$init_rc; $(grep -E 'ERROR SUMMARY' /tmp/init-full.log | tail -1); $(grep -cE '^\[ +OK' /tmp/init-full.log) tests OK")
+fi
+if want soak; then
+  build-gpu/tests/soak/soak --device cuda --steps 10000 > /tmp/soak.log 2>&1
+  summary+=("soak: rc=$?; $(tail -1 /tmp/soak.log)")
 fi
 if want plan; then
   build-gpu/perf/plan-bench > "$OUT/plan-bench.md" 2>&1

@@ -12,6 +12,8 @@
 #include "test_util.h"
 #ifdef MOEBLAZE_SOAK_CUDA
 #include <cuda_runtime.h>
+
+#include "moe_step_cuda.h"
 #endif
 
 enum { L0 = 64, E0 = 8, K0 = 2, D0 = 32, H0 = 48, WARMUP = 200 };
@@ -36,22 +38,6 @@ static long device_used_kib(int cuda) {
 #endif
   (void)cuda;
   return 0;
-}
-
-/* Device mirrors of the problem's buffers; args are re-pointed from host to device. */
-typedef struct mirror {
-  void* dev[32];
-  const void* host[32];
-  int n;
-} mirror;
-
-static void remap(const mirror* m, moeblaze_arg_t* a, size_t n) {
-  for (size_t i = 0; i < n; ++i)
-    for (int b = 0; b < m->n; ++b)
-      if (a[i].tensor.data == m->host[b]) {
-        a[i].tensor.data = m->dev[b];
-        a[i].tensor.device.device_type = MOEBLAZE_DEVICE_CUDA;
-      }
 }
 
 int main(int argc, char** argv) {
@@ -92,27 +78,20 @@ int main(int argc, char** argv) {
   }
   ms_problem p;
   ms_init(&p, h, L0, E0, K0, D0, H0, 1, 12345);
-  mirror m = {{0}, {0}, 0};
-#ifdef MOEBLAZE_SOAK_CUDA
-  if (cuda)
-    for (int b = 0; b < ms_num_buffers(); ++b) {
-      size_t bytes;
-      void* host = ms_buffer(&p, b, &bytes);
-      if (cudaMalloc(&m.dev[m.n], bytes + 256) != cudaSuccess) return 1;
-      cudaMemcpy(m.dev[m.n], host, bytes, cudaMemcpyHostToDevice);
-      m.host[m.n++] = host;
-    }
-#endif
   moeblaze_arg_t fa[8], ba[10];
   const size_t nf = ms_forward_args(&p, fa), nb = ms_backward_args(&p, ba);
-  remap(&m, fa, nf);
-  remap(&m, ba, nb);
   void* ws = p.ws;
   void* saved = p.saved;
-  for (int b = 0; b < m.n; ++b) {
-    if (m.host[b] == p.ws) ws = m.dev[b];
-    if (m.host[b] == p.saved) saved = m.dev[b];
+#ifdef MOEBLAZE_SOAK_CUDA
+  ms_mirror m;
+  if (cuda) {
+    if (ms_mirror_create(&p, &m)) return 1;
+    ms_mirror_args(&m, fa, nf);
+    ms_mirror_args(&m, ba, nb);
+    ws = ms_mirror_of(&m, p.ws);
+    saved = ms_mirror_of(&m, p.saved);
   }
+#endif
   long rss0 = 0, dev0 = 0;
   for (long s = 0; s < steps + WARMUP; ++s) {
     if (s == WARMUP) {
@@ -133,7 +112,7 @@ int main(int argc, char** argv) {
    * few bytes times 10,000 calls exceeds it. */
   const int grew = rss1 - rss0 > 256 || dev1 - dev0 > 0;
 #ifdef MOEBLAZE_SOAK_CUDA
-  for (int b = 0; b < m.n; ++b) cudaFree(m.dev[b]);
+  if (cuda) ms_mirror_free(&m);
 #endif
   ms_free(&p);
   moeblaze_destroy(h);
