@@ -17,6 +17,9 @@ if [ "$what" = test ]; then
   have abidiff || need+=(abigail-tools)
   have doxygen || need+=(doxygen)
   have python3 || need+=(python3)
+  # The fuzzer configuration: clang with libFuzzer and its sanitizer runtimes.
+  have clang || need+=(clang)
+  ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || need+=(libclang-rt-dev)
   # Rust: Debian 12's cargo (1.63) is too old for the bindings (1.77); the Rust test runs where
   # a rustup toolchain is installed and is skipped, with a message, where none is.
 fi

@@ -6,6 +6,10 @@
 #               GPU tests skip themselves without a GPU).
 #   build-asan  the host library, host tests and the Python binding under AddressSanitizer +
 #               UBSan (CUDA off).
+#   build-tsan  the host library and host tests under ThreadSanitizer (CUDA off), including
+#               the test that shares one handle between 8 threads.
+#   build-fuzz  the libFuzzer target over the C API (clang, ASan + UBSan), run for a fixed
+#               number of executions from tests/fuzz/corpus (scripts/fuzz.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh test
@@ -24,4 +28,14 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMOEBLAZE_ENABLE_CUD
 cmake --build build-asan --parallel "$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --parallel "$jobs" -L 'host|bindings' --timeout 900
+
+echo "== configuration 3: ThreadSanitizer, host tests"
+cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEBLAZE_ENABLE_CUDA=OFF \
+      -DMOEBLAZE_SANITIZE=thread -DMOEBLAZE_BUILD_DOCS=OFF -DMOEBLAZE_BUILD_RUST=OFF \
+      -DMOEBLAZE_BUILD_PERF=OFF >/dev/null
+cmake --build build-tsan --parallel "$jobs"
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan --parallel "$jobs" -L host --timeout 900
+
+echo "== configuration 4: libFuzzer over the C API"
+scripts/fuzz.sh "${MOEBLAZE_FUZZ_RUNS:-30000}"
 echo "== all tests passed"
