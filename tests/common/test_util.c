@@ -188,12 +188,13 @@ tu_layer tu_layer_default(int64_t E, int64_t k, int64_t d, int64_t h, int64_t ma
   return l;
 }
 
-moeblaze_status_t tu_create_cpu(const tu_layer* l, moeblaze_handle_t* out) {
+moeblaze_status_t tu_create_on(const tu_layer* l, int32_t device_type, moeblaze_handle_t* out) {
   moeblaze_config_t cfg = NULL;
   moeblaze_status_t s = moeblaze_config_create(&cfg);
   if (s != MOEBLAZE_STATUS_SUCCESS) return s;
 #define TU_SET(call) do { s = (call); if (s != MOEBLAZE_STATUS_SUCCESS) goto done; } while (0)
-  TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CPU));
+  TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, device_type));
+  if (device_type == MOEBLAZE_DEVICE_CUDA) TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_ID, 0));
   TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, l->experts));
   TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, l->top_k));
   TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_HIDDEN_SIZE, l->d));
@@ -207,10 +208,14 @@ moeblaze_status_t tu_create_cpu(const tu_layer* l, moeblaze_handle_t* out) {
   TU_SET(moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_Z_LOSS_COEFF, l->z_coeff));
   TU_SET(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, l->act_dtype));
   TU_SET(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, l->weight_dtype));
-  TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_THREADS, l->num_threads));
+  if (device_type == MOEBLAZE_DEVICE_CPU) TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_THREADS, l->num_threads));
 #undef TU_SET
   s = moeblaze_create(out, cfg);
 done:
   moeblaze_config_destroy(cfg);
   return s;
+}
+
+moeblaze_status_t tu_create_cpu(const tu_layer* l, moeblaze_handle_t* out) {
+  return tu_create_on(l, MOEBLAZE_DEVICE_CPU, out);
 }

@@ -82,5 +82,7 @@ tu_layer tu_layer_default(int64_t E, int64_t k, int64_t d, int64_t h, int64_t ma
                           int64_t activation);
 /* Creates a CPU handle for the layer; returns the status of moeblaze_create. */
 moeblaze_status_t tu_create_cpu(const tu_layer* l, moeblaze_handle_t* out);
+/* The same layer on MOEBLAZE_DEVICE_CPU or MOEBLAZE_DEVICE_CUDA (device 0). */
+moeblaze_status_t tu_create_on(const tu_layer* l, int32_t device_type, moeblaze_handle_t* out);
 
 #endif

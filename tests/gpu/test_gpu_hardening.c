@@ -27,22 +27,9 @@
 enum { L0 = 300, E0 = 16, K0 = 4, D0 = 64, H0 = 96 };
 
 static moeblaze_status_t create_cuda(int64_t L, int64_t E, int64_t k, int64_t score_fn, moeblaze_handle_t* out) {
-  moeblaze_config_t cfg = NULL;
-  moeblaze_status_t s = moeblaze_config_create(&cfg);
-  if (s) return s;
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CUDA);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, E);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, k);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_HIDDEN_SIZE, D0);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, H0);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_MAX_TOKENS, L);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ACTIVATION, MOEBLAZE_ACTIVATION_SWIGLU);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SCORE_FUNCTION, score_fn);
-  moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, tu_f32);
-  moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, tu_f32);
-  s = moeblaze_create(out, cfg);
-  moeblaze_config_destroy(cfg);
-  return s;
+  tu_layer l = tu_layer_default(E, k, D0, H0, L, MOEBLAZE_ACTIVATION_SWIGLU);
+  l.score_fn = score_fn;
+  return tu_create_on(&l, MOEBLAZE_DEVICE_CUDA, out);
 }
 
 static int have_gpu(void) {

@@ -255,29 +255,7 @@ static void free_device(runner* r) {
 }
 
 static moeblaze_status_t create(const tu_layer* l, int cuda, moeblaze_handle_t* out) {
-  if (!cuda) return tu_create_cpu(l, out);
-  moeblaze_config_t cfg = NULL;
-  moeblaze_status_t st = moeblaze_config_create(&cfg);
-  if (st) return st;
-  /* The CPU handle's attributes, on CUDA device 0. */
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CUDA);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_ID, 0);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, l->experts);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, l->top_k);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_HIDDEN_SIZE, l->d);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, l->h);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_MAX_TOKENS, l->max_tokens);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ACTIVATION, l->activation);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SCORE_FUNCTION, l->score_fn);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NORMALIZE_TOPK, l->normalize);
-  moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SAVE_POLICY, l->save_policy);
-  moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_AUX_LOSS_COEFF, l->aux_coeff);
-  moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_Z_LOSS_COEFF, l->z_coeff);
-  moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, l->act_dtype);
-  moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, l->weight_dtype);
-  st = moeblaze_create(out, cfg);
-  moeblaze_config_destroy(cfg);
-  return st;
+  return tu_create_on(l, cuda ? MOEBLAZE_DEVICE_CUDA : MOEBLAZE_DEVICE_CPU, out);
 }
 
 /* Compares every output of the GPU step with the CPU step. */

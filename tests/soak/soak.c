@@ -51,27 +51,13 @@ int main(int argc, char** argv) {
   tu_layer l = tu_layer_default(E0, K0, D0, H0, L0, MOEBLAZE_ACTIVATION_SWIGLU);
   moeblaze_handle_t h = NULL;
   moeblaze_status_t st;
-  if (cuda) {
 #ifndef MOEBLAZE_SOAK_CUDA
+  if (cuda) {
     fprintf(stderr, "soak: built without CUDA\n");
     return 77;
-#else
-    moeblaze_config_t cfg;
-    moeblaze_config_create(&cfg);
-    moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, E0);
-    moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, K0);
-    moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_HIDDEN_SIZE, D0);
-    moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, H0);
-    moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_MAX_TOKENS, L0);
-    moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ACTIVATION, MOEBLAZE_ACTIVATION_SWIGLU);
-    moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, tu_f32);
-    moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, tu_f32);
-    st = moeblaze_create(&h, cfg);
-    moeblaze_config_destroy(cfg);
-#endif
-  } else {
-    st = tu_create_cpu(&l, &h);
   }
+#endif
+  st = tu_create_on(&l, cuda ? MOEBLAZE_DEVICE_CUDA : MOEBLAZE_DEVICE_CPU, &h);
   if (st != MOEBLAZE_STATUS_SUCCESS) {
     fprintf(stderr, "soak: create: %s\n", moeblaze_get_last_error_message());
     return 1;
