@@ -2,10 +2,10 @@
 # Builds the libFuzzer target over the C API (clang, ASan + UBSan, CUDA off) and runs it from
 # the seed corpus in tests/fuzz/corpus. Any finding (crash, sanitizer report, canary overwrite,
 # leak, timeout) fails the run and leaves the input in build-fuzz/findings/.
-# Usage: scripts/fuzz.sh [runs]      (default 30000 executions, about 4 minutes on 2 cores)
+# Usage: scripts/fuzz.sh [runs]      (default 20000 executions, about 4 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-runs=${1:-30000}
+runs=${1:-20000}
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEBLAZE_ENABLE_CUDA=OFF \
   -DMOEBLAZE_SANITIZE=address,undefined -DMOEBLAZE_BUILD_FUZZ=ON -DMOEBLAZE_BUILD_TESTS=OFF \
   -DMOEBLAZE_BUILD_PERF=OFF -DMOEBLAZE_BUILD_DOCS=OFF -DMOEBLAZE_BUILD_RUST=OFF >/dev/null

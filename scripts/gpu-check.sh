@@ -70,7 +70,7 @@ if want sanitize; then
   done
   for dt in 0 1; do
     compute-sanitizer --tool initcheck build-gpu/tests/gpu/initcheck-tma-probe $dt > /tmp/probe.log 2>&1
-    summary+=("initcheck probe, cuBLASLt alone ($([ $dt = 0 ] && echo bf16 || echo f32) output): $(grep -E 'ERROR SUMMARY' /tmp/probe.log | tail -1)")
+    summary+=("initcheck probe, cuBLASLt alone ($([ $dt = 0 ] && echo bf16 || echo f32) output): $(grep -m1 -E 'ERROR SUMMARY' /tmp/probe.log)")
   done
 fi
 if want sanitize-full; then  # the two slow tools side by side, each on the full GPU test set

@@ -37,5 +37,5 @@ cmake --build build-tsan --parallel "$jobs"
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan --parallel "$jobs" -L host --timeout 900
 
 echo "== configuration 4: libFuzzer over the C API"
-scripts/fuzz.sh "${MOEBLAZE_FUZZ_RUNS:-30000}"
+scripts/fuzz.sh "${MOEBLAZE_FUZZ_RUNS:-20000}"
 echo "== all tests passed"
