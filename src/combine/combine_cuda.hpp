@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "core/args.hpp"
+#include "core/view.hpp"
 #include "core/memory_layout.hpp"
 
 namespace moeblaze {

@@ -25,13 +25,14 @@ class Engine {
   virtual void route(const CallArgs& args, void* workspace, void* stream) const = 0;
 };
 
-// Resolves the device and ENGINE attribute (AUTO picks the best for the device), checks the
-// device exists, and builds the engine. Writes the resolved choice back into cfg.
+// Resolves the device and ENGINE attribute through the registry (src/engines/registry.cpp:
+// AUTO picks the first engine of the device that can serve cfg), checks the device exists, and
+// builds the engine. Writes the resolved choice back into cfg.
 std::unique_ptr<Engine> create_engine(LayerConfig& cfg);
 
+// The engines' factories (src/engines/*).
 std::unique_ptr<Engine> make_cpu_engine(const LayerConfig& cfg);
-// The CUDA cuBLASLt engine (src/cuda); fails with ARCH_MISMATCH in builds without CUDA.
-std::unique_ptr<Engine> make_cuda_engine(const LayerConfig& cfg);
+std::unique_ptr<Engine> make_cublaslt_engine(const LayerConfig& cfg);
 
 }  // namespace v0
 }  // namespace moeblaze

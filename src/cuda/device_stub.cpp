@@ -1,5 +1,4 @@
 // Device discovery for builds without CUDA: there are no CUDA devices.
-#include "core/engine.hpp"
 #include "cuda/device.hpp"
 #include "util/error.hpp"
 
@@ -16,9 +15,5 @@ DeviceInfo device_info(int32_t id) {
 bool has_kernels_for(int32_t, int32_t) { return false; }
 
 }  // namespace cuda
-
-std::unique_ptr<Engine> make_cuda_engine(const LayerConfig&) {
-  fail(Status::kArchMismatch, "this build of libmoeblaze has no CUDA support");
-}
 }  // namespace v0
 }  // namespace moeblaze

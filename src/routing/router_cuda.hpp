@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "core/args.hpp"
+#include "core/view.hpp"
 #include "core/config.hpp"
 #include "core/memory_layout.hpp"
 

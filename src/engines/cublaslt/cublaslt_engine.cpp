@@ -1,4 +1,4 @@
-// The CUDA cuBLASLt engine: router and routing-plan kernels, row gathers through the plan,
+// The CUDA cuBLASLt engine: the shared GPU router half (engines/cuda_router), row gathers through the plan,
 // one cuBLASLt GEMM per expert and pass, activation and combine kernels, the full backward.
 // All work is stream-ordered on the caller's stream. Once per forward and once per backward it
 // copies the E+1 expert offsets to the host (the per-expert GEMM shapes), which synchronises
@@ -14,11 +14,13 @@
 #include "combine/combine_cuda.hpp"
 #include "core/engine.hpp"
 #include "core/memory_layout.hpp"
+#include "core/needs.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/device_guard.hpp"
 #include "cuda/saved_header_cuda.hpp"
-#include "experts/cublaslt_gemm.hpp"
+#include "gemm/cublaslt.hpp"
 #include "experts/expert_cuda.hpp"
-#include "routing/plan.hpp"
+#include "engines/cuda_router.hpp"
 #include "routing/plan_check_cuda.hpp"
 #include "routing/router_cuda.hpp"
 #include "util/align.hpp"
@@ -27,24 +29,7 @@ namespace moeblaze {
 inline namespace v0 {
 namespace {
 
-using experts::GemmOperand;
-
-// Makes the handle's device current for the duration of a call, then restores the caller's.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    MOEBLAZE_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) MOEBLAZE_CUDA_CHECK(cudaSetDevice(device));
-    switched_ = previous_ != device;
-  }
-  ~DeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
+using gemm::GemmOperand;
 
 // Forward and backward copy the expert offsets to the host, which a stream capture forbids (and
 // which would invalidate the caller's capture): refuse before enqueuing anything.
@@ -64,37 +49,29 @@ struct HostState {
   SavedHeader header{};          // backward: the saved buffer's header
 };
 
-struct GpuWork {
-  float* logits = nullptr;       // [L, E] fp32
-  float* lse = nullptr;          // [L]
-  float* loss_scratch = nullptr;
-  void* plan_scratch = nullptr;
+struct CublasLtWork {
+  RouterWork router;             // logits, flag, plan scratch; router backward scratch
   RoutingPlan plan;              // inference / route: the plan lives in the workspace
-  int32_t* error_flag = nullptr; // [1]
   float* gate_pos = nullptr;     // [L k] gate of each position (expert order)
   void* xg = nullptr;            // [L k, d] gathered x
   void* pre = nullptr;           // [L k, g h] when not saved
   void* act = nullptr;           // [L k, h] when not saved
   void* out = nullptr;           // [L k, d] forward expert outputs
-  float* dlogits = nullptr;      // [L, E]
   void* dyg = nullptr;           // [L k, d] gathered dy (then scaled by the gate)
   void* dpre = nullptr;          // [L k, g h]
   void* dx_part = nullptr;       // [L k, d] per-slot dx contributions
   float* dg_pos = nullptr;       // [L k]
   float* dg_tok = nullptr;       // [L k]
-  float* x_f32 = nullptr;        // [L, d] router GEMMs in fp32
-  float* wg_f32 = nullptr;       // [E, d]
-  float* router_dx = nullptr;    // [L, d]
-  float* dwg_f32 = nullptr;      // [E, d]
   void* gemm_ws = nullptr;
   size_t bytes = 0;
 };
 
-class CudaEngine final : public Engine {
+class CublasLtEngine final : public Engine {
  public:
-  explicit CudaEngine(const LayerConfig& cfg) : cfg_(cfg) {
-    DeviceGuard guard(cfg_.device_id);
-    gemm_ = std::make_unique<experts::CublasLtGemm>();
+  explicit CublasLtEngine(const LayerConfig& cfg) : cfg_(cfg) {
+    cuda::DeviceGuard guard(cfg_.device_id);
+    gemm_ = std::make_unique<gemm::CublasLtGemm>();
+    router_ = std::make_unique<CudaRouter>(cfg_, *gemm_);
   }
   EngineKind kind() const override { return EngineKind::kCudaCublasLt; }
   size_t workspace_size(Pass pass, int64_t L) const override { return carve(pass, L, nullptr).bytes; }
@@ -103,48 +80,40 @@ class CudaEngine final : public Engine {
   void route(const CallArgs& a, void* ws, void* stream) const override;
 
  private:
-  GpuWork carve(Pass pass, int64_t L, void* base) const;
-  void route_and_plan(const CallArgs& a, RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const;
-  void router_logits(const CallArgs& a, const GpuWork& w, cudaStream_t s) const;
-  HostState sync_host(const RoutingPlan& plan, const GpuWork& w, const SavedHeader* header, cudaStream_t s) const;
-  void write_router_outputs(const CallArgs& a, const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const;
+  CublasLtWork carve(Pass pass, int64_t L, void* base) const;
+  HostState sync_host(const RoutingPlan& plan, const CublasLtWork& w, const SavedHeader* header, cudaStream_t s) const;
   // pre = x_e W_gate_up[e] for every expert with tokens (xg: gathered x rows).
-  void up_projection(const CallArgs& a, const std::vector<int32_t>& off, const char* xg, char* pre, const GpuWork& w,
+  void up_projection(const CallArgs& a, const std::vector<int32_t>& off, const char* xg, char* pre, const CublasLtWork& w,
                      cudaStream_t s) const;
   // out[e] = op(A_e)^T B_e over each expert's rows (a weight gradient), or zero for experts
   // without tokens (left alone when accumulating).
   void weight_gradient(const View& out, const std::vector<int32_t>& off, int64_t rows, int64_t cols, const char* a_rows,
-                       int64_t a_ld, const char* b_rows, int64_t b_ld, const GpuWork& w, cudaStream_t s) const;
+                       int64_t a_ld, const char* b_rows, int64_t b_ld, const CublasLtWork& w, cudaStream_t s) const;
   void gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, const GemmOperand& B, void* C, DType ct, int64_t ldc,
-            float beta, const GpuWork& w, cudaStream_t s) const {
-    gemm_->gemm(M, N, K, A, B, C, ct, ldc, 1.f, beta, w.gemm_ws, experts::CublasLtGemm::kWorkspaceBytes, s);
+            float beta, const CublasLtWork& w, cudaStream_t s) const {
+    gemm_->gemm(M, N, K, A, B, C, ct, ldc, 1.f, beta, w.gemm_ws, gemm::CublasLtGemm::kWorkspaceBytes, s);
   }
 
   LayerConfig cfg_;
-  std::unique_ptr<experts::CublasLtGemm> gemm_;
+  std::unique_ptr<gemm::CublasLtGemm> gemm_;
+  std::unique_ptr<CudaRouter> router_;
 };
 
-GpuWork CudaEngine::carve(Pass pass, int64_t L, void* base) const {
+CublasLtWork CublasLtEngine::carve(Pass pass, int64_t L, void* base) const {
   Carver c(base);
-  GpuWork w;
-  const int64_t E = cfg_.num_experts, d = cfg_.hidden, h = cfg_.ffn_hidden, gh = cfg_.gate_up_cols();
+  CublasLtWork w;
+  const int64_t d = cfg_.hidden, h = cfg_.ffn_hidden, gh = cfg_.gate_up_cols();
   const size_t P = static_cast<size_t>(L * cfg_.top_k), es = dtype_size(cfg_.act_dtype);
-  w.gemm_ws = c.take<char>(experts::CublasLtGemm::kWorkspaceBytes);
-  w.logits = c.take<float>(static_cast<size_t>(L * E));
-  w.error_flag = c.take<int32_t>(1);
-  if (pass != Pass::kBackward) {
-    w.lse = c.take<float>(static_cast<size_t>(L));
-    w.loss_scratch = c.take<float>(routing::router_loss_scratch_floats(L, E));
-    w.plan_scratch = c.take<char>(routing::plan_scratch_bytes_cuda(L, E));
-    if (pass != Pass::kForwardTraining) {
-      SavedRegions r = carve_saved(cfg_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
-      c.take<char>(r.bytes);
-      w.plan = r.plan;
-    }
-    if (pass == Pass::kRoute) {
-      w.bytes = c.size();
-      return w;
-    }
+  w.gemm_ws = c.take<char>(gemm::CublasLtGemm::kWorkspaceBytes);
+  w.router = router_->carve(c, pass, L, w.gemm_ws);
+  if (pass == Pass::kForwardInference || pass == Pass::kRoute) {
+    SavedRegions r = carve_saved(cfg_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
+    c.take<char>(r.bytes);
+    w.plan = r.plan;
+  }
+  if (pass == Pass::kRoute) {
+    w.bytes = c.size();
+    return w;
   }
   w.gate_pos = c.take<float>(P);
   w.xg = c.take<char>(P * static_cast<size_t>(d) * es);
@@ -157,64 +126,25 @@ GpuWork CudaEngine::carve(Pass pass, int64_t L, void* base) const {
   if (pass != Pass::kBackward) {
     w.out = c.take<char>(P * static_cast<size_t>(d) * es);
   } else {
-    w.dlogits = c.take<float>(static_cast<size_t>(L * E));
     w.dyg = c.take<char>(P * static_cast<size_t>(d) * es);
     w.dpre = c.take<char>(P * static_cast<size_t>(gh) * es);
     w.dx_part = c.take<char>(P * static_cast<size_t>(d) * es);
     w.dg_pos = c.take<float>(P);
     w.dg_tok = c.take<float>(P);
-    w.x_f32 = c.take<float>(static_cast<size_t>(L * d));
-    w.wg_f32 = c.take<float>(static_cast<size_t>(E * d));
-    w.router_dx = c.take<float>(static_cast<size_t>(L * d));
-    w.dwg_f32 = c.take<float>(static_cast<size_t>(E * d));
   }
   w.bytes = c.size();
   return w;
 }
 
-void CudaEngine::router_logits(const CallArgs& a, const GpuWork& w, cudaStream_t s) const {
-  const int64_t L = a.num_tokens, E = cfg_.num_experts, d = cfg_.hidden;
-  if (a.mode == RoutingMode::kLogits) {
-    routing::logits_to_f32_cuda(a.logits, L, E, w.logits, s);
-  } else {  // logits = x W_g^T in fp32 output (bf16/fp16 inputs, fp32 accumulation)
-    gemm(L, E, d, {a.x.data, a.x.dtype, a.x.stride[0], false},
-         {a.router_weight.data, a.router_weight.dtype, a.router_weight.stride[0], true}, w.logits, DType::kF32, E, 0.f, w, s);
-  }
-}
-
-void CudaEngine::route_and_plan(const CallArgs& a, RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const {
-  const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k;
-  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.error_flag, 0, sizeof(int32_t), s));
-  if (a.mode == RoutingMode::kCallerTopK) {
-    routing::import_routing_cuda(a.topk_ids, a.topk_weights, L, k, E, plan.token_expert_indices, plan.gates,
-                                 w.error_flag, s);
-  } else {
-    router_logits(a, w, s);
-    routing::route_tokens_cuda(cfg_, w.logits, L, plan.token_expert_indices, plan.gates, w.lse, s);
-  }
-  routing::build_plan_cuda(plan, L, k, E, w.plan_scratch, s);
-}
-
-HostState CudaEngine::sync_host(const RoutingPlan& plan, const GpuWork& w, const SavedHeader* header, cudaStream_t s) const {
+HostState CublasLtEngine::sync_host(const RoutingPlan& plan, const CublasLtWork& w, const SavedHeader* header, cudaStream_t s) const {
   const int64_t E = cfg_.num_experts;
   HostState h;
   h.offsets.assign(static_cast<size_t>(E + 1), 0);
   MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(h.offsets.data(), plan.expert_token_offsets, sizeof(int32_t) * (E + 1), cudaMemcpyDeviceToHost, s));
-  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(&h.error_flag, w.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(&h.error_flag, w.router.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
   if (header) MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(&h.header, header, sizeof(SavedHeader), cudaMemcpyDeviceToHost, s));
   MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
   return h;
-}
-
-void CudaEngine::write_router_outputs(const CallArgs& a, const RoutingPlan& plan, const GpuWork& w, cudaStream_t s) const {
-  const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k;
-  if (a.mode != RoutingMode::kCallerTopK) {
-    routing::write_topk_cuda(plan.token_expert_indices, plan.gates, L, k, a.topk_ids, a.topk_weights, s);
-    routing::router_losses_cuda(cfg_, w.logits, w.lse, L, plan.expert_token_offsets, w.loss_scratch,
-                                a.aux_loss.present ? reinterpret_cast<float*>(a.aux_loss.data) : nullptr,
-                                a.z_loss.present ? reinterpret_cast<float*>(a.z_loss.data) : nullptr, s);
-  }
-  routing::write_tokens_per_expert_cuda(plan.expert_token_offsets, E, a.tokens_per_expert, s);
 }
 
 // Calls fn(e, first position, rows) for every expert with tokens.
@@ -224,8 +154,8 @@ void for_each_expert(const std::vector<int32_t>& off, int64_t E, F&& fn) {
     if (off[e + 1] > off[e]) fn(e, static_cast<int64_t>(off[e]), static_cast<int64_t>(off[e + 1] - off[e]));
 }
 
-void CudaEngine::up_projection(const CallArgs& a, const std::vector<int32_t>& off, const char* xg, char* pre,
-                               const GpuWork& w, cudaStream_t s) const {
+void CublasLtEngine::up_projection(const CallArgs& a, const std::vector<int32_t>& off, const char* xg, char* pre,
+                               const CublasLtWork& w, cudaStream_t s) const {
   const int64_t d = cfg_.hidden, gh = cfg_.gate_up_cols(), es = static_cast<int64_t>(dtype_size(cfg_.act_dtype));
   for_each_expert(off, cfg_.num_experts, [&](int64_t e, int64_t p0, int64_t n) {
     gemm(n, gh, d, {xg + p0 * d * es, cfg_.act_dtype, d, false},
@@ -234,8 +164,8 @@ void CudaEngine::up_projection(const CallArgs& a, const std::vector<int32_t>& of
   });
 }
 
-void CudaEngine::weight_gradient(const View& out, const std::vector<int32_t>& off, int64_t rows, int64_t cols,
-                                 const char* a_rows, int64_t a_ld, const char* b_rows, int64_t b_ld, const GpuWork& w,
+void CublasLtEngine::weight_gradient(const View& out, const std::vector<int32_t>& off, int64_t rows, int64_t cols,
+                                 const char* a_rows, int64_t a_ld, const char* b_rows, int64_t b_ld, const CublasLtWork& w,
                                  cudaStream_t s) const {
   const DType dt = cfg_.act_dtype;
   const int64_t es = static_cast<int64_t>(dtype_size(dt));
@@ -252,23 +182,23 @@ void CudaEngine::weight_gradient(const View& out, const std::vector<int32_t>& of
   }
 }
 
-void CudaEngine::route(const CallArgs& a, void* ws, void* stream) const {
-  DeviceGuard guard(cfg_.device_id);
+void CublasLtEngine::route(const CallArgs& a, void* ws, void* stream) const {
+  cuda::DeviceGuard guard(cfg_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  GpuWork w = carve(Pass::kRoute, a.num_tokens, ws);
-  route_and_plan(a, w.plan, w, s);
-  write_router_outputs(a, w.plan, w, s);
+  CublasLtWork w = carve(Pass::kRoute, a.num_tokens, ws);
+  router_->route_and_plan(a, w.plan, w.router, s);
+  router_->write_outputs(a, w.plan, w.router, s);
 }
 
-void CudaEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const {
-  DeviceGuard guard(cfg_.device_id);
+void CublasLtEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const {
+  cuda::DeviceGuard guard(cfg_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden, h = cfg_.ffn_hidden;
   const int64_t gh = cfg_.gate_up_cols(), P = L * k;
   const DType dt = cfg_.act_dtype;
   const int64_t es = static_cast<int64_t>(dtype_size(dt));
   refuse_capture(s, "forward");
-  GpuWork w = carve(pass, L, ws);
+  CublasLtWork w = carve(pass, L, ws);
   SavedRegions sv;
   if (pass == Pass::kForwardTraining) {
     sv = carve_saved(cfg_, L, saved);
@@ -277,13 +207,13 @@ void CudaEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, vo
     MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(sv.header, 0, sizeof(SavedHeader), s));
   }
   RoutingPlan& plan = w.plan;
-  route_and_plan(a, plan, w, s);
+  router_->route_and_plan(a, plan, w.router, s);
   const HostState host = sync_host(plan, w, nullptr, s);
   const std::vector<int32_t>& off = host.offsets;
   if (host.error_flag & routing::kCallerIdsInvalid)
     fail(Status::kInvalidArgument, "TOPK_INDICES holds an expert id outside [0, %lld) or repeated within a token; nothing was written",
          static_cast<long long>(E));
-  write_router_outputs(a, plan, w, s);
+  router_->write_outputs(a, plan, w.router, s);
 
   char* pre = static_cast<char*>(sv.preact ? sv.preact : w.pre);
   char* act = static_cast<char*>(sv.act ? sv.act : w.act);
@@ -300,22 +230,22 @@ void CudaEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, vo
   if (sv.header) cuda::store_saved_header(make_saved_header(cfg_, L), sv.header, s);
 }
 
-void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
-  DeviceGuard guard(cfg_.device_id);
+void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
+  cuda::DeviceGuard guard(cfg_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden, h = cfg_.ffn_hidden;
   const int64_t gh = cfg_.gate_up_cols(), P = L * k;
   const DType dt = cfg_.act_dtype;
   const int64_t es = static_cast<int64_t>(dtype_size(dt));
   refuse_capture(s, "backward");
-  GpuWork w = carve(Pass::kBackward, L, ws);
+  CublasLtWork w = carve(Pass::kBackward, L, ws);
   const SavedRegions sv = carve_saved(cfg_, L, const_cast<void*>(saved));
   const RoutingPlan& plan = sv.plan;
   // The saved buffer is the caller's: its header and plan are checked (the plan on the device,
   // reading only in-range indices) and read back at this engine's one sync, before any work
   // that follows an index in it is enqueued.
-  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.error_flag, 0, sizeof(int32_t), s));
-  routing::validate_plan_cuda(plan, L, k, E, w.error_flag, s);
+  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.router.error_flag, 0, sizeof(int32_t), s));
+  routing::validate_plan_cuda(plan, L, k, E, w.router.error_flag, s);
   const HostState host = sync_host(plan, w, sv.header, s);
   check_saved_header(host.header, cfg_, L);
   if (host.error_flag & routing::kPlanInvalid)
@@ -324,8 +254,7 @@ void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* 
          "the saved buffer was not written by this handle's forward for these inputs");
   const std::vector<int32_t>& off = host.offsets;
 
-  const bool want_router = a.mode != RoutingMode::kCallerTopK &&
-                           (a.d_logits.present || a.d_router_weight.present || (a.dx.present && a.mode == RoutingMode::kRouterWeight));
+  const Needs needs = needs_of(cfg_, Pass::kBackward, a);
   char* xg = static_cast<char*>(w.xg);
   char* pre = static_cast<char*>(sv.preact ? sv.preact : w.pre);
   char* gact = static_cast<char*>(w.act);
@@ -334,8 +263,8 @@ void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* 
   char* dpre = static_cast<char*>(w.dpre);
 
   experts::gates_to_positions_cuda(plan, L, k, w.gate_pos, s);
-  if (!sv.preact || a.d_w_gate_up.present) experts::gather_rows_cuda(a.x, plan.expert_token_indices, P, d, xg, s);
-  if (!sv.preact) up_projection(a, off, xg, pre, w, s);  // RECOMPUTE_UP: the up GEMM again
+  if (needs.recompute_up || a.d_w_gate_up.present) experts::gather_rows_cuda(a.x, plan.expert_token_indices, P, d, xg, s);
+  if (needs.recompute_up) up_projection(a, off, xg, pre, w, s);  // the up GEMM again
 
   // dact = dy W_down^T into the first h columns of each dpre row; then one fused pass gives
   // dg, dpre (in place) and g * act (recomputed from pre, so no saved act is needed).
@@ -357,42 +286,18 @@ void CudaEngine::backward(const CallArgs& a, const void* saved, void* ws, void* 
   combine::to_token_order_cuda(plan, L, k, w.dg_pos, w.dg_tok, s);
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
 
-  bool router_dx = false;
-  if (want_router) {
-    router_logits(a, w, s);
-    routing::router_backward_cuda(cfg_, w.logits, L, plan.token_expert_indices, w.dg_tok,
-                                  a.grad_aux.present ? reinterpret_cast<const float*>(a.grad_aux.data) : nullptr,
-                                  a.grad_z.present ? reinterpret_cast<const float*>(a.grad_z.data) : nullptr,
-                                  plan.expert_token_offsets, w.dlogits, s);
-    if (a.d_logits.present) combine::store_f32_rows_cuda(w.dlogits, L, E, a.d_logits, s);
-    if (a.mode == RoutingMode::kRouterWeight) {
-      // Router GEMMs in fp32: dW_g = dlogits^T x, dx += dlogits W_g.
-      routing::logits_to_f32_cuda(a.x, L, d, w.x_f32, s);
-      if (a.d_router_weight.present) {
-        if (L > 0)
-          gemm(E, d, L, {w.dlogits, DType::kF32, E, true}, {w.x_f32, DType::kF32, d, false}, w.dwg_f32, DType::kF32, d, 0.f, w, s);
-        else
-          MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.dwg_f32, 0, sizeof(float) * E * d, s));
-        combine::store_f32_rows_cuda(w.dwg_f32, E, d, a.d_router_weight, s);
-      }
-      if (a.dx.present) {
-        routing::logits_to_f32_cuda(a.router_weight, E, d, w.wg_f32, s);
-        gemm(L, d, E, {w.dlogits, DType::kF32, E, false}, {w.wg_f32, DType::kF32, d, false}, w.router_dx, DType::kF32, d, 0.f, w, s);
-        router_dx = true;
-      }
-    }
-  }
+  const bool router_dx = router_->backward(a, needs, plan, w.dg_tok, w.router, s);
   if (a.dx.present)
-    combine::combine_rows_cuda(plan.token_index_map, nullptr, L, k, d, dx_part, router_dx ? w.router_dx : nullptr, a.dx, s);
+    combine::combine_rows_cuda(plan.token_index_map, nullptr, L, k, d, dx_part, router_dx ? w.router.router_dx : nullptr, a.dx, s);
 }
 
 }  // namespace
 
-std::unique_ptr<Engine> make_cuda_engine(const LayerConfig& cfg) {
+std::unique_ptr<Engine> make_cublaslt_engine(const LayerConfig& cfg) {
   if (cfg.act_dtype != cfg.weight_dtype)
-    fail(Status::kNotSupported, "the CUDA engine needs activation_dtype == weight_dtype (got %s and %s)",
+    fail(Status::kNotSupported, "the cuBLASLt engine needs activation_dtype == weight_dtype (got %s and %s)",
          dtype_name(cfg.act_dtype), dtype_name(cfg.weight_dtype));
-  return std::make_unique<CudaEngine>(cfg);
+  return std::make_unique<CublasLtEngine>(cfg);
 }
 
 }  // namespace v0

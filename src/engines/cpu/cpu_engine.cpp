@@ -9,6 +9,7 @@
 #include "combine/combine.hpp"
 #include "core/engine.hpp"
 #include "core/memory_layout.hpp"
+#include "core/needs.hpp"
 #include "experts/expert_mlp.hpp"
 #include "routing/plan.hpp"
 #include "routing/router.hpp"
@@ -269,9 +270,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
   const RoutingPlan& plan = sv.plan;
   const char* act_rows = static_cast<const char*>(sv.act ? sv.act : w.act);
 
-  const bool want_router = a.mode != RoutingMode::kCallerTopK &&
-                           (a.d_logits.present || a.d_router_weight.present || (a.dx.present && a.mode == RoutingMode::kRouterWeight));
-  const bool want_dpre = a.dx.present || a.d_w_gate_up.present;
+  const Needs needs = needs_of(cfg_, Pass::kBackward, a);
 
   // Phase 1, per expert tile: act (recomputed as the policy says), dact = dy W_down^T,
   // dg = <dact, act>, dpre = activation backward of g * dact, dx_part = dpre W_gate_up^T.
@@ -295,7 +294,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
       while (plan.token_expert_indices[t * k + j] != e) ++j;
       gate[r] = plan.gates[t * k + j];
     }
-    const bool need_pre = want_dpre || !sv.act;
+    const bool need_pre = needs.dpre || !sv.act;
     if (need_pre) {
       if (sv.preact) {
         for (int64_t r = 0; r < rows; ++r)
@@ -315,7 +314,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
     for (int64_t r = 0; r < rows; ++r) load_row(a.dy.row(plan.expert_token_indices[p0 + r]), a.dy.dtype, d, dyf + r * d);
     experts::gemm_nt(rows, h, d, dyf, d, a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], dact, h, row);
     for (int64_t r = 0; r < rows; ++r) w.dg_pos[p0 + r] = experts::dot(dact + r * h, act + r * h, h);
-    if (!want_dpre) return;
+    if (!needs.dpre) return;
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < h; ++i) dact[r * h + i] *= gate[r];
     experts::activation_backward(cfg_.activation, rows, h, pre, dact, dpre, adt);
@@ -371,7 +370,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
     for (int64_t t = 0; t < L; ++t)
       store_row(a.d_topk_weights.row(t), a.d_topk_weights.dtype, k, w.dg_tok + t * k, a.d_topk_weights.accumulate);
 
-  if (want_router) {
+  if (needs.router_grad) {
     compute_logits(a, w.logits, w);
     const float gaux = a.grad_aux.present ? *reinterpret_cast<const float*>(a.grad_aux.data) : 1.f;
     const float gz = a.grad_z.present ? *reinterpret_cast<const float*>(a.grad_z.data) : 1.f;
@@ -401,7 +400,6 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
 
   // dx_t = sum_j dx_part[token_index_map[t k + j]] (+ dlogits_t W_g), slot order.
   if (a.dx.present) {
-    const bool router_path = want_router && a.mode == RoutingMode::kRouterWeight;
     parallel_for(ceil_div(L, kTokenBlock), workers_, [&](int64_t b, int worker) {
       float* acc = scratch(w, worker);
       float* row = acc + d;
@@ -411,7 +409,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
           const float* part = w.dx_part + static_cast<int64_t>(plan.token_index_map[t * k + j]) * d;
           for (int64_t i = 0; i < d; ++i) acc[i] += part[i];
         }
-        if (router_path)
+        if (needs.router_adds_dx)
           for (int64_t e = 0; e < E; ++e) {
             const float dl = w.dlogits[t * E + e];
             load_row(a.router_weight.row(e), a.router_weight.dtype, d, row);

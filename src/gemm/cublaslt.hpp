@@ -12,7 +12,7 @@
 
 namespace moeblaze {
 inline namespace v0 {
-namespace experts {
+namespace gemm {
 
 struct GemmOperand {
   const void* data;
@@ -43,6 +43,6 @@ class CublasLtGemm {
   bool mark_outputs_initialized_ = false;
 };
 
-}  // namespace experts
+}  // namespace gemm
 }  // namespace v0
 }  // namespace moeblaze

@@ -1,4 +1,4 @@
-#include "experts/cublaslt_gemm.hpp"
+#include "gemm/cublaslt.hpp"
 
 #include <cstdlib>
 #include <cstring>
@@ -7,7 +7,7 @@
 
 namespace moeblaze {
 inline namespace v0 {
-namespace experts {
+namespace gemm {
 namespace {
 
 cudaDataType_t cuda_type(DType t) {
@@ -74,6 +74,6 @@ void CublasLtGemm::gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, c
                                        ws, ws_bytes, s));
 }
 
-}  // namespace experts
+}  // namespace gemm
 }  // namespace v0
 }  // namespace moeblaze

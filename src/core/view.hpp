@@ -1,0 +1,33 @@
+// View: a validated strided tensor of up to 3 dimensions, the only argument type the stages
+// (routing, experts, combine) see. core/args.cpp builds them from the C API's descriptors.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "util/dtype.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+
+// A validated strided view of up to 3 dimensions; strides in elements, innermost stride 1.
+struct View {
+  bool present = false;
+  bool accumulate = false;
+  char* data = nullptr;
+  DType dtype = DType::kInvalid;
+  int ndim = 0;
+  int64_t shape[3] = {0, 0, 0};
+  int64_t stride[3] = {0, 0, 0};
+  size_t span_bytes = 0;  // bytes from data to one past the last element (0 for no elements)
+
+  size_t elem() const { return dtype_size(dtype); }
+  // Row r of a 2-D view, or row (a, r) of a 3-D view.
+  char* row(int64_t r) const { return data + r * stride[0] * static_cast<int64_t>(elem()); }
+  char* row(int64_t a, int64_t r) const {
+    return data + (a * stride[0] + r * stride[1]) * static_cast<int64_t>(elem());
+  }
+};
+
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,94 @@
+#include "engines/cuda_router.hpp"
+
+#include "combine/combine_cuda.hpp"
+#include "cuda/cuda_check.hpp"
+#include "routing/router_cuda.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+
+RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, void* gemm_ws) const {
+  const int64_t E = cfg_.num_experts, d = cfg_.hidden;
+  RouterWork w;
+  w.gemm_ws = gemm_ws;
+  w.logits = c.take<float>(static_cast<size_t>(L * E));
+  w.error_flag = c.take<int32_t>(1);
+  if (pass != Pass::kBackward) {
+    w.lse = c.take<float>(static_cast<size_t>(L));
+    w.loss_scratch = c.take<float>(routing::router_loss_scratch_floats(L, E));
+    w.plan_scratch = c.take<char>(routing::plan_scratch_bytes_cuda(L, E));
+  } else {
+    w.dlogits = c.take<float>(static_cast<size_t>(L * E));
+    w.x_f32 = c.take<float>(static_cast<size_t>(L * d));
+    w.wg_f32 = c.take<float>(static_cast<size_t>(E * d));
+    w.router_dx = c.take<float>(static_cast<size_t>(L * d));
+    w.dwg_f32 = c.take<float>(static_cast<size_t>(E * d));
+  }
+  return w;
+}
+
+void CudaRouter::gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
+                      const RouterWork& w, cudaStream_t s) const {
+  gemm_.gemm(M, N, K, A, B, C, DType::kF32, N, 1.f, 0.f, w.gemm_ws, gemm::CublasLtGemm::kWorkspaceBytes, s);
+}
+
+void CudaRouter::logits(const CallArgs& a, const RouterWork& w, cudaStream_t s) const {
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, d = cfg_.hidden;
+  if (a.mode == RoutingMode::kLogits) {
+    routing::logits_to_f32_cuda(a.logits, L, E, w.logits, s);
+  } else {  // logits = x W_g^T in fp32 output (bf16/fp16 inputs, fp32 accumulation)
+    gemm(L, E, d, {a.x.data, a.x.dtype, a.x.stride[0], false},
+         {a.router_weight.data, a.router_weight.dtype, a.router_weight.stride[0], true}, w.logits, w, s);
+  }
+}
+
+void CudaRouter::route_and_plan(const CallArgs& a, RoutingPlan& plan, const RouterWork& w, cudaStream_t s) const {
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k;
+  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.error_flag, 0, sizeof(int32_t), s));
+  if (a.mode == RoutingMode::kCallerTopK) {
+    routing::import_routing_cuda(a.topk_ids, a.topk_weights, L, k, E, plan.token_expert_indices, plan.gates,
+                                 w.error_flag, s);
+  } else {
+    logits(a, w, s);
+    routing::route_tokens_cuda(cfg_, w.logits, L, plan.token_expert_indices, plan.gates, w.lse, s);
+  }
+  routing::build_plan_cuda(plan, L, k, E, w.plan_scratch, s);
+}
+
+void CudaRouter::write_outputs(const CallArgs& a, const RoutingPlan& plan, const RouterWork& w, cudaStream_t s) const {
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k;
+  if (a.mode != RoutingMode::kCallerTopK) {
+    routing::write_topk_cuda(plan.token_expert_indices, plan.gates, L, k, a.topk_ids, a.topk_weights, s);
+    routing::router_losses_cuda(cfg_, w.logits, w.lse, L, plan.expert_token_offsets, w.loss_scratch,
+                                a.aux_loss.present ? reinterpret_cast<float*>(a.aux_loss.data) : nullptr,
+                                a.z_loss.present ? reinterpret_cast<float*>(a.z_loss.data) : nullptr, s);
+  }
+  routing::write_tokens_per_expert_cuda(plan.expert_token_offsets, E, a.tokens_per_expert, s);
+}
+
+bool CudaRouter::backward(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, const float* dg_tok,
+                          const RouterWork& w, cudaStream_t s) const {
+  if (!needs.router_grad) return false;
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, d = cfg_.hidden;
+  logits(a, w, s);
+  routing::router_backward_cuda(cfg_, w.logits, L, plan.token_expert_indices, dg_tok,
+                                a.grad_aux.present ? reinterpret_cast<const float*>(a.grad_aux.data) : nullptr,
+                                a.grad_z.present ? reinterpret_cast<const float*>(a.grad_z.data) : nullptr,
+                                plan.expert_token_offsets, w.dlogits, s);
+  if (a.d_logits.present) combine::store_f32_rows_cuda(w.dlogits, L, E, a.d_logits, s);
+  if (a.mode != RoutingMode::kRouterWeight) return false;
+  // Router GEMMs in fp32: dW_g = dlogits^T x, dx += dlogits W_g.
+  routing::logits_to_f32_cuda(a.x, L, d, w.x_f32, s);
+  if (a.d_router_weight.present) {
+    if (L > 0) gemm(E, d, L, {w.dlogits, DType::kF32, E, true}, {w.x_f32, DType::kF32, d, false}, w.dwg_f32, w, s);
+    else MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.dwg_f32, 0, sizeof(float) * E * d, s));
+    combine::store_f32_rows_cuda(w.dwg_f32, E, d, a.d_router_weight, s);
+  }
+  if (!needs.router_adds_dx) return false;
+  routing::logits_to_f32_cuda(a.router_weight, E, d, w.wg_f32, s);
+  gemm(L, d, E, {w.dlogits, DType::kF32, E, false}, {w.wg_f32, DType::kF32, d, false}, w.router_dx, w, s);
+  return true;
+}
+
+}  // namespace v0
+}  // namespace moeblaze

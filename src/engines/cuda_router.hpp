@@ -1,0 +1,62 @@
+// The GPU router half of a step, shared by the CUDA engines: logits (given, or x W_g^T through
+// cuBLASLt), scores and top-k, or the caller's routing imported and checked on the device;
+// the atomic-free routing plan; the router outputs and losses; and the router backward
+// (d logits, dW_g, and dx's router part). Everything is enqueued on the caller's stream; nothing
+// here synchronises, so a sync-free engine can use it as it is.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "core/args.hpp"
+#include "core/config.hpp"
+#include "core/memory_layout.hpp"
+#include "core/needs.hpp"
+#include "gemm/cublaslt.hpp"
+#include "util/align.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+
+// The router's scratch in a call's workspace (nullptr where the pass needs none).
+struct RouterWork {
+  float* logits = nullptr;        // [L, E] fp32
+  int32_t* error_flag = nullptr;  // [1] routing::kCallerIdsInvalid | routing::kPlanInvalid
+  float* lse = nullptr;           // [L]       forward, route
+  float* loss_scratch = nullptr;  //           forward, route
+  void* plan_scratch = nullptr;   //           forward, route
+  float* dlogits = nullptr;       // [L, E]    backward
+  float* x_f32 = nullptr;         // [L, d]    backward, ROUTER_WEIGHT: the router GEMMs in fp32
+  float* wg_f32 = nullptr;        // [E, d]
+  float* router_dx = nullptr;     // [L, d]
+  float* dwg_f32 = nullptr;       // [E, d]
+  void* gemm_ws = nullptr;        // cuBLASLt workspace, shared with the engine
+};
+
+class CudaRouter {
+ public:
+  CudaRouter(const LayerConfig& cfg, const gemm::CublasLtGemm& gemm) : cfg_(cfg), gemm_(gemm) {}
+
+  // Appends the router's regions for `pass` to a carve (the engine's workspace layout).
+  RouterWork carve(Carver& c, Pass pass, int64_t L, void* gemm_ws) const;
+
+  // Zeroes the error flag, routes (or imports and checks the caller's ids) into plan's ids and
+  // gates, and builds the plan.
+  void route_and_plan(const CallArgs& a, RoutingPlan& plan, const RouterWork& w, cudaStream_t s) const;
+  // TOPK_INDICES / TOPK_WEIGHTS / AUX_LOSS / Z_LOSS when routed, and TOKENS_PER_EXPERT.
+  void write_outputs(const CallArgs& a, const RoutingPlan& plan, const RouterWork& w, cudaStream_t s) const;
+  // The router backward from the gate gradients dg_tok [L k] (token order): d logits, dW_g,
+  // and d logits W_g into w.router_dx. Returns true when router_dx holds dx's router part.
+  bool backward(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, const float* dg_tok, const RouterWork& w,
+                cudaStream_t s) const;
+
+ private:
+  void logits(const CallArgs& a, const RouterWork& w, cudaStream_t s) const;
+  void gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
+            const RouterWork& w, cudaStream_t s) const;
+
+  const LayerConfig& cfg_;
+  const gemm::CublasLtGemm& gemm_;
+};
+
+}  // namespace v0
+}  // namespace moeblaze

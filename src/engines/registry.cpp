@@ -1,0 +1,91 @@
+// The engine registry: which engine serves a handle. A table in preference order; for each
+// engine, the device it runs on, why it cannot serve a configuration (or nullptr), and its
+// factory. AUTO takes the first entry of the handle's device that can serve it; an explicit
+// ENGINE must be able to, or creation fails with its reason.
+#include <cstdio>
+#include <string>
+
+#include "core/engine.hpp"
+#include "cuda/device.hpp"
+#include "util/error.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+
+#if !MOEBLAZE_WITH_CUDA
+// Never reached (resolve_device refuses CUDA first); keeps the table free of #ifs.
+std::unique_ptr<Engine> make_cublaslt_engine(const LayerConfig&) {
+  fail(Status::kArchMismatch, "this build of libmoeblaze has no CUDA support");
+}
+#endif
+
+namespace {
+
+const char* cpu_refuses(const LayerConfig&, const cuda::DeviceInfo*) { return nullptr; }
+
+const char* fused_refuses(const LayerConfig&, const cuda::DeviceInfo*) {
+  return "the fused sm_90a engine is not built yet (issue 7)";
+}
+
+const char* cublaslt_refuses(const LayerConfig& cfg, const cuda::DeviceInfo*) {
+  if (cfg.act_dtype != cfg.weight_dtype) return "it needs activation_dtype == weight_dtype";
+  return nullptr;
+}
+
+struct EngineEntry {
+  EngineKind kind;
+  int32_t device_type;
+  const char* name;
+  const char* (*refuses)(const LayerConfig&, const cuda::DeviceInfo*);
+  std::unique_ptr<Engine> (*make)(const LayerConfig&);
+};
+
+// Preference order within a device: the fused engine first, once it can serve.
+const EngineEntry kEngines[] = {
+    {EngineKind::kCpu, kDeviceCpu, "cpu", cpu_refuses, make_cpu_engine},
+    {EngineKind::kCudaFused, kDeviceCuda, "cuda_fused", fused_refuses, nullptr},
+    {EngineKind::kCudaCublasLt, kDeviceCuda, "cuda_cublaslt", cublaslt_refuses, make_cublaslt_engine},
+};
+
+// Checks the device itself; returns its properties for CUDA (nullptr for the CPU).
+const cuda::DeviceInfo* resolve_device(LayerConfig& cfg, cuda::DeviceInfo& info) {
+  if (cfg.device_type == kDeviceCpu) {
+    if (cfg.device_id != -1 && cfg.device_id != 0)
+      fail(Status::kInvalidArgument, "device_id %d is not valid for the CPU (use 0 or -1)", cfg.device_id);
+    cfg.device_id = 0;
+    return nullptr;
+  }
+  if (!cuda::built_with_cuda())
+    fail(Status::kArchMismatch, "device_type CUDA requested, but this build of libmoeblaze has no CUDA support");
+  if (cuda::device_count() == 0) fail(Status::kArchMismatch, "device_type CUDA requested, but no CUDA device is visible");
+  if (cfg.device_id < 0) cfg.device_id = cuda::current_device();
+  info = cuda::device_info(cfg.device_id);
+  if (!cuda::has_kernels_for(info.sm_major, info.sm_minor))
+    fail(Status::kArchMismatch, "CUDA device %d (%s, sm_%d%d) has no kernels in this build (built for %s)", cfg.device_id,
+         info.name, info.sm_major, info.sm_minor, "sm_80, sm_90a");
+  return &info;
+}
+
+}  // namespace
+
+std::unique_ptr<Engine> create_engine(LayerConfig& cfg) {
+  for (const EngineEntry& e : kEngines)
+    if (cfg.engine == e.kind && cfg.device_type != e.device_type)
+      fail(Status::kInvalidArgument, "engine %s does not run on device_type %d", e.name, cfg.device_type);
+  cuda::DeviceInfo storage{};
+  const cuda::DeviceInfo* info = resolve_device(cfg, storage);
+  std::string why;
+  for (const EngineEntry& e : kEngines) {
+    if (e.device_type != cfg.device_type || (cfg.engine != EngineKind::kAuto && cfg.engine != e.kind)) continue;
+    if (const char* reason = e.refuses(cfg, info)) {
+      why += std::string(why.empty() ? "" : "; ") + e.name + ": " + reason;
+      continue;
+    }
+    cfg.engine = e.kind;  // the resolved choice, read back through the handle getters
+    return e.make(cfg);
+  }
+  fail(Status::kNotSupported, "no engine can serve this configuration (%s)", why.c_str());
+}
+
+}  // namespace v0
+}  // namespace moeblaze
