@@ -69,6 +69,15 @@ class CpuEngine final : public Engine {
   void route_and_plan(const CallArgs& a, RoutingPlan& plan, const Work& w) const;
   void write_router_outputs(const CallArgs& a, const RoutingPlan& plan, const Work& w) const;
   int64_t make_tiles(const RoutingPlan& plan, int32_t* tiles) const;
+  // fn(e, first position, rows, worker) for every tile of up to kTileRows positions of one
+  // expert, in parallel; tiles: the workspace's tile list.
+  template <class F>
+  void for_each_tile(const RoutingPlan& plan, int32_t* tiles, F&& fn) const {
+    parallel_for(make_tiles(plan, tiles), workers_, [&](int64_t ti, int worker) {
+      const int64_t e = tiles[2 * ti], p0 = plan.expert_token_offsets[e] + tiles[2 * ti + 1];
+      fn(e, p0, std::min<int64_t>(kTileRows, plan.expert_token_offsets[e + 1] - p0), worker);
+    });
+  }
   float* scratch(const Work& w, int worker) const { return w.per_worker + w.worker_floats * static_cast<size_t>(worker); }
 
   LayerConfig cfg_;
@@ -225,11 +234,7 @@ void CpuEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, voi
   route_and_plan(a, plan, w);
 
   // Expert tiles: gather x rows by expert_token_indices, up GEMM, activation, down GEMM.
-  const int64_t ntiles = make_tiles(plan, w.tiles);
-  parallel_for(ntiles, workers_, [&](int64_t ti, int worker) {
-    const int64_t e = w.tiles[2 * ti], r0 = w.tiles[2 * ti + 1];
-    const int64_t p0 = plan.expert_token_offsets[e] + r0;
-    const int64_t rows = std::min<int64_t>(kTileRows, plan.expert_token_offsets[e + 1] - p0);
+  for_each_tile(plan, w.tiles, [&](int64_t e, int64_t p0, int64_t rows, int worker) {
     float* xf = scratch(w, worker);
     float* pre = xf + kTileRows * d;
     float* act = pre + kTileRows * gh;
@@ -274,11 +279,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
 
   // Phase 1, per expert tile: act (recomputed as the policy says), dact = dy W_down^T,
   // dg = <dact, act>, dpre = activation backward of g * dact, dx_part = dpre W_gate_up^T.
-  const int64_t ntiles = make_tiles(plan, w.tiles);
-  parallel_for(ntiles, workers_, [&](int64_t ti, int worker) {
-    const int64_t e = w.tiles[2 * ti], r0 = w.tiles[2 * ti + 1];
-    const int64_t p0 = plan.expert_token_offsets[e] + r0;
-    const int64_t rows = std::min<int64_t>(kTileRows, plan.expert_token_offsets[e + 1] - p0);
+  for_each_tile(plan, w.tiles, [&](int64_t e, int64_t p0, int64_t rows, int worker) {
     float* xf = scratch(w, worker);
     float* pre = xf + kTileRows * d;
     float* act = pre + kTileRows * gh;
