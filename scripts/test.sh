@@ -34,7 +34,7 @@ cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEBLAZE_E
       -DMOEBLAZE_SANITIZE=thread -DMOEBLAZE_BUILD_DOCS=OFF -DMOEBLAZE_BUILD_RUST=OFF \
       -DMOEBLAZE_BUILD_PERF=OFF >/dev/null
 cmake --build build-tsan --parallel "$jobs"
-TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan --parallel "$jobs" -L host --timeout 900
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan --parallel "$jobs" -L host -LE numerics --timeout 900
 
 echo "== configuration 4: libFuzzer over the C API"
 scripts/fuzz.sh "${MOEBLAZE_FUZZ_RUNS:-20000}"
