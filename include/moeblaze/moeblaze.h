@@ -687,6 +687,18 @@ typedef enum moeblaze_arg_kind {
   MOEBLAZE_ARG_TOKENS_PER_EXPERT = 34,
   /** Optional output, F32 scalar: Z_LOSS_COEFF * mean_t logsumexp(logits_t)^2. @since 0.1 */
   MOEBLAZE_ARG_Z_LOSS = 35,
+  /**
+   * Optional output, I32 scalar on the handle's device, valid in every pass: the call's
+   * device-side status, written in stream order. 0 when the call's device-side checks passed;
+   * otherwise a ::moeblaze_status_t value (MOEBLAZE_STATUS_INVALID_ARGUMENT for caller ids out
+   * of range or repeated, or a saved buffer whose routing plan fails its checks), in which case
+   * the outputs are NaN-filled and no index escaped its buffer. Engines that check on the host
+   * (CPU, CUDA cuBLASLt) return such failures synchronously and write 0 here on success; a
+   * call that returns a failure writes nothing, this argument included. Lets a sync-free
+   * engine report what it found without a host synchronisation (ncclCommGetAsyncError's role).
+   * @since 0.2
+   */
+  MOEBLAZE_ARG_STATUS = 36,
   /** Gradient dy [L, d], ACTIVATION_DTYPE. Required by backward. @since 0.1 */
   MOEBLAZE_ARG_GRAD_OUTPUT = 64,
   /** Optional F32 scalar dLoss/dAUX_LOSS (default 1 when absent). @since 0.1 */

@@ -50,6 +50,7 @@ static_assert(static_cast<int>(Attr::kNumThreads) == MOEBLAZE_ATTR_NUM_THREADS, 
 static_assert(static_cast<int>(Attr::kSavePolicy) == MOEBLAZE_ATTR_SAVE_POLICY, "attribute values");
 static_assert(static_cast<int>(ArgKind::kGradTopkWeights) == MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kZLoss) == MOEBLAZE_ARG_Z_LOSS, "argument kinds");
+static_assert(static_cast<int>(ArgKind::kStatus) == MOEBLAZE_ARG_STATUS, "argument kinds");
 static_assert(static_cast<int>(Pass::kRoute) == MOEBLAZE_PASS_ROUTE, "passes");
 static_assert(static_cast<int>(Activation::kGeglu) == MOEBLAZE_ACTIVATION_GEGLU, "activations");
 static_assert(static_cast<int>(SavePolicy::kSaveAll) == MOEBLAZE_SAVE_ALL, "save policies");

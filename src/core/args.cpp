@@ -16,7 +16,7 @@ constexpr uint64_t kMaxAddress = uint64_t{1} << 57;
 
 enum Use : uint8_t { kNo = 0, kOptional = 1, kRequired = 2 };
 enum class Role : uint8_t { kInput, kOutput, kGradOutput };
-enum class TypeRule : uint8_t { kAct, kWeight, kRouter, kIndex, kScalarF32 };
+enum class TypeRule : uint8_t { kAct, kWeight, kRouter, kIndex, kScalarF32, kScalarI32 };
 
 struct KindInfo {
   ArgKind kind;
@@ -41,6 +41,7 @@ const KindInfo kKinds[] = {
     {ArgKind::kAuxLoss, "AUX_LOSS", Role::kOutput, TypeRule::kScalarF32, {kOptional, kOptional, kNo, kOptional}},
     {ArgKind::kTokensPerExpert, "TOKENS_PER_EXPERT", Role::kOutput, TypeRule::kIndex, {kOptional, kOptional, kNo, kOptional}},
     {ArgKind::kZLoss, "Z_LOSS", Role::kOutput, TypeRule::kScalarF32, {kOptional, kOptional, kNo, kOptional}},
+    {ArgKind::kStatus, "STATUS", Role::kOutput, TypeRule::kScalarI32, {kOptional, kOptional, kOptional, kOptional}},
     {ArgKind::kGradOutput, "GRAD_OUTPUT", Role::kInput, TypeRule::kAct, {kNo, kNo, kRequired, kNo}},
     {ArgKind::kGradAuxLoss, "GRAD_AUX_LOSS", Role::kInput, TypeRule::kScalarF32, {kNo, kNo, kOptional, kNo}},
     {ArgKind::kGradZLoss, "GRAD_Z_LOSS", Role::kInput, TypeRule::kScalarF32, {kNo, kNo, kOptional, kNo}},
@@ -72,6 +73,7 @@ View* slot(CallArgs& c, ArgKind k) {
     case ArgKind::kAuxLoss: return &c.aux_loss;
     case ArgKind::kTokensPerExpert: return &c.tokens_per_expert;
     case ArgKind::kZLoss: return &c.z_loss;
+    case ArgKind::kStatus: return &c.status;
     case ArgKind::kGradOutput: return &c.dy;
     case ArgKind::kGradAuxLoss: return &c.grad_aux;
     case ArgKind::kGradZLoss: return &c.grad_z;
@@ -99,6 +101,7 @@ int expected_shape(const LayerConfig& cfg, ArgKind k, int64_t L, int64_t* s) {
       s[0] = L; s[1] = K; return 2;
     case ArgKind::kTokensPerExpert: s[0] = E; return 1;
     case ArgKind::kAuxLoss: case ArgKind::kZLoss: case ArgKind::kGradAuxLoss: case ArgKind::kGradZLoss:
+    case ArgKind::kStatus:
       return 0;
   }
   return 0;
@@ -121,6 +124,7 @@ void check_dtype(const LayerConfig& cfg, const KindInfo& ki, DType t) {
     case TypeRule::kRouter: ok = t == DType::kF32 || t == cfg.act_dtype; want = "f32 or the activation dtype"; break;
     case TypeRule::kIndex: ok = t == DType::kI32 || t == DType::kI64; want = "i32 or i64"; break;
     case TypeRule::kScalarF32: ok = t == DType::kF32; want = "f32"; break;
+    case TypeRule::kScalarI32: ok = t == DType::kI32; want = "i32"; break;
   }
   if (!ok) fail(Status::kInvalidArgument, "%s has dtype %s; expected %s", ki.name, dtype_name(t), want);
 }

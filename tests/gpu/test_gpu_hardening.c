@@ -41,7 +41,7 @@ typedef struct gpu_fixture {
   moeblaze_handle_t h;
   ms_problem p;
   ms_mirror m;
-  moeblaze_arg_t f[8], b[10];
+  moeblaze_arg_t f[10], b[12];
   size_t nf, nb;
   cudaStream_t s;
 } gpu_fixture;
@@ -120,15 +120,36 @@ static void garbage_saved_buffers(void** state) {
     CUDA_OK(cudaMemcpyAsync((char*)saved(g) + at[c], &bad[c], 4, cudaMemcpyHostToDevice, g->s));
     expect_rejected(g, "corrupted plan");
   }
-  /* a valid buffer still works; flipping one header byte does not */
+  /* a valid buffer still works, and STATUS (device I32) reads 0 after it; flipping one header
+   * byte does not work, and a rejected call leaves STATUS alone */
+  int32_t* d_status;
+  CUDA_OK(cudaMalloc((void**)&d_status, 4));
+  CUDA_OK(cudaMemset(d_status, 0x5a, 4));
+  g->f[g->nf] = tu_arg(MOEBLAZE_ARG_STATUS, tu_tensor(d_status, tu_i32, 0, NULL));
+  g->f[g->nf].tensor.device.device_type = MOEBLAZE_DEVICE_CUDA;
+  g->b[g->nb++] = g->f[g->nf++];
   assert_ok(fwd(g));
+  CUDA_OK(cudaStreamSynchronize(g->s));
+  int32_t hs = -1;
+  CUDA_OK(cudaMemcpy(&hs, d_status, 4, cudaMemcpyDeviceToHost));
+  assert_int_equal(hs, 0);
+  CUDA_OK(cudaMemset(d_status, 0x5a, 4));
   assert_ok(bwd(g));
+  CUDA_OK(cudaStreamSynchronize(g->s));
+  CUDA_OK(cudaMemcpy(&hs, d_status, 4, cudaMemcpyDeviceToHost));
+  assert_int_equal(hs, 0);
+  CUDA_OK(cudaMemset(d_status, 0x5a, 4));
   CUDA_OK(cudaStreamSynchronize(g->s));
   unsigned char b;
   CUDA_OK(cudaMemcpy(&b, (char*)saved(g) + 9, 1, cudaMemcpyDeviceToHost));
   b ^= 1;
   CUDA_OK(cudaMemcpy((char*)saved(g) + 9, &b, 1, cudaMemcpyHostToDevice));
   expect_rejected(g, "header byte flipped");
+  CUDA_OK(cudaMemcpy(&hs, d_status, 4, cudaMemcpyDeviceToHost));
+  assert_int_equal(hs, 0x5a5a5a5a);
+  g->nf--;
+  g->nb--;
+  cudaFree(d_status);
   free(junk);
 }
 

@@ -6,7 +6,8 @@
  *  - descriptors whose byte_offset or strides leave the address space, or whose outputs alias
  *    another argument, are rejected (before: a crash, or silent acceptance);
  *  - NaN and infinite router logits follow the documented ranking rule (ids always valid and
- *    distinct, nothing dropped), and NaN caller weights reach only their token's output. */
+ *    distinct, nothing dropped), and NaN caller weights reach only their token's output;
+ *  - the STATUS argument (the sync-free error contract) on an engine that checks on the host. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -304,6 +305,45 @@ static void nan_caller_weights_stay_in_their_token(void** state) {
     }
 }
 
+/* MOEBLAZE_ARG_STATUS: an I32 scalar every pass accepts; this engine checks on the host, so a
+ * successful call writes 0 and a failing call writes nothing, STATUS included. */
+static void status_argument(void** state) {
+  fixture* f = *state;
+  ms_problem* p = &f->p;
+  int32_t status = 0x5a5a5a5a;
+  moeblaze_arg_t a[10], b[12];
+  size_t n = ms_forward_args(p, a), nb = ms_backward_args(p, b);
+  a[n++] = tu_arg(MOEBLAZE_ARG_STATUS, tu_tensor(&status, tu_i32, 0, NULL));
+  assert_ok(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, p->ws, p->ws_bytes, p->saved, p->saved_bytes, NULL));
+  assert_int_equal(status, 0);
+  status = 0x5a5a5a5a;
+  b[nb++] = a[n - 1];
+  assert_ok(moeblaze_backward(f->h, b, nb, p->saved, p->saved_bytes, p->ws, p->ws_bytes, NULL));
+  assert_int_equal(status, 0);
+  /* a rejected backward (zeroed saved buffer) leaves STATUS alone */
+  status = 0x5a5a5a5a;
+  memset(p->saved, 0, p->saved_bytes);
+  assert_status(moeblaze_backward(f->h, b, nb, p->saved, p->saved_bytes, p->ws, p->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(status, 0x5a5a5a5a);
+  /* route reports too */
+  const int64_t sk[2] = {L0, K0};
+  float gw[L0 * K0];
+  moeblaze_arg_t r[4] = {a[1], a[5], tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tu_tensor(gw, tu_f32, 2, sk)), a[n - 1]};
+  assert_ok(moeblaze_route(f->h, r, 4, p->ws, p->ws_bytes, NULL));
+  assert_int_equal(status, 0);
+  /* only an I32 scalar */
+  float fstatus;
+  int32_t two[2];
+  const int64_t s2[1] = {2};
+  a[n - 1] = tu_arg(MOEBLAZE_ARG_STATUS, tu_tensor(&fstatus, tu_f32, 0, NULL));
+  assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  a[n - 1] = tu_arg(MOEBLAZE_ARG_STATUS, tu_tensor(two, tu_i32, 1, s2));
+  assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* nor may it alias another argument */
+  a[n - 1] = tu_arg(MOEBLAZE_ARG_STATUS, tu_tensor(p->tpe, tu_i32, 0, NULL));
+  assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(garbage_saved_buffers, setup, teardown),
@@ -313,6 +353,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(aliasing_outputs, setup, teardown),
       cmocka_unit_test(non_finite_logits),
       cmocka_unit_test_setup_teardown(nan_caller_weights_stay_in_their_token, setup, teardown),
+      cmocka_unit_test_setup_teardown(status_argument, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

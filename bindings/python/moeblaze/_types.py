@@ -215,6 +215,7 @@ class ArgKind(_IntConstants):
     AUX_LOSS = 33
     TOKENS_PER_EXPERT = 34
     Z_LOSS = 35
+    STATUS = 36
     GRAD_OUTPUT = 64
     GRAD_AUX_LOSS = 65
     GRAD_Z_LOSS = 66

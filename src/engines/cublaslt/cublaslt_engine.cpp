@@ -42,6 +42,12 @@ void refuse_capture(cudaStream_t s, const char* what) {
          "in a CUDA graph; nothing was enqueued and the capture is intact (the fused engine is capturable)", what);
 }
 
+// STATUS: this engine checks on the host at its sync, so a call that returns reports 0,
+// written in stream order after its work.
+void report_ok(const CallArgs& a, cudaStream_t s) {
+  if (a.status.present) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(a.status.data, 0, sizeof(int32_t), s));
+}
+
 // What a call reads back at its one host sync.
 struct HostState {
   std::vector<int32_t> offsets;  // [E + 1]
@@ -188,6 +194,7 @@ void CublasLtEngine::route(const CallArgs& a, void* ws, void* stream) const {
   CublasLtWork w = carve(Pass::kRoute, a.num_tokens, ws);
   router_->route_and_plan(a, w.plan, w.router, s);
   router_->write_outputs(a, w.plan, w.router, s);
+  report_ok(a, s);
 }
 
 void CublasLtEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const {
@@ -228,6 +235,7 @@ void CublasLtEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved
   });
   combine::combine_rows_cuda(plan.token_index_map, plan.gates, L, k, d, out, nullptr, a.y, s);
   if (sv.header) cuda::store_saved_header(make_saved_header(cfg_, L), sv.header, s);
+  report_ok(a, s);
 }
 
 void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
@@ -289,6 +297,7 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
   const bool router_dx = router_->backward(a, needs, plan, w.dg_tok, w.router, s);
   if (a.dx.present)
     combine::combine_rows_cuda(plan.token_index_map, nullptr, L, k, d, dx_part, router_dx ? w.router.router_dx : nullptr, a.dx, s);
+  report_ok(a, s);
 }
 
 }  // namespace
