@@ -5,7 +5,7 @@
  *   calls:  forward (training, inference), backward (after a real forward, or on a foreign
  *           saved buffer: zeros, 0xFF, fuzz bytes, a valid one with flipped bytes), route,
  *           check_args with any pass value;
- *   args:   dropped, duplicated or unknown kinds, flags, ndim 0..8, zero / negative / huge
+ *   args:   dropped, duplicated or unknown kinds, the STATUS output, flags, ndim 0..8, zero / negative / huge
  *           extents, strides, dtypes, devices, byte offsets (misaligned, past the address
  *           space), misaligned data, caller ids out of range or repeated, NaN and Inf values;
  *   buffers: workspace and saved sizes exact, short, NULL or misaligned.
@@ -238,12 +238,12 @@ static size_t canonical(slot* s, const layer* ly, int pass, int mode) {
   return n;
 }
 
-static const int32_t kKinds[] = {1, 2, 3, 5, 6, 7, 8, 32, 33, 34, 35, 64, 65, 66, 96, 97, 98, 100, 101, 102, 0, 4, 99, -5};
+static const int32_t kKinds[] = {1, 2, 3, 5, 6, 7, 8, 32, 33, 34, 35, 36, 64, 65, 66, 96, 97, 98, 100, 101, 102, 0, 4, 99, -5};
 
 static void mutate(rd* r, slot* s, size_t* n) {
   for (int m = u8(r) % 5; m > 0 && *n > 0; --m) {
     slot* x = &s[u8(r) % *n];
-    switch (u8(r) % 12) {
+    switch (u8(r) % 13) {
       case 0: *x = s[--*n]; break;                                             /* drop */
       case 1: if (*n < kMaxArgs) s[(*n)++] = *x; break;                        /* duplicate */
       case 2: x->a.kind = kKinds[u8(r) % (sizeof kKinds / sizeof kKinds[0])]; break;
@@ -267,6 +267,15 @@ static void mutate(rd* r, slot* s, size_t* n) {
         break;
       }
       case 10: x->no_shape = 1; break;
+      case 12:  /* append the asynchronous STATUS output (an I32 scalar) */
+        if (*n < kMaxArgs) {
+          slot* st = &s[(*n)++];
+          memset(st, 0, sizeof *st);
+          st->a.kind = MOEBLAZE_ARG_STATUS;
+          st->a.tensor.device.device_type = MOEBLAZE_DEVICE_CPU;
+          st->a.tensor.dtype = (moeblaze_dtype_t){0, 32, 1};
+        }
+        break;
       default: x->misalign = 1 + u8(r) % 3; break;
     }
   }
