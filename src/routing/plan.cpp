@@ -87,7 +87,8 @@ void fill_dense_tile(const int32_t* token_expert, int64_t t0, int64_t rows, int6
 
 }  // namespace
 
-void build_plan(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* scratch, int workers) {
+void build_plan(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* scratch, const ThreadPool& pool) {
+  const int workers = pool.workers();
   PlanGeometry g = plan_geometry(L, E);
   Carver c(scratch);
   int32_t* tile_counts = c.take<int32_t>(static_cast<size_t>(g.num_tiles * E));
@@ -95,7 +96,7 @@ void build_plan(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* scratc
   const size_t tile_bytes = static_cast<size_t>(g.tile_tokens * E);
 
   // Pass 1 + 2a: dense map of each tile, then its per-expert column counts.
-  parallel_for(g.num_tiles, workers, [&](int64_t tile, int w) {
+  pool.parallel_for(g.num_tiles, [&](int64_t tile, int w) {
     uint8_t* dense = dense_tiles + tile_bytes * static_cast<size_t>(w);
     const int64_t t0 = tile * g.tile_tokens, rows = std::min(g.tile_tokens, L - t0);
     fill_dense_tile(plan.token_expert_indices, t0, rows, k, E, dense);
@@ -120,7 +121,7 @@ void build_plan(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* scratc
 
   // Pass 3: rebuild each tile's dense map; walking it in token order, each expert's cursor
   // (block base + local rank) is the destination: the location map, without atomics.
-  parallel_for(g.num_tiles, workers, [&](int64_t tile, int w) {
+  pool.parallel_for(g.num_tiles, [&](int64_t tile, int w) {
     uint8_t* dense = dense_tiles + tile_bytes * static_cast<size_t>(w);
     const int64_t t0 = tile * g.tile_tokens, rows = std::min(g.tile_tokens, L - t0);
     fill_dense_tile(plan.token_expert_indices, t0, rows, k, E, dense);

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/memory_layout.hpp"
+#include "util/thread_pool.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -28,9 +29,10 @@ void import_topk_ids(const char* ids, bool ids_are_i64, int64_t row_stride_elems
                      int64_t k, int64_t num_experts, int32_t* token_expert_indices);
 
 // Builds expert_token_indices, expert_token_offsets and token_index_map of `plan` from its
-// token_expert_indices (which must be valid). Deterministic for any worker count.
+// token_expert_indices (which must be valid). Deterministic for any worker count; the scratch
+// holds one dense tile per pool worker (plan_scratch_bytes with pool.workers()).
 void build_plan(RoutingPlan& plan, int64_t num_tokens, int64_t k, int64_t num_experts, void* scratch,
-                int workers);
+                const ThreadPool& pool);
 
 // Checks a plan that came from outside (a caller's saved buffer) before any of its indices is
 // followed: offsets start at 0, never decrease and end at L*k; every id is in [0, E) and

@@ -1,12 +1,8 @@
 #include "util/thread_pool.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
-#include <mutex>
-#include <thread>
-#include <vector>
-
-#include "util/error.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -16,36 +12,88 @@ int hardware_threads() {
   return n == 0 ? 1 : static_cast<int>(n);
 }
 
-void parallel_for(int64_t num_tasks, int num_workers,
-                  const std::function<void(int64_t, int)>& fn) {
+struct ThreadPool::Job {
+  const std::function<void(int64_t, int)>* fn;
+  int64_t num_tasks;
+  int max_slots;
+  std::atomic<int64_t> next{0};
+  int slots_taken = 1;  // slot 0 is the caller's; guarded by the pool's mutex
+  int active = 0;       // pool threads inside this job; guarded by the pool's mutex
+  std::mutex error_mutex;
+  std::exception_ptr error;
+
+  void run(int slot) {
+    try {
+      for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) (*fn)(t, slot);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+      next.store(num_tasks);  // stop handing out work
+    }
+  }
+};
+
+ThreadPool::ThreadPool(int workers) : workers_(std::max(workers, 1)) {}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  work_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void ThreadPool::start_threads() const {
+  threads_.reserve(static_cast<size_t>(workers_ - 1));
+  try {
+    for (int i = 1; i < workers_; ++i) threads_.emplace_back([this] { worker_loop(); });
+  } catch (...) {
+    // Fewer threads than asked: the callers still run every task themselves.
+  }
+}
+
+void ThreadPool::worker_loop() const {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    work_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_ and nothing left
+    Job* job = queue_.front();
+    const int slot = job->slots_taken++;
+    if (job->slots_taken >= job->max_slots) queue_.pop_front();  // full: nobody else joins
+    ++job->active;
+    lock.unlock();
+    job->run(slot);
+    lock.lock();
+    if (--job->active == 0) done_.notify_all();
+  }
+}
+
+void ThreadPool::parallel_for(int64_t num_tasks, const std::function<void(int64_t, int)>& fn) const {
   if (num_tasks <= 0) return;
-  int workers = static_cast<int>(std::min<int64_t>(num_workers < 1 ? 1 : num_workers, num_tasks));
+  const int workers = static_cast<int>(std::min<int64_t>(workers_, num_tasks));
   if (workers == 1) {
     for (int64_t t = 0; t < num_tasks; ++t) fn(t, 0);
     return;
   }
-  std::atomic<int64_t> next{0};
-  std::exception_ptr first_error;
-  std::mutex error_mutex;
-  auto run = [&](int worker) {
-    try {
-      for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) fn(t, worker);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex);
-      if (!first_error) first_error = std::current_exception();
-      next.store(num_tasks);  // stop handing out work
-    }
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(workers - 1);
-  try {
-    for (int w = 1; w < workers; ++w) threads.emplace_back(run, w);
-  } catch (...) {
-    // Could not start every thread: the ones started plus the caller still finish the work.
+  std::call_once(started_, [this] { start_threads(); });
+  Job job;
+  job.fn = &fn;
+  job.num_tasks = num_tasks;
+  job.max_slots = workers;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(&job);
   }
-  run(0);
-  for (auto& th : threads) th.join();
-  if (first_error) std::rethrow_exception(first_error);
+  work_.notify_all();
+  job.run(0);
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = std::find(queue_.begin(), queue_.end(), &job);
+    if (it != queue_.end()) queue_.erase(it);  // no thread joins from here on
+    done_.wait(lock, [&] { return job.active == 0; });
+  }
+  if (job.error) std::rethrow_exception(job.error);
 }
 
 }  // namespace v0

@@ -253,7 +253,10 @@ static void mutate(rd* r, slot* s, size_t* n) {
       case 6:
         if (!x->has_strides) {  /* start from the contiguous strides */
           int64_t c = 1;
-          for (int i = x->a.tensor.ndim - 1; i >= 0 && i < 8; --i) { x->strides[i] = c; c *= x->shape[i] > 0 ? x->shape[i] : 1; }
+          for (int i = x->a.tensor.ndim - 1; i >= 0 && i < 8; --i) {  /* wraps on purpose for huge shapes */
+            x->strides[i] = c;
+            c = (int64_t)((uint64_t)c * (uint64_t)(x->shape[i] > 0 ? x->shape[i] : 1));
+          }
         }
         x->strides[u8(r) % 8] = pick(r, 1);
         x->has_strides = 1;

@@ -41,7 +41,8 @@ Plan build(const std::vector<int32_t>& ids, int64_t L, int64_t k, int64_t E, int
   rp.expert_token_offsets = p.offsets.data();
   std::vector<unsigned char> scratch(routing::plan_scratch_bytes(L, E, workers) + 256);
   void* aligned = scratch.data() + (256 - reinterpret_cast<uintptr_t>(scratch.data()) % 256) % 256;
-  routing::build_plan(rp, L, k, E, aligned, workers);
+  const ThreadPool pool(workers);
+  routing::build_plan(rp, L, k, E, aligned, pool);
   return p;
 }
 

@@ -49,7 +49,7 @@ struct Work {
 class CpuEngine final : public Engine {
  public:
   explicit CpuEngine(const LayerConfig& cfg)
-      : cfg_(cfg), workers_(cfg.num_threads > 0 ? cfg.num_threads : hardware_threads()) {}
+      : cfg_(cfg), workers_(cfg.num_threads > 0 ? cfg.num_threads : hardware_threads()), pool_(workers_) {}
 
   EngineKind kind() const override { return EngineKind::kCpu; }
 
@@ -73,7 +73,7 @@ class CpuEngine final : public Engine {
   // expert, in parallel; tiles: the workspace's tile list.
   template <class F>
   void for_each_tile(const RoutingPlan& plan, int32_t* tiles, F&& fn) const {
-    parallel_for(make_tiles(plan, tiles), workers_, [&](int64_t ti, int worker) {
+    pool_.parallel_for(make_tiles(plan, tiles), [&](int64_t ti, int worker) {
       const int64_t e = tiles[2 * ti], p0 = plan.expert_token_offsets[e] + tiles[2 * ti + 1];
       fn(e, p0, std::min<int64_t>(kTileRows, plan.expert_token_offsets[e + 1] - p0), worker);
     });
@@ -82,6 +82,7 @@ class CpuEngine final : public Engine {
 
   LayerConfig cfg_;
   int workers_;
+  ThreadPool pool_;  // persistent: started at the first parallel loop, joined with the engine
 };
 
 size_t CpuEngine::worker_floats(Pass pass) const {
@@ -137,14 +138,14 @@ Work CpuEngine::carve(Pass pass, int64_t L, void* base) const {
 void CpuEngine::compute_logits(const CallArgs& a, float* logits, const Work& w) const {
   const int64_t L = a.num_tokens, E = cfg_.num_experts, d = cfg_.hidden;
   if (a.mode == RoutingMode::kLogits) {
-    parallel_for(ceil_div(L, kTokenBlock), workers_, [&](int64_t b, int) {
+    pool_.parallel_for(ceil_div(L, kTokenBlock), [&](int64_t b, int) {
       for (int64_t t = b * kTokenBlock; t < std::min(L, (b + 1) * kTokenBlock); ++t)
         load_row(a.logits.row(t), a.logits.dtype, E, logits + t * E);
     });
     return;
   }
   // logits = x W_g^T, fp32 output (no rounding: the router is precision-sensitive).
-  parallel_for(ceil_div(L, kTileRows), workers_, [&](int64_t b, int worker) {
+  pool_.parallel_for(ceil_div(L, kTileRows), [&](int64_t b, int worker) {
     float* xf = scratch(w, worker);
     float* row = xf + kTileRows * d;
     const int64_t t0 = b * kTileRows, rows = std::min(kTileRows, L - t0);
@@ -164,7 +165,7 @@ void CpuEngine::route_and_plan(const CallArgs& a, RoutingPlan& plan, const Work&
   } else {
     compute_logits(a, w.logits, w);
     const int64_t chunks = ceil_div(L, routing::kLossChunk);
-    parallel_for(chunks, workers_, [&](int64_t c, int worker) {
+    pool_.parallel_for(chunks, [&](int64_t c, int worker) {
       float* sums = w.chunk_scores + c * E;
       std::fill(sums, sums + E, 0.f);
       w.chunk_lse[c] = 0.f;
@@ -172,7 +173,7 @@ void CpuEngine::route_and_plan(const CallArgs& a, RoutingPlan& plan, const Work&
                             plan.token_expert_indices, plan.gates, sums, &w.chunk_lse[c], scratch(w, worker));
     });
   }
-  routing::build_plan(plan, L, k, E, w.plan_scratch, workers_);
+  routing::build_plan(plan, L, k, E, w.plan_scratch, pool_);
 }
 
 void CpuEngine::write_router_outputs(const CallArgs& a, const RoutingPlan& plan, const Work& w) const {
@@ -259,7 +260,7 @@ void CpuEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, voi
   });
 
   // Gate-weighted combine in token order.
-  parallel_for(ceil_div(L, kTokenBlock), workers_, [&](int64_t b, int worker) {
+  pool_.parallel_for(ceil_div(L, kTokenBlock), [&](int64_t b, int worker) {
     float* acc = scratch(w, worker);
     combine::combine_outputs(plan, k, d, w.expert_out, adt, a.y, b * kTokenBlock, std::min(L, (b + 1) * kTokenBlock),
                              acc, acc + d);
@@ -338,7 +339,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
   auto weight_grad = [&](const View& out, int64_t nrows, int64_t ncols,
                          const std::function<void(int64_t e, int64_t p, int64_t i0, int64_t ib, float* a_vals, float* g_row)>& fetch) {
     const int64_t blocks = ceil_div(nrows, kGradRows);
-    parallel_for(E * blocks, workers_, [&](int64_t task, int worker) {
+    pool_.parallel_for(E * blocks, [&](int64_t task, int worker) {
       const int64_t e = task / blocks, i0 = (task % blocks) * kGradRows, ib = std::min(kGradRows, nrows - i0);
       const int64_t widest = std::max({experts::kColBlock, d, gh, h, E});
       float* base = scratch(w, worker) + w.worker_floats - (kGradRows * widest + kGradRows + widest);
@@ -371,7 +372,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
   }
 
   // Gate gradients in token order, then the router backward.
-  parallel_for(ceil_div(L, kTokenBlock), workers_, [&](int64_t b, int) {
+  pool_.parallel_for(ceil_div(L, kTokenBlock), [&](int64_t b, int) {
     combine::to_token_order(plan, k, w.dg_pos, b * kTokenBlock, std::min(L, (b + 1) * kTokenBlock), w.dg_tok);
   });
   if (a.d_topk_weights.present)
@@ -382,7 +383,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
     compute_logits(a, w.logits, w);
     const float gaux = a.grad_aux.present ? *reinterpret_cast<const float*>(a.grad_aux.data) : 1.f;
     const float gz = a.grad_z.present ? *reinterpret_cast<const float*>(a.grad_z.data) : 1.f;
-    parallel_for(ceil_div(L, kTokenBlock), workers_, [&](int64_t b, int worker) {
+    pool_.parallel_for(ceil_div(L, kTokenBlock), [&](int64_t b, int worker) {
       routing::router_backward(cfg_, L, w.logits, plan.token_expert_indices, w.dg_tok, gaux, gz, plan.expert_token_offsets,
                                b * kTokenBlock, std::min(L, (b + 1) * kTokenBlock), w.dlogits, scratch(w, worker));
     });
@@ -390,7 +391,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
       for (int64_t t = 0; t < L; ++t) store_row(a.d_logits.row(t), a.d_logits.dtype, E, w.dlogits + t * E, a.d_logits.accumulate);
     if (a.d_router_weight.present) {  // dW_g = dlogits^T x, one task per block of experts
       const int64_t blocks = ceil_div(E, kGradRows);
-      parallel_for(blocks, workers_, [&](int64_t b, int worker) {
+      pool_.parallel_for(blocks, [&](int64_t b, int worker) {
         const int64_t e0 = b * kGradRows, eb = std::min(kGradRows, E - e0);
         const int64_t widest = std::max({experts::kColBlock, d, gh, h, E});
         float* acc = scratch(w, worker) + w.worker_floats - (kGradRows * widest + kGradRows + widest);
@@ -408,7 +409,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
 
   // dx_t = sum_j dx_part[token_index_map[t k + j]] (+ dlogits_t W_g), slot order.
   if (a.dx.present) {
-    parallel_for(ceil_div(L, kTokenBlock), workers_, [&](int64_t b, int worker) {
+    pool_.parallel_for(ceil_div(L, kTokenBlock), [&](int64_t b, int worker) {
       float* acc = scratch(w, worker);
       float* row = acc + d;
       for (int64_t t = b * kTokenBlock; t < std::min(L, (b + 1) * kTokenBlock); ++t) {
