@@ -7,12 +7,15 @@
 
 #include "moeblaze/moeblaze.h"
 
+/* One layer shape: tokens T, model dim d, expert FFN dim n, experts E, top-k k. */
 typedef struct bench_config {
   char name[64];
-  int64_t d, experts, k, batch, seq;
+  int64_t tokens, d, n, experts, k;
 } bench_config;
 
-/* Reads the "configs" array of a paper-configs.json file; returns the count (<= max) or -1. */
+/* Reads the "configs" array of a config file in either schema (paper-configs.json: d, experts,
+ * k, batch, seq with n = 4 d; modern-configs.json: T, d, n, E, K); returns the count (<= max)
+ * or -1. */
 int bench_read_configs(const char* path, bench_config* out, int max);
 
 /* One layer's host data for a step: routing from logits, everything in `dtype` storage. */

@@ -1,10 +1,15 @@
-/* moeblaze-bench: one MoE layer forward + backward on the paper's configs (routing from
- * logits, bf16 by default). Prints, per config and activation: median fwd / bwd / fwd+bwd
- * time, throughput, saved-activation bytes, peak bytes (saved + the larger workspace) and
- * the max relative error of one step against the fp64 reference.
+/* moeblaze-bench: one MoE layer forward + backward on the paper's configs, the modern
+ * fine-grained ones (perf/configs/modern-configs.json) or the user's own shapes (--shape
+ * T,d,n,E,K), routing from logits, bf16 by default. Prints, per config and activation: median
+ * fwd / bwd / fwd+bwd time, throughput, saved-activation bytes, peak bytes (saved + the larger
+ * workspace) and the max relative error of one step against the fp64 reference, with a
+ * pass/fail verdict at the dtype's tolerance. One progress line per row goes to stderr.
  *
  * Without a usable GPU engine it runs the CPU engine at a reduced token count (chosen so a
- * step costs about --cpu-gflop GFLOP), and says so. */
+ * step costs about --cpu-gflop GFLOP), and says so: on the CPU the numbers show correctness,
+ * not speed. --quick is the short CPU check of the quick start. Options are parsed strictly:
+ * anything unknown or malformed prints the usage and exits 2. */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,9 +24,14 @@
 #endif
 
 #define MAX_CONFIGS 64
+#define MAX_FILES 4
 
 typedef struct options {
-  const char* configs;
+  const char* configs[MAX_FILES];
+  int num_configs;
+  bench_config shapes[MAX_CONFIGS]; /* from --shape */
+  int num_shapes;
+  int quick;
   const char* json;
   const char* only;      /* comma-separated config names, or NULL for all */
   int64_t tokens;        /* 0 = automatic */
@@ -237,11 +247,71 @@ static int act_from_name(const char* s) {
 }
 static const char* dtype_name(moeblaze_dtype_t t) { return t.bits == 32 ? "f32" : (t.code == 4 ? "bf16" : "f16"); }
 
-static void usage(void) {
-  printf("usage: moeblaze-bench [--configs FILE] [--only conf1,conf3] [--activations silu,swiglu]\n"
-         "                      [--dtype bf16|f16|f32] [--policy preact|recompute|all] [--tokens N]\n"
-         "                      [--device auto|cpu|cuda] [--cpu-gflop G] [--reps N] [--warmup N] [--threads N]\n"
-         "                      [--no-check] [--json FILE]\n");
+static void usage(FILE* f) {
+  fprintf(f,
+          "usage: moeblaze-bench [--configs paper|modern|FILE]... [--shape T,d,n,E,K]... [--only NAME,...]\n"
+          "                      [--activations silu,swiglu,...] [--dtype bf16|f16|f32] [--policy preact|recompute|all]\n"
+          "                      [--tokens N] [--device auto|cpu|cuda] [--cpu-gflop G] [--reps N] [--warmup N]\n"
+          "                      [--threads N] [--quick] [--no-check] [--json FILE]\n"
+          "  --configs   config file(s): paper (default; n = 4 d), modern (fine-grained MoEs, explicit n), or a path\n"
+          "  --shape     one layer: T tokens, d model dim, n expert FFN dim, E experts, K top-k (repeatable)\n"
+          "  --quick     a short CPU correctness check: small token counts, one rep, pass/fail per row\n");
+}
+
+/* Strict value parsing: the whole string must be a number in [lo, hi], else usage and exit 2. */
+static void bad_option(const char* opt, const char* v, const char* why) {
+  fprintf(stderr, "moeblaze-bench: %s '%s': %s\n", opt, v ? v : "", why);
+  usage(stderr);
+  exit(2);
+}
+static int64_t parse_int(const char* opt, const char* v, int64_t lo, int64_t hi) {
+  char* end = NULL;
+  errno = 0;
+  long long x = strtoll(v, &end, 10);
+  if (errno || end == v || *end != '\0' || x < lo || x > hi) {
+    char why[96];
+    snprintf(why, sizeof why, "expected an integer in [%lld, %lld]", (long long)lo, (long long)hi);
+    bad_option(opt, v, why);
+  }
+  return x;
+}
+static double parse_real(const char* opt, const char* v, double lo, double hi) {
+  char* end = NULL;
+  errno = 0;
+  double x = strtod(v, &end);
+  if (errno || end == v || *end != '\0' || !(x >= lo && x <= hi)) bad_option(opt, v, "expected a number in range");
+  return x;
+}
+/* Index of v in the NULL-terminated list, else usage and exit 2. */
+static int parse_choice(const char* opt, const char* v, const char* const* names) {
+  for (int i = 0; names[i]; ++i)
+    if (!strcmp(v, names[i])) return i;
+  char why[160] = "expected one of:";
+  for (int i = 0; names[i]; ++i) {
+    strncat(why, " ", sizeof why - strlen(why) - 1);
+    strncat(why, names[i], sizeof why - strlen(why) - 1);
+  }
+  bad_option(opt, v, why);
+  return -1;
+}
+/* --shape T,d,n,E,K */
+static void parse_shape(const char* v, bench_config* c) {
+  int64_t f[5];
+  const char* p = v;
+  for (int i = 0; i < 5; ++i) {
+    char* end = NULL;
+    errno = 0;
+    long long x = strtoll(p, &end, 10);
+    if (errno || end == p || x < 1 || (i < 4 && *end != ',') || (i == 4 && *end != '\0'))
+      bad_option("--shape", v, "expected T,d,n,E,K: five positive integers");
+    f[i] = x;
+    p = end + 1;
+  }
+  if (f[4] > f[3]) bad_option("--shape", v, "K must not exceed E");
+  memset(c, 0, sizeof *c);
+  c->tokens = f[0]; c->d = f[1]; c->n = f[2]; c->experts = f[3]; c->k = f[4];
+  snprintf(c->name, sizeof c->name, "T%lld_d%lld_n%lld_E%lld_K%lld", (long long)f[0], (long long)f[1], (long long)f[2],
+           (long long)f[3], (long long)f[4]);
 }
 
 static int selected(const options* o, const char* name) {
@@ -258,52 +328,70 @@ static int selected(const options* o, const char* name) {
 
 static void parse(int argc, char** argv, options* o) {
   memset(o, 0, sizeof *o);
-  o->configs = MOEBLAZE_DEFAULT_CONFIGS;
   o->cpu_gflop = 4.0;
   o->reps = -1;
   o->warmup = 1;
   o->check = 1;
   o->device = -1;
   o->policy = MOEBLAZE_SAVE_PREACT;
-  moeblaze_dtype_t bf16 = MOEBLAZE_DTYPE_BF16;
-  o->dtype = bf16;
+  const moeblaze_dtype_t dtypes[3] = {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F16, MOEBLAZE_DTYPE_F32};
+  o->dtype = dtypes[0];
   o->activations[0] = MOEBLAZE_ACTIVATION_SILU;
   o->activations[1] = MOEBLAZE_ACTIVATION_SWIGLU;
   o->num_activations = 2;
+  static const char* const dtype_names[] = {"bf16", "f16", "f32", NULL};
+  static const char* const policy_names[] = {"preact", "recompute", "all", NULL};
+  static const int32_t policies[] = {MOEBLAZE_SAVE_PREACT, MOEBLAZE_SAVE_RECOMPUTE_UP, MOEBLAZE_SAVE_ALL};
+  static const char* const device_names[] = {"auto", "cpu", "cuda", NULL};
   for (int i = 1; i < argc; ++i) {
     const char* a = argv[i];
-    const char* v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(); exit(0); }
-    else if (!strcmp(a, "--no-check")) { o->check = 0; continue; }
-    if (!v) { usage(); exit(2); }
-    ++i;
-    if (!strcmp(a, "--configs")) o->configs = v;
-    else if (!strcmp(a, "--only")) o->only = v;
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+    if (!strcmp(a, "--no-check")) { o->check = 0; continue; }
+    if (!strcmp(a, "--quick")) { o->quick = 1; continue; }
+    if (strncmp(a, "--", 2) != 0) bad_option("argument", a, "not an option");
+    if (i + 1 >= argc) bad_option(a, "", "needs a value");
+    const char* v = argv[++i];
+    if (!strcmp(a, "--configs")) {
+      if (o->num_configs == MAX_FILES) bad_option(a, v, "at most 4 config files");
+      o->configs[o->num_configs++] = !strcmp(v, "paper") ? MOEBLAZE_PERF_DIR "/configs/paper-configs.json"
+                                   : !strcmp(v, "modern") ? MOEBLAZE_PERF_DIR "/configs/modern-configs.json" : v;
+    } else if (!strcmp(a, "--shape")) {
+      if (o->num_shapes == MAX_CONFIGS) bad_option(a, v, "too many shapes");
+      parse_shape(v, &o->shapes[o->num_shapes++]);
+    } else if (!strcmp(a, "--only")) o->only = v;
     else if (!strcmp(a, "--json")) o->json = v;
-    else if (!strcmp(a, "--tokens")) o->tokens = atoll(v);
-    else if (!strcmp(a, "--cpu-gflop")) o->cpu_gflop = atof(v);
-    else if (!strcmp(a, "--reps")) o->reps = atoi(v);
-    else if (!strcmp(a, "--warmup")) o->warmup = atoi(v);
-    else if (!strcmp(a, "--threads")) o->threads = atoi(v);
-    else if (!strcmp(a, "--device")) o->device = !strcmp(v, "cpu") ? 0 : !strcmp(v, "cuda") ? 1 : -1;
-    else if (!strcmp(a, "--policy")) {
-      o->policy = !strcmp(v, "recompute") ? MOEBLAZE_SAVE_RECOMPUTE_UP : !strcmp(v, "all") ? MOEBLAZE_SAVE_ALL : MOEBLAZE_SAVE_PREACT;
-    } else if (!strcmp(a, "--dtype")) {
-      moeblaze_dtype_t f32 = MOEBLAZE_DTYPE_F32, f16 = MOEBLAZE_DTYPE_F16;
-      o->dtype = !strcmp(v, "f32") ? f32 : !strcmp(v, "f16") ? f16 : bf16;
-    } else if (!strcmp(a, "--activations")) {
+    else if (!strcmp(a, "--tokens")) o->tokens = parse_int(a, v, 1, (int64_t)1 << 31);
+    else if (!strcmp(a, "--cpu-gflop")) o->cpu_gflop = parse_real(a, v, 1e-3, 1e6);
+    else if (!strcmp(a, "--reps")) o->reps = (int)parse_int(a, v, 1, 100000);
+    else if (!strcmp(a, "--warmup")) o->warmup = (int)parse_int(a, v, 0, 100000);
+    else if (!strcmp(a, "--threads")) o->threads = (int)parse_int(a, v, 0, 4096);
+    else if (!strcmp(a, "--device")) o->device = parse_choice(a, v, device_names) - 1;
+    else if (!strcmp(a, "--policy")) o->policy = policies[parse_choice(a, v, policy_names)];
+    else if (!strcmp(a, "--dtype")) o->dtype = dtypes[parse_choice(a, v, dtype_names)];
+    else if (!strcmp(a, "--activations")) {
+      static const char* const act_names[] = {"relu", "gelu", "silu", "swiglu", "geglu", NULL};
       o->num_activations = 0;
       char buf[128];
+      if (strlen(v) >= sizeof buf) bad_option(a, v, "too long");
       snprintf(buf, sizeof buf, "%s", v);
-      for (char* t = strtok(buf, ","); t && o->num_activations < 8; t = strtok(NULL, ",")) {
-        int act = act_from_name(t);
-        if (act < 0) { fprintf(stderr, "unknown activation %s\n", t); exit(2); }
-        o->activations[o->num_activations++] = act;
+      for (char* t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
+        if (o->num_activations == 8) bad_option(a, v, "at most 8 activations");
+        o->activations[o->num_activations++] = parse_choice(a, t, act_names);
       }
-    } else { usage(); exit(2); }
+      if (o->num_activations == 0) bad_option(a, v, "no activation named");
+    } else {
+      bad_option(a, v, "unknown option");
+    }
+  }
+  if (o->num_configs == 0 && o->num_shapes == 0) o->configs[o->num_configs++] = MOEBLAZE_PERF_DIR "/configs/paper-configs.json";
+  if (o->quick) {  /* the quick start's short CPU check */
+    if (o->device == 1) bad_option("--quick", "", "is the CPU check; drop --device cuda");
+    o->device = 0;
+    if (o->reps < 0) o->reps = 1;
+    o->warmup = 0;
+    o->check = 1;
   }
 }
-
 
 typedef struct result {
   double fwd, bwd, total, ceiling, err;
@@ -317,7 +405,7 @@ static result run_one(backend* be, const options* o, const bench_config* c, int 
   result res;
   memset(&res, 0, sizeof res);
   const int gated = act == MOEBLAZE_ACTIVATION_SWIGLU || act == MOEBLAZE_ACTIVATION_GEGLU;
-  const int64_t d = c->d, h = 4 * c->d, E = c->experts, k = c->k, gh = (gated ? 2 : 1) * h;
+  const int64_t d = c->d, h = c->n, E = c->experts, k = c->k, gh = (gated ? 2 : 1) * h;
   const double flop_per_token = 3.0 * 2.0 * (double)k * (double)d * (double)h * (gated ? 3.0 : 2.0);
   moeblaze_config_t cfg;
   CHECK(moeblaze_config_create(&cfg));
@@ -431,12 +519,27 @@ static result run_one(backend* be, const options* o, const bench_config* c, int 
   return res;
 }
 
+/* The error a step may have against the fp64 reference, by storage dtype. */
+static double tolerance(moeblaze_dtype_t t) { return t.bits == 32 ? 1e-4 : 2e-2; }
+
+/* JSON has no NaN: missing numbers are null. */
+static void json_number(FILE* f, const char* key, double v, const char* fmt) {
+  fprintf(f, ",\"%s\":", key);
+  if (isnan(v)) fprintf(f, "null");
+  else fprintf(f, fmt, v);
+}
+
 int main(int argc, char** argv) {
   options o;
   parse(argc, argv, &o);
   bench_config cfgs[MAX_CONFIGS];
-  int n = bench_read_configs(o.configs, cfgs, MAX_CONFIGS);
-  if (n <= 0) { fprintf(stderr, "moeblaze-bench: cannot read configs from %s\n", o.configs); return 1; }
+  int n = 0;
+  for (int f = 0; f < o.num_configs; ++f) {
+    int got = bench_read_configs(o.configs[f], cfgs + n, MAX_CONFIGS - n);
+    if (got <= 0) { fprintf(stderr, "moeblaze-bench: cannot read configs from %s\n", o.configs[f]); return 1; }
+    n += got;
+  }
+  for (int i = 0; i < o.num_shapes && n < MAX_CONFIGS; ++i) cfgs[n++] = o.shapes[i];
 
   int32_t gpus = 0;
   CHECK(moeblaze_get_device_count(MOEBLAZE_DEVICE_CUDA, &gpus));
@@ -460,54 +563,89 @@ int main(int argc, char** argv) {
     printf("# engine: CUDA cuBLASLt on device 0 of %d; median of %d reps after warm-up, CUDA events; ceiling = dense bf16 cuBLAS GEMMs of the same FLOPs in the same run\n",
            gpus, o.reps > 0 ? o.reps : 20);
   else
-    printf("# engine: CPU reference (%d CUDA device(s) seen)%s\n", gpus,
-           o.tokens ? "" : "; tokens reduced so that one fwd+bwd step costs about --cpu-gflop GFLOP");
-  printf("# dtype %s, policy %s, routing from logits (softmax), h = 4 d; error: one step vs the fp64 reference on the first tokens\n",
-         dtype_name(o.dtype), o.policy == MOEBLAZE_SAVE_PREACT ? "SAVE_PREACT" : o.policy == MOEBLAZE_SAVE_ALL ? "SAVE_ALL" : "RECOMPUTE_UP");
+    printf("# engine: CPU reference (%d CUDA device(s) seen)%s. On the CPU these numbers show correctness, not speed:\n"
+           "# the GPU results are in perf/RESULTS.md (and the README's summary).\n",
+           gpus, o.tokens ? "" : "; tokens reduced so that one fwd+bwd step costs about --cpu-gflop GFLOP");
+  if (o.quick)
+    printf("# --quick: each layer scaled down (d <= 128, n in proportion, 128 tokens), one rep: a correctness check in seconds\n");
+  printf("# dtype %s, policy %s, routing from logits (softmax); error: one step vs the fp64 reference on the first tokens, pass below %.0e\n",
+         dtype_name(o.dtype), o.policy == MOEBLAZE_SAVE_PREACT ? "SAVE_PREACT" : o.policy == MOEBLAZE_SAVE_ALL ? "SAVE_ALL" : "RECOMPUTE_UP",
+         tolerance(o.dtype));
   FILE* json = o.json ? fopen(o.json, "w") : NULL;
   if (o.json && !json) { fprintf(stderr, "moeblaze-bench: cannot write %s\n", o.json); return 1; }
 
-  printf("| config | act | tokens (paper) | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s | ceiling ms | %% of dense | saved MiB | saved B/token | peak MiB | max rel err (tokens) |\n");
-  printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  const char* unit = be.cuda ? "TFLOP/s" : "GFLOP/s";
+  const double scale = be.cuda ? 1e-12 : 1e-9;
+  printf("| config | act | tokens (full) | d | n | E | K | fwd ms | bwd ms | fwd+bwd ms | %s | ceiling ms | %% of dense | saved MiB | saved B/token | peak MiB | max rel err (tokens) | check |\n", unit);
+  printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   fflush(stdout);
+  int rows = 0, row = 0, failed = 0;
+  for (int ci = 0; ci < n; ++ci)
+    if (selected(&o, cfgs[ci].name)) rows += o.num_activations;
+  const double t_start = now_ms();
   for (int ci = 0; ci < n; ++ci) {
+    bench_config quick_shape = cfgs[ci];
     const bench_config* c = &cfgs[ci];
     if (!selected(&o, c->name)) continue;
+    if (o.quick) {  /* the same layer scaled down: d <= 128, n in proportion, 128 tokens */
+      const int64_t d = c->d < 128 ? c->d : 128;
+      quick_shape.n = c->n * d / c->d > 8 ? c->n * d / c->d : 8;
+      quick_shape.d = d;
+      quick_shape.tokens = 128;
+      c = &quick_shape;
+    }
     for (int ai = 0; ai < o.num_activations; ++ai) {
       const int act = o.activations[ai];
       const int gated = act == MOEBLAZE_ACTIVATION_SWIGLU || act == MOEBLAZE_ACTIVATION_GEGLU;
-      const double flop_per_token = 3.0 * 2.0 * (double)c->k * (double)c->d * (double)(4 * c->d) * (gated ? 3.0 : 2.0);
-      const int64_t L_paper = c->batch * c->seq;
+      const double flop_per_token = 3.0 * 2.0 * (double)c->k * (double)c->d * (double)c->n * (gated ? 3.0 : 2.0);
+      const int64_t L_full = c->tokens;
       int64_t L = o.tokens;
-      if (L <= 0 && be.cuda) L = L_paper;
+      if (L <= 0 && be.cuda) L = L_full;
       if (L <= 0) {
         L = (int64_t)(o.cpu_gflop * 1e9 / flop_per_token);
         if (L < 2 * c->experts) L = 2 * c->experts; /* enough tokens that experts see work */
       }
-      if (L > L_paper) L = L_paper;
+      if (L > L_full) L = L_full;
+      const double t_row = now_ms();
       result r = run_one(&be, &o, c, act, L);
-      const double tflops = flop_per_token * (double)L / (r.total * 1e-3) * 1e-12;
+      const double flops = flop_per_token * (double)L / (r.total * 1e-3) * scale;
       const double peak = (double)(r.saved + (r.ws_fwd > r.ws_bwd ? r.ws_fwd : r.ws_bwd));
       char ceiling[32] = "-", ratio[32] = "-"; /* no dense ceiling on the CPU */
       if (!isnan(r.ceiling)) {
         snprintf(ceiling, sizeof ceiling, "%.3f", r.ceiling);
         snprintf(ratio, sizeof ratio, "%.1f", 100.0 * r.ceiling / r.total);
       }
-      printf("| %s | %s | %lld (%lld) | %.3f | %.3f | %.3f | %.3f | %s | %s | %.2f | %.0f | %.2f | %.2e (%lld) |\n", c->name,
-             act_name(act), (long long)L, (long long)L_paper, r.fwd, r.bwd, r.total, tflops, ceiling, ratio,
-             (double)r.saved / 1048576.0, (double)r.saved / (double)L, peak / 1048576.0, r.err, (long long)r.check_tokens);
+      const char* verdict = isnan(r.err) ? "-" : r.err <= tolerance(o.dtype) ? "pass" : "FAIL";
+      failed += !isnan(r.err) && !(r.err <= tolerance(o.dtype));
+      printf("| %s | %s | %lld (%lld) | %lld | %lld | %lld | %lld | %.3f | %.3f | %.3f | %.3f | %s | %s | %.2f | %.0f | %.2f | %.2e (%lld) | %s |\n",
+             c->name, act_name(act), (long long)L, (long long)L_full, (long long)c->d, (long long)c->n, (long long)c->experts,
+             (long long)c->k, r.fwd, r.bwd, r.total, flops, ceiling, ratio, (double)r.saved / 1048576.0, (double)r.saved / (double)L,
+             peak / 1048576.0, r.err, (long long)r.check_tokens, verdict);
       fflush(stdout);
-      if (json)
+      fprintf(stderr, "moeblaze-bench: [%d/%d] %s %s, %lld tokens: %.1f s (%.0f s so far)\n", ++row, rows, c->name, act_name(act),
+              (long long)L, (now_ms() - t_row) * 1e-3, (now_ms() - t_start) * 1e-3);
+      if (json) {
         fprintf(json,
-                "{\"config\":\"%s\",\"activation\":\"%s\",\"engine\":\"%s\",\"dtype\":\"%s\",\"tokens\":%lld,\"paper_tokens\":%lld,"
-                "\"d\":%lld,\"h\":%lld,\"experts\":%lld,\"k\":%lld,\"fwd_ms\":%.4f,\"bwd_ms\":%.4f,\"fwd_bwd_ms\":%.4f,"
-                "\"tflops\":%.4f,\"ceiling_ms\":%.4f,\"saved_bytes\":%zu,\"workspace_fwd_bytes\":%zu,\"workspace_bwd_bytes\":%zu,"
-                "\"peak_bytes\":%.0f,\"max_rel_err\":%.3e,\"check_tokens\":%lld}\n",
-                c->name, act_name(act), be.cuda ? "cuda_cublaslt" : "cpu", dtype_name(o.dtype), (long long)L, (long long)L_paper,
-                (long long)c->d, (long long)(4 * c->d), (long long)c->experts, (long long)c->k, r.fwd, r.bwd, r.total, tflops,
-                r.ceiling, r.saved, r.ws_fwd, r.ws_bwd, peak, r.err, (long long)r.check_tokens);
+                "{\"config\":\"%s\",\"activation\":\"%s\",\"engine\":\"%s\",\"dtype\":\"%s\",\"tokens\":%lld,\"full_tokens\":%lld,"
+                "\"d\":%lld,\"n\":%lld,\"experts\":%lld,\"k\":%lld",
+                c->name, act_name(act), be.cuda ? "cuda_cublaslt" : "cpu", dtype_name(o.dtype), (long long)L, (long long)L_full,
+                (long long)c->d, (long long)c->n, (long long)c->experts, (long long)c->k);
+        json_number(json, "fwd_ms", r.fwd, "%.4f");
+        json_number(json, "bwd_ms", r.bwd, "%.4f");
+        json_number(json, "fwd_bwd_ms", r.total, "%.4f");
+        json_number(json, be.cuda ? "tflops" : "gflops", flops, "%.4f");
+        json_number(json, "ceiling_ms", r.ceiling, "%.4f");
+        fprintf(json, ",\"saved_bytes\":%zu,\"workspace_fwd_bytes\":%zu,\"workspace_bwd_bytes\":%zu,\"peak_bytes\":%.0f", r.saved,
+                r.ws_fwd, r.ws_bwd, peak);
+        json_number(json, "max_rel_err", r.err, "%.3e");
+        fprintf(json, ",\"check_tokens\":%lld,\"check\":%s}\n", (long long)r.check_tokens,
+                isnan(r.err) ? "null" : r.err <= tolerance(o.dtype) ? "true" : "false");
+      }
     }
   }
   if (json) fclose(json);
-  return 0;
+  if (o.check)
+    printf("\n%s: %d of %d rows within the %s tolerance (%.0e) of the fp64 reference\n", failed ? "FAIL" : "PASS", row - failed, row,
+           dtype_name(o.dtype), tolerance(o.dtype));
+  return failed ? 1 : 0;
 }

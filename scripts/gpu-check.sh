@@ -40,7 +40,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEBLAZE_ENABLE_CU
 if ! cmake --build build-gpu --parallel 16 >> "$OUT/build.log" 2>&1; then
   grep -E 'error|FAILED' "$OUT/build.log" | head -30; exit 1
 fi
-summary+=("build: ok in $(( $(date +%s) - t0 )) s; fatbin: $(cuobjdump --list-elf build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';')")
+summary+=("build: ok in $(( $(date +%s) - t0 )) s; fatbin: $(cuobjdump --list-elf build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';') PTX: $(cuobjdump --list-ptx build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';')")
 
 if want tests; then
   ctest --test-dir build-gpu -L gpu -V --timeout 900 > "$OUT/tests.log" 2>&1

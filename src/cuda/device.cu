@@ -51,9 +51,12 @@ DeviceInfo device_info(int32_t id) {
 }
 
 // The fatbin holds sm_80 and sm_90a SASS: sm_80 code runs on any 8.x/9.x part, sm_90a only on 9.0.
+// Machine code for sm_80 (runs on sm_8x) and sm_90a (sm_90 only), plus compute_80 PTX that the
+// driver JIT-compiles for anything newer: every device from sm_80 on has kernels. (The fused
+// sm_90a engine, once built, is chosen only on sm_90: the registry asks the device.)
 bool has_kernels_for(int32_t sm_major, int32_t sm_minor) {
   (void)sm_minor;
-  return sm_major == 8 || sm_major == 9;
+  return sm_major >= 8;
 }
 
 }  // namespace cuda

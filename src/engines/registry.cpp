@@ -62,7 +62,7 @@ const cuda::DeviceInfo* resolve_device(LayerConfig& cfg, cuda::DeviceInfo& info)
   info = cuda::device_info(cfg.device_id);
   if (!cuda::has_kernels_for(info.sm_major, info.sm_minor))
     fail(Status::kArchMismatch, "CUDA device %d (%s, sm_%d%d) has no kernels in this build (built for %s)", cfg.device_id,
-         info.name, info.sm_major, info.sm_minor, "sm_80, sm_90a");
+         info.name, info.sm_major, info.sm_minor, "sm_80, sm_90a and compute_80 PTX: sm_80 and newer");
   return &info;
 }
 
