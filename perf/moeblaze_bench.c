@@ -565,7 +565,7 @@ int main(int argc, char** argv) {
   else
     printf("# engine: CPU reference (%d CUDA device(s) seen)%s. On the CPU these numbers show correctness, not speed:\n"
            "# the GPU results are in perf/RESULTS.md (and the README's summary).\n",
-           gpus, o.tokens ? "" : "; tokens reduced so that one fwd+bwd step costs about --cpu-gflop GFLOP");
+           gpus, o.tokens || o.quick ? "" : "; tokens reduced so that one fwd+bwd step costs about --cpu-gflop GFLOP");
   if (o.quick)
     printf("# --quick: each layer scaled down (d <= 128, n in proportion, 128 tokens), one rep: a correctness check in seconds\n");
   printf("# dtype %s, policy %s, routing from logits (softmax); error: one step vs the fp64 reference on the first tokens, pass below %.0e\n",
