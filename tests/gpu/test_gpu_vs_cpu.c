@@ -3,7 +3,8 @@
  * logits / from W_g / caller-given, experts with no tokens, all tokens on one expert, L = 1,
  * L not a multiple of the plan tile, very large E, L = 0, bad caller ids (clear status, nothing
  * written, guard bytes intact), the accumulate flag, determinism (three runs, same bits) and two
- * handles used from two threads and streams at once. Exits 77 (skipped) without a GPU. */
+ * handles used from two threads and streams at once. The suite runs once per CUDA engine that
+ * the registry serves on this device. Exits 77 (skipped) without a GPU. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -254,8 +255,13 @@ static void free_device(runner* r) {
   for (int i = 0; i < T_COUNT; ++i) cudaFree(r->dev[i]);
 }
 
+/* The CUDA engine under test (main runs the whole suite once per engine that serves here). */
+static int64_t g_engine = MOEBLAZE_ENGINE_CUDA_CUBLASLT;
+
 static moeblaze_status_t create(const tu_layer* l, int cuda, moeblaze_handle_t* out) {
-  return tu_create_on(l, cuda ? MOEBLAZE_DEVICE_CUDA : MOEBLAZE_DEVICE_CPU, out);
+  tu_layer e = *l;
+  e.engine = cuda ? g_engine : MOEBLAZE_ENGINE_CPU;
+  return tu_create_on(&e, cuda ? MOEBLAZE_DEVICE_CUDA : MOEBLAZE_DEVICE_CPU, out);
 }
 
 /* Compares every output of the GPU step with the CPU step. */
@@ -582,5 +588,31 @@ int main(void) {
       cmocka_unit_test(route_only),
       cmocka_unit_test(two_handles_two_streams),
   };
-  return cmocka_run_group_tests_name("gpu_vs_cpu", tests, NULL, NULL);
+  /* One suite, every CUDA engine that can serve this device (MOEBLAZE_TEST_ENGINE=cublaslt|fused
+   * picks one); an engine the registry refuses here is reported, not failed. */
+  static const struct { int64_t engine; const char* name; } engines[] = {
+      {MOEBLAZE_ENGINE_CUDA_CUBLASLT, "cublaslt"}, {MOEBLAZE_ENGINE_CUDA_FUSED, "fused"}};
+  const char* only = getenv("MOEBLAZE_TEST_ENGINE");
+  int failed = 0, ran = 0;
+  for (size_t i = 0; i < sizeof engines / sizeof engines[0]; ++i) {
+    if (only && strcmp(only, engines[i].name) != 0) continue;
+    g_engine = engines[i].engine;
+    tu_layer probe = tu_layer_default(4, 2, 8, 16, 8, MOEBLAZE_ACTIVATION_SILU);
+    moeblaze_handle_t h = NULL;
+    const moeblaze_status_t st = create(&probe, 1, &h);
+    if (st == MOEBLAZE_STATUS_NOT_SUPPORTED) {
+      printf("engine %s: not served on this device (%s)\n", engines[i].name, moeblaze_get_last_error_message());
+      continue;
+    }
+    moeblaze_destroy(h);
+    char group[64];
+    snprintf(group, sizeof group, "gpu_vs_cpu[%s]", engines[i].name);
+    failed += cmocka_run_group_tests_name(group, tests, NULL, NULL);
+    ++ran;
+  }
+  if (ran == 0) {
+    printf("no CUDA engine could be tested\n");
+    return 1;
+  }
+  return failed;
 }
