@@ -219,13 +219,12 @@ bool is_written(const KindInfo& ki, Pass pass, RoutingMode mode) {
 // supports in-place updates, and a read after an aliased write would be silently wrong. The
 // test is on each view's byte interval [data, data + span), so it is conservative for
 // interleaved strided views.
-void check_no_overlap(const CallArgs& c, Pass pass, const RawArg* const* by_kind) {
+void check_no_overlap(CallArgs& c, Pass pass) {
   struct Range { const char* name; uintptr_t lo, hi; bool written; };
   Range r[kNumKinds];
   size_t n = 0;
   for (size_t i = 0; i < kNumKinds; ++i) {
-    if (!by_kind[i]) continue;
-    const View* v = slot(const_cast<CallArgs&>(c), kKinds[i].kind);
+    const View* v = slot(c, kKinds[i].kind);
     if (!v->present || v->span_bytes == 0) continue;
     const uintptr_t lo = reinterpret_cast<uintptr_t>(v->data);
     r[n++] = {kKinds[i].name, lo, lo + v->span_bytes, is_written(kKinds[i], pass, c.mode)};
@@ -307,7 +306,7 @@ CallArgs decode_args(const LayerConfig& cfg, Pass pass, const RawArg* args, size
     if (c.aux_loss.present || c.z_loss.present)
       fail(Status::kInvalidArgument, "AUX_LOSS and Z_LOSS need router scores: route from ROUTER_LOGITS or ROUTER_WEIGHT");
   }
-  check_no_overlap(c, pass, by_kind);
+  check_no_overlap(c, pass);
   if (pass == Pass::kBackward) {
     if (c.d_logits.present && c.mode != RoutingMode::kLogits)
       fail(Status::kInvalidArgument, "GRAD_ROUTER_LOGITS needs ROUTER_LOGITS among the backward arguments");

@@ -9,7 +9,6 @@ namespace moeblaze {
 inline namespace v0 {
 
 struct Needs {
-  bool router_outputs = false;  // forward / route: write ids, weights and losses (router-routed)
   bool router_grad = false;     // backward: go back through the router (d logits, dW_g, dx part)
   bool router_adds_dx = false;  // backward: dx += d logits W_g (routing from ROUTER_WEIGHT)
   bool dpre = false;            // backward: dA/dB or dH (for dx or dW_gate_up)

@@ -1,8 +1,6 @@
 // Router kernels: scores, top-k, gates, aux/z-loss, router backward, caller-routing import.
 // One warp per token; reductions use a fixed lane order and fixed token chunks, so results
 // are bitwise reproducible.
-#include <cfloat>
-
 #include "cuda/cuda_check.hpp"
 #include "routing/plan_check_cuda.hpp"
 #include "routing/router_cuda.hpp"

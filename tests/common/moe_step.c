@@ -71,12 +71,18 @@ void ms_free(ms_problem* p) {
   memset(p, 0, sizeof *p);
 }
 
-size_t ms_forward_args(ms_problem* p, moeblaze_arg_t* a) {
+/* x, logits and the two weights: the inputs both passes take. */
+static size_t input_args(ms_problem* p, moeblaze_arg_t* a) {
   size_t n = 0;
   a[n++] = tu_arg(MOEBLAZE_ARG_INPUT, tu_tensor(p->x, tu_f32, 2, p->sx));
   a[n++] = tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tu_tensor(p->logits, tu_f32, 2, p->sl));
   a[n++] = tu_arg(MOEBLAZE_ARG_W_GATE_UP, tu_tensor(p->wgu, tu_f32, 3, p->sw));
   a[n++] = tu_arg(MOEBLAZE_ARG_W_DOWN, tu_tensor(p->wd, tu_f32, 3, p->sd));
+  return n;
+}
+
+size_t ms_forward_args(ms_problem* p, moeblaze_arg_t* a) {
+  size_t n = input_args(p, a);
   a[n++] = tu_arg(MOEBLAZE_ARG_OUTPUT, tu_tensor(p->y, tu_f32, 2, p->sx));
   a[n++] = tu_arg(MOEBLAZE_ARG_TOPK_INDICES, tu_tensor(p->ids, tu_i32, 2, p->sk));
   a[n++] = tu_arg(MOEBLAZE_ARG_TOKENS_PER_EXPERT, tu_tensor(p->tpe, tu_i32, 1, p->se));
@@ -84,11 +90,7 @@ size_t ms_forward_args(ms_problem* p, moeblaze_arg_t* a) {
 }
 
 size_t ms_backward_args(ms_problem* p, moeblaze_arg_t* a) {
-  size_t n = 0;
-  a[n++] = tu_arg(MOEBLAZE_ARG_INPUT, tu_tensor(p->x, tu_f32, 2, p->sx));
-  a[n++] = tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tu_tensor(p->logits, tu_f32, 2, p->sl));
-  a[n++] = tu_arg(MOEBLAZE_ARG_W_GATE_UP, tu_tensor(p->wgu, tu_f32, 3, p->sw));
-  a[n++] = tu_arg(MOEBLAZE_ARG_W_DOWN, tu_tensor(p->wd, tu_f32, 3, p->sd));
+  size_t n = input_args(p, a);
   a[n++] = tu_arg(MOEBLAZE_ARG_GRAD_OUTPUT, tu_tensor(p->dy, tu_f32, 2, p->sx));
   a[n++] = tu_arg(MOEBLAZE_ARG_GRAD_INPUT, tu_tensor(p->dx, tu_f32, 2, p->sx));
   a[n++] = tu_arg(MOEBLAZE_ARG_GRAD_W_GATE_UP, tu_tensor(p->dwgu, tu_f32, 3, p->sw));

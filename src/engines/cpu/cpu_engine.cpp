@@ -49,7 +49,7 @@ struct Work {
 class CpuEngine final : public Engine {
  public:
   explicit CpuEngine(const LayerConfig& cfg)
-      : cfg_(cfg), workers_(cfg.num_threads > 0 ? cfg.num_threads : hardware_threads()), pool_(workers_) {}
+      : cfg_(cfg), pool_(cfg.num_threads > 0 ? cfg.num_threads : hardware_threads()) {}
 
   EngineKind kind() const override { return EngineKind::kCpu; }
 
@@ -81,7 +81,6 @@ class CpuEngine final : public Engine {
   float* scratch(const Work& w, int worker) const { return w.per_worker + w.worker_floats * static_cast<size_t>(worker); }
 
   LayerConfig cfg_;
-  int workers_;
   ThreadPool pool_;  // persistent: started at the first parallel loop, joined with the engine
 };
 
@@ -118,7 +117,7 @@ Work CpuEngine::carve(Pass pass, int64_t L, void* base) const {
   } else {
     w.chunk_scores = c.take<float>(static_cast<size_t>(chunks * E));
     w.chunk_lse = c.take<float>(static_cast<size_t>(chunks));
-    w.plan_scratch = c.take<char>(routing::plan_scratch_bytes(L, E, workers_));
+    w.plan_scratch = c.take<char>(routing::plan_scratch_bytes(L, E, pool_.workers()));
     if (pass != Pass::kForwardTraining) {
       SavedRegions r = carve_saved(cfg_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
       c.take<char>(r.bytes);
@@ -130,7 +129,7 @@ Work CpuEngine::carve(Pass pass, int64_t L, void* base) const {
     }
   }
   w.worker_floats = worker_floats(pass);
-  w.per_worker = c.take<float>(w.worker_floats * static_cast<size_t>(workers_));
+  w.per_worker = c.take<float>(w.worker_floats * static_cast<size_t>(pool_.workers()));
   w.bytes = c.size();
   return w;
 }
