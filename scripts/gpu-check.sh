@@ -2,7 +2,9 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|sanitize|sanitize-full|soak|plan|torch|policies|bench|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|policies|bench|all]...
+# gemm: the sm_90a grouped GEMM alone: its kernel test, a SASS check (HGMMA, no local memory)
+# and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g. "--bn 256"; "skip" runs no bench).
 # sanitize: memcheck, racecheck, initcheck and synccheck on the quick subset of the GPU tests
 # and on test_gpu_hardening; sanitize-full: racecheck and initcheck on the full GPU test set
 # (not part of "all": about 10 minutes).
@@ -42,6 +44,19 @@ if ! cmake --build build-gpu --parallel 16 >> "$OUT/build.log" 2>&1; then
 fi
 summary+=("build: ok in $(( $(date +%s) - t0 )) s; fatbin: $(cuobjdump --list-elf build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';') PTX: $(cuobjdump --list-ptx build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';')")
 
+if want gemm; then
+  obj=$(find build-gpu -name 'grouped_gemm.cu.o' | head -1)
+  cuobjdump -sass "$obj" > "$OUT/gemm.sass" 2>&1
+  summary+=("gemm SASS: HGMMA $(grep -c HGMMA "$OUT/gemm.sass"), local-memory LDL/STL $(grep -cE 'LDL|STL' "$OUT/gemm.sass")")
+  timeout 300 build-gpu/tests/kernels/test_sm90_grouped_gemm > "$OUT/gemm-test.log" 2>&1
+  rc=$?
+  grep -vE '^\[ *(RUN|  OK) *\]' "$OUT/gemm-test.log" | tail -20
+  summary+=("gemm kernel test: rc=$rc; $(grep -E 'PASSED|FAILED' "$OUT/gemm-test.log" | tr '\n' ' ')")
+  if [ "${GEMM_BENCH_ARGS:-}" != skip ]; then
+    timeout 400 build-gpu/perf/grouped-gemm-bench ${GEMM_BENCH_ARGS:-} > "$OUT/gemm-bench.txt" 2> "$OUT/gemm-bench.err"
+    summary+=("gemm bench: rc=$? (table below)")
+  fi
+fi
 if want tests; then
   ctest --test-dir build-gpu -L gpu -V --timeout 900 > "$OUT/tests.log" 2>&1
   rc=$?
@@ -113,5 +128,6 @@ if want bench; then
   summary+=("bench: rc=$?")
   cat "$OUT/bench.md"
 fi
+[ -f "$OUT/gemm-bench.txt" ] && cat "$OUT/gemm-bench.txt"
 echo "==== summary"
 printf '%s\n' "${summary[@]}"

@@ -4,6 +4,9 @@
 // row blocks times col_blocks column blocks. Tiles never cross an expert: the last row block of
 // an expert is short and its rows past the expert's end are masked, not padded (the layer is
 // dropless and unpadded). The only input is the device array of offsets: no host copy.
+//
+// The prefix counts row blocks, not tiles, so one prefix serves every GEMM of a call that
+// shares block_m, whatever its column-block count.
 #pragma once
 
 #include <cstdint>
@@ -21,41 +24,43 @@ struct TileCoord {
   int32_t col_block;  // column block index, in [0, col_blocks)
 };
 
-MOEBLAZE_HD int64_t expert_tiles(int32_t rows, int32_t block_m, int32_t col_blocks) {
-  return static_cast<int64_t>((rows + block_m - 1) / block_m) * col_blocks;
-}
+MOEBLAZE_HD int32_t row_blocks(int32_t rows, int32_t block_m) { return (rows + block_m - 1) / block_m; }
 
-// prefix[e] = tiles of experts before e, e in [0, E]; prefix[E] is the total. One thread (the
-// device scheduler's prepare step writes it to workspace once per call).
-MOEBLAZE_HD void tile_prefix(const int32_t* offsets, int64_t num_experts, int32_t block_m, int32_t col_blocks,
-                             int64_t* prefix) {
-  int64_t total = 0;
+// prefix[e] = row blocks of experts before e, e in [0, E]; prefix[E] is the total. Serial (host,
+// tests); the device computes the same numbers with a block scan (gemm/sm90/schedule).
+MOEBLAZE_HD void row_block_prefix(const int32_t* offsets, int64_t num_experts, int32_t block_m, int32_t* prefix) {
+  int32_t total = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     prefix[e] = total;
-    total += expert_tiles(offsets[e + 1] - offsets[e], block_m, col_blocks);
+    total += row_blocks(offsets[e + 1] - offsets[e], block_m);
   }
   prefix[num_experts] = total;
 }
 
-// The tile of work item `work` in [0, prefix[E]) (prefix from tile_prefix with the same block_m
-// and column-block count). Within an expert, row blocks vary fastest, so
+// Work items of a GEMM with col_blocks column blocks.
+MOEBLAZE_HD int64_t total_tiles(const int32_t* prefix, int64_t num_experts, int32_t col_blocks) {
+  return static_cast<int64_t>(prefix[num_experts]) * col_blocks;
+}
+
+// The tile of work item `work` in [0, total_tiles). Expert e owns items
+// [prefix[e] * col_blocks, prefix[e+1] * col_blocks); within it row blocks vary fastest, so
 // consecutive work items (neighbouring CTAs of a persistent grid) share one column block of the
 // expert's weights while it is hot in L2.
-MOEBLAZE_HD TileCoord decode_tile(int64_t work, const int32_t* offsets, const int64_t* prefix, int64_t num_experts,
-                                  int32_t block_m) {
-  int64_t lo = 0, hi = num_experts;  // the last e with prefix[e] <= work (skips empty experts)
+MOEBLAZE_HD TileCoord decode_tile(int64_t work, const int32_t* offsets, const int32_t* prefix, int64_t num_experts,
+                                  int32_t block_m, int32_t col_blocks) {
+  int64_t lo = 0, hi = num_experts;  // the last e with prefix[e] * col_blocks <= work (skips empty experts)
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
-    if (prefix[mid] <= work) lo = mid;
+    if (static_cast<int64_t>(prefix[mid]) * col_blocks <= work) lo = mid;
     else hi = mid;
   }
   const int32_t rows_e = offsets[lo + 1] - offsets[lo];
-  const int64_t local = work - prefix[lo];
-  const int64_t row_blocks = (rows_e + block_m - 1) / block_m;
+  const int64_t local = work - static_cast<int64_t>(prefix[lo]) * col_blocks;
+  const int32_t rbs = row_blocks(rows_e, block_m);
   TileCoord t;
   t.expert = static_cast<int32_t>(lo);
-  t.col_block = static_cast<int32_t>(local / row_blocks);
-  const int32_t rb = static_cast<int32_t>(local % row_blocks);
+  t.col_block = static_cast<int32_t>(local / rbs);
+  const int32_t rb = static_cast<int32_t>(local % rbs);
   t.row0 = offsets[lo] + rb * block_m;
   t.rows = rows_e - rb * block_m < block_m ? rows_e - rb * block_m : block_m;
   return t;

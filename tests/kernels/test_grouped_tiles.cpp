@@ -26,17 +26,18 @@ void check(const std::vector<int32_t>& counts, int32_t bm, int32_t nb) {
   const int64_t E = static_cast<int64_t>(counts.size());
   std::vector<int32_t> off(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + counts[e];
-  std::vector<int64_t> prefix(E + 1);
-  tile_prefix(off.data(), E, bm, nb, prefix.data());
+  std::vector<int32_t> prefix(E + 1);
+  row_block_prefix(off.data(), E, bm, prefix.data());
+  const int64_t tiles = total_tiles(prefix.data(), E, nb);
   // brute force: (expert, row0, rows, col_block) for every tile
   std::vector<std::tuple<int32_t, int32_t, int32_t, int32_t>> want, got;
   for (int32_t e = 0; e < E; ++e)
     for (int32_t c = 0; c < nb; ++c)
       for (int32_t r = 0; r < counts[e]; r += bm) want.emplace_back(e, off[e] + r, std::min(bm, counts[e] - r), c);
-  assert_int_equal(prefix[E], static_cast<int64_t>(want.size()));
-  assert_true(prefix[E] <= max_tiles(off[E], E, bm, nb));
-  for (int64_t w = 0; w < prefix[E]; ++w) {
-    const TileCoord t = decode_tile(w, off.data(), prefix.data(), E, bm);
+  assert_int_equal(tiles, static_cast<int64_t>(want.size()));
+  assert_true(tiles <= max_tiles(off[E], E, bm, nb));
+  for (int64_t w = 0; w < tiles; ++w) {
+    const TileCoord t = decode_tile(w, off.data(), prefix.data(), E, bm, nb);
     assert_true(t.rows > 0 && t.rows <= bm);
     assert_true(t.row0 >= off[t.expert] && t.row0 + t.rows <= off[t.expert + 1]);  // never crosses an expert
     got.emplace_back(t.expert, t.row0, t.rows, t.col_block);

@@ -1,0 +1,105 @@
+// The grouped GEMM's epilogues, applied by each consumer warpgroup to its wgmma fragment: thread
+// (warp w, lane l) holds rows 16 w + l/4 and +8, columns 8 i + 2 (l%4) and +1, for i < BN/8, as
+// acc[4 i + q] (q: bit 0 the column, bit 1 the row). Rows past the tile's share of its expert
+// and columns past n are masked, never written. The activation math is experts/activation.hpp's,
+// the one definition shared with the CPU engine and the elementwise kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "experts/activation.hpp"
+#include "gemm/grouped_tiles.hpp"
+#include "gemm/sm90/params.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace gemm {
+namespace sm90 {
+
+template <class T>
+struct Cvt;
+template <>
+struct Cvt<__nv_bfloat16> {
+  using Pair = __nv_bfloat162;
+  __device__ static __nv_bfloat16 one(float v) { return __float2bfloat16_rn(v); }
+  __device__ static float back(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static Pair two(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+template <>
+struct Cvt<__half> {
+  using Pair = __half2;
+  __device__ static __half one(float v) { return __float2half_rn(v); }
+  __device__ static float back(__half v) { return __half2float(v); }
+  __device__ static Pair two(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+// Stores v0, v1 at columns j, j + 1 of a row (j even); the second only where j + 1 < n.
+template <class T>
+__device__ __forceinline__ void store_pair(T* row, int32_t j, int32_t n, float v0, float v1) {
+  if (j + 1 < n) *reinterpret_cast<typename Cvt<T>::Pair*>(row + j) = Cvt<T>::two(v0, v1);
+  else if (j < n) row[j] = Cvt<T>::one(v0);
+}
+
+// Calls f(row in tile, column in tile, acc index) for the fragment's valid rows.
+template <int BN, class F>
+__device__ __forceinline__ void for_each_fragment_pair(int wg, int rows, F&& f) {
+  const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+  const int r0 = wg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = r0 + 8 * half;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) f(r, i * 8 + (lane & 3) * 2, 4 * i + 2 * half);
+  }
+}
+
+template <class T, int BN>
+__device__ __forceinline__ void epilogue_store(const GroupedGemmParams& p, const EpilogueParams& e, const TileCoord& tc,
+                                               int wg, const float (&acc)[BN / 2]) {
+  T* C = static_cast<T*>(e.c);
+  for_each_fragment_pair<BN>(wg, tc.rows, [&](int r, int c, int q) {
+    const int32_t pos = tc.row0 + r;
+    const float s = e.row_scale ? __ldg(e.row_scale + pos) : 1.f;
+    store_pair(C + static_cast<int64_t>(pos) * e.ldc, tc.col_block * BN + c, p.n, s * acc[q], s * acc[q + 1]);
+  });
+}
+
+// pre = acc rounded to T; act = f(pre) (plain) or f(gate) * up (gated: the tile's first half
+// holds gate columns, its second half the same up columns), computed from the rounded pre as the
+// elementwise kernels do, then rounded.
+template <class T, int BN>
+__device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, const EpilogueParams& e,
+                                                    const TileCoord& tc, int wg, const float (&acc)[BN / 2]) {
+  T* pre = static_cast<T*>(e.pre);
+  T* act = static_cast<T*>(e.act);
+  const Activation a = e.activation;
+  using C = Cvt<T>;
+  if (p.gated) {
+    for_each_fragment_pair<BN / 2>(wg, tc.rows, [&](int r, int c, int q) {
+      const int64_t pos = tc.row0 + r;
+      const int32_t j = tc.col_block * (BN / 2) + c;
+      const float u0 = C::back(C::one(acc[q])), u1 = C::back(C::one(acc[q + 1]));
+      const float b0 = C::back(C::one(acc[q + BN / 4])), b1 = C::back(C::one(acc[q + 1 + BN / 4]));
+      if (pre) {
+        store_pair(pre + pos * e.ld_pre, j, p.n, u0, u1);
+        store_pair(pre + pos * e.ld_pre + p.n, j, p.n, b0, b1);
+      }
+      store_pair(act + pos * e.ld_act, j, p.n, act_fn(a, u0) * b0, act_fn(a, u1) * b1);
+    });
+  } else {
+    for_each_fragment_pair<BN>(wg, tc.rows, [&](int r, int c, int q) {
+      const int64_t pos = tc.row0 + r;
+      const int32_t j = tc.col_block * BN + c;
+      const float u0 = C::back(C::one(acc[q])), u1 = C::back(C::one(acc[q + 1]));
+      if (pre) store_pair(pre + pos * e.ld_pre, j, p.n, u0, u1);
+      store_pair(act + pos * e.ld_act, j, p.n, act_fn(a, u0), act_fn(a, u1));
+    });
+  }
+}
+
+}  // namespace sm90
+}  // namespace gemm
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,175 @@
+// The sm_90a persistent grouped GEMM: kernel, schedule step and launch (compiled for sm_90a only).
+#include <cub/block/block_scan.cuh>
+
+// CUB lives in a private namespace (CUB_WRAPPED_NAMESPACE); CUB_NS_QUALIFIER names it.
+namespace cubw = CUB_NS_QUALIFIER;
+
+#include <algorithm>
+
+#include "cuda/cuda_check.hpp"
+#include "gemm/sm90/epilogue.cuh"
+#include "gemm/sm90/grouped_gemm.hpp"
+#include "gemm/sm90/mainloop.cuh"
+#include "util/align.hpp"
+#include "util/error.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace gemm {
+namespace sm90 {
+namespace {
+
+constexpr int kScheduleThreads = 1024;
+
+struct MaxOp {
+  __device__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; }
+};
+
+// One block: out_off[e] = max(clamp(offsets[0..e], 0, m_total)), then the row-block prefix.
+__global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const int32_t* offsets, int32_t E, int32_t m_total,
+                                                                    int32_t* out_off, int32_t* prefix) {
+  using Scan = cubw::BlockScan<int32_t, kScheduleThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int32_t carry_max, carry_sum;
+  if (threadIdx.x == 0) carry_max = carry_sum = 0;
+  __syncthreads();
+  for (int32_t base = 0; base <= E; base += kScheduleThreads) {
+    const int32_t e = base + threadIdx.x;
+    int32_t v = e <= E ? min(max(offsets[e], 0), m_total) : 0;
+    if (e == 0) v = 0;
+    int32_t run;
+    Scan(tmp).InclusiveScan(v, run, MaxOp());
+    run = max(run, carry_max);
+    if (e <= E) out_off[e] = run;
+    __syncthreads();
+    if (threadIdx.x == kScheduleThreads - 1) carry_max = run;
+    __syncthreads();
+  }
+  for (int32_t base = 0; base < E; base += kScheduleThreads) {
+    const int32_t e = base + threadIdx.x;
+    const int32_t blocks = e < E ? row_blocks(out_off[e + 1] - out_off[e], kBlockM) : 0;
+    int32_t excl, total;
+    Scan(tmp).ExclusiveSum(blocks, excl, total);
+    if (e < E) prefix[e] = carry_sum + excl;
+    __syncthreads();
+    if (threadIdx.x == 0) carry_sum += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) prefix[E] = carry_sum;
+}
+
+template <class T, int BN, Major BMajor, EpilogueKind Epi>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ EpilogueParams e) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using Cfg = TileConfig<BN>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  StageRing ring;
+  ring.base = smem_addr(smem);
+  ring.full = reinterpret_cast<uint64_t*>(smem + Cfg::kStages * Cfg::kStageBytes);
+  ring.empty = ring.full + Cfg::kStages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      cuda::ptx::mbarrier_init(&ring.full[s], 128);  // every producer thread's cp.async arrival
+      cuda::ptx::mbarrier_init(&ring.empty[s], 8);   // lane 0 of each consumer warp
+    }
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    regs_dealloc<kProducerRegs>();
+    produce<T, BN, BMajor>(p, ring);
+  } else {
+    regs_alloc<kConsumerRegs>();
+    const int32_t E = p.sched.num_experts, cb = col_blocks_of(p, BN);
+    const int num_kb = (p.k + kBlockK - 1) / kBlockK;
+    const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
+    uint32_t it = 0;
+    float acc[BN / 2];
+    for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
+      const TileCoord tc = decode_tile(w, p.sched.offsets, p.sched.rb_prefix, E, kBlockM, cb);
+      consume_tile<T, BN, BMajor>(p, ring, wg - 1, num_kb, it, acc);
+      if constexpr (Epi == EpilogueKind::kStore) epilogue_store<T, BN>(p, e, tc, wg - 1, acc);
+      else epilogue_activation<T, BN>(p, e, tc, wg - 1, acc);
+    }
+  }
+#endif
+}
+
+template <class T, int BN, Major BMajor, EpilogueKind Epi>
+void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
+  using Cfg = TileConfig<BN>;
+  auto* kernel = grouped_gemm_kernel<T, BN, BMajor, Epi>;
+  int dev = 0, sms = 0;
+  MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
+  MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  const int cb = (p.n + (p.gated ? BN / 2 : BN) - 1) / (p.gated ? BN / 2 : BN);
+  const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, cb);
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sms, bound)));
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, e);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <class T, int BN>
+void dispatch_major(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
+  const bool mn = p.b_major == Major::kMN, store = e.kind == EpilogueKind::kStore;
+  if (mn && store) launch<T, BN, Major::kMN, EpilogueKind::kStore>(p, e, s);
+  else if (mn) launch<T, BN, Major::kMN, EpilogueKind::kActivation>(p, e, s);
+  else if (store) launch<T, BN, Major::kK, EpilogueKind::kStore>(p, e, s);
+  else launch<T, BN, Major::kK, EpilogueKind::kActivation>(p, e, s);
+}
+
+template <class T>
+void dispatch_bn(int bn, const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
+  if (bn == 256) dispatch_major<T, 256>(p, e, s);
+  else dispatch_major<T, 128>(p, e, s);
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+size_t schedule_bytes(int64_t num_experts) { return 2 * align_up(sizeof(int32_t) * (num_experts + 1), 256); }
+
+Schedule make_schedule(const int32_t* offsets, int64_t num_experts, int64_t m_total, void* workspace, cudaStream_t s) {
+  Schedule sc;
+  int32_t* off = static_cast<int32_t*>(workspace);
+  int32_t* prefix = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + schedule_bytes(num_experts) / 2);
+  schedule_kernel<<<1, kScheduleThreads, 0, s>>>(offsets, static_cast<int32_t>(num_experts), static_cast<int32_t>(m_total),
+                                                 off, prefix);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+  sc.offsets = off;
+  sc.rb_prefix = prefix;
+  sc.num_experts = static_cast<int32_t>(num_experts);
+  sc.m_total = static_cast<int32_t>(m_total);
+  return sc;
+}
+
+const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const EpilogueParams& e) {
+  if (dt != DType::kBF16 && dt != DType::kF16) return "the sm_90a grouped GEMM takes bf16 or fp16 operands";
+  if (p.k % 8 || p.n % 8 || p.lda % 8 || p.ldb % 8) return "K, N and the operands' leading dimensions must be multiples of 8";
+  if (!aligned16(p.a) || !aligned16(p.b)) return "operands must be 16-byte aligned";
+  if (p.gated && e.kind != EpilogueKind::kActivation) return "gated tiles pair columns for the activation epilogue only";
+  if (e.kind == EpilogueKind::kStore && (e.ldc % 2 || reinterpret_cast<uintptr_t>(e.c) % 4))
+    return "the output's leading dimension must be even and the output 4-byte aligned";
+  if (e.kind == EpilogueKind::kActivation &&
+      (e.ld_act % 2 || (e.pre && e.ld_pre % 2) || reinterpret_cast<uintptr_t>(e.act) % 4 ||
+       reinterpret_cast<uintptr_t>(e.pre) % 4))
+    return "the activation outputs' leading dimensions must be even and the outputs 4-byte aligned";
+  return nullptr;
+}
+
+void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, int block_n, cudaStream_t s) {
+  if (const char* why = unsupported_reason(dt, p, e)) fail(Status::kNotSupported, "%s", why);
+  if (block_n == 0) block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
+  if (dt == DType::kBF16) dispatch_bn<__nv_bfloat16>(block_n, p, e, s);
+  else dispatch_bn<__half>(block_n, p, e, s);
+}
+
+}  // namespace sm90
+}  // namespace gemm
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,70 @@
+// The grouped GEMM's plain parameter structs (host and device; no CUDA types, no C API types).
+//
+// One launch computes, for every expert e with rows [offsets[e], offsets[e+1]) of C:
+//   C[p, :] = epilogue( A[row(p), :] . B_e )      p in the expert's rows (varlen M)
+// where row(p) = a_index ? a_index[p] : p gathers A rows on the fly (x or dy through the routing
+// plan) and B_e = b + e * b_expert_stride is the expert's weight. The device expert offsets are
+// the only source of per-expert rows: nothing is copied to the host.
+#pragma once
+
+#include <cstdint>
+
+#include "core/config.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace gemm {
+namespace sm90 {
+
+// How B's elements lie in memory: element (k, n) of expert e is at
+//   kMN: b_e[k * ldb + n]   (weights stored [K, N], as W_gate_up [d, 2h] and W_down [h, d])
+//   kK:  b_e[n * ldb + k]   (the transpose of such a weight: dact = dy W_down^T, dx = dpre W_gate_up^T)
+enum class Major : int32_t { kK = 0, kMN = 1 };
+
+enum class EpilogueKind : int32_t {
+  kStore = 0,       // C[p, j] = row_scale[p] * acc (row_scale optional), rounded to the dtype
+  kActivation = 1,  // pre (optional) and act = f(pre) or f(gate) * up, both rounded to the dtype
+};
+
+// The sanitised expert ranges and their row-block prefix (gemm/grouped_tiles.hpp), made on the
+// device once per call by make_schedule and shared by every GEMM of the call with this block_m.
+struct Schedule {
+  const int32_t* offsets = nullptr;    // [E + 1] clamped to [0, m_total] and non-decreasing
+  const int32_t* rb_prefix = nullptr;  // [E + 1]
+  int32_t num_experts = 0;
+  int32_t m_total = 0;                 // rows of C (L k)
+};
+
+struct GroupedGemmParams {
+  Schedule sched;
+  int32_t n = 0;       // output columns; with gated, the columns of each half (h): B has 2n columns
+  int32_t k = 0;       // reduction length
+  int32_t gated = 0;   // tile = [BN/2 gate columns | the same BN/2 columns of the up half, + n]
+  Major b_major = Major::kMN;
+  // A: row p of the problem is a[row(p) * lda + kk]; a row index outside [0, a_rows) reads as
+  // zeros (a caller's bad index never becomes an out-of-bounds read).
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const int32_t* a_index = nullptr;
+  int32_t a_rows = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  int64_t b_expert_stride = 0;  // elements
+};
+
+struct EpilogueParams {
+  EpilogueKind kind = EpilogueKind::kStore;
+  void* c = nullptr;  // kStore: [m_total, ldc]
+  int64_t ldc = 0;
+  const float* row_scale = nullptr;  // kStore: optional per-row factor (the gate of a position)
+  Activation activation = Activation::kSwiglu;  // kActivation
+  void* pre = nullptr;  // kActivation: optional [m_total, ld_pre], gate half then up half
+  int64_t ld_pre = 0;
+  void* act = nullptr;  // kActivation: [m_total, ld_act]
+  int64_t ld_act = 0;
+};
+
+}  // namespace sm90
+}  // namespace gemm
+}  // namespace v0
+}  // namespace moeblaze

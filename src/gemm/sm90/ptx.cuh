@@ -1,0 +1,72 @@
+// Hopper (sm_90a) device primitives of the grouped GEMM: shared-memory matrix descriptors,
+// warpgroup MMA control, cp.async with zero fill, and mbarrier waits. mbarrier and proxy
+// fences come from the Toolkit's CCCL (cuda::ptx); wgmma and cp.async are inline PTX. Included
+// only by sources compiled for sm_90a.
+#pragma once
+
+#include <cuda/ptx>
+
+#include <cstdint>
+
+namespace moeblaze {
+inline namespace v0 {
+namespace gemm {
+namespace sm90 {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// A wgmma shared-memory descriptor for a 128-byte-swizzled operand (PTX ISA "Matrix
+// Descriptor Format"): start address, leading and stride byte offsets (all >> 4), swizzle mode 1.
+// Atoms (8 rows of 128 bytes) must be 1024-byte aligned so the base-offset field stays 0.
+//   K-major  (rows of 64 K-elements):  SBO = 1024 (next 8 rows); LBO unused (1).
+//   MN-major (rows of 64 MN-elements): LBO = stride between 64-wide MN blocks, SBO = 1024.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` inside a 128-byte-swizzled block of
+// 128-byte rows: what TMA's SWIZZLE_128B writes and what the descriptor above reads.
+__device__ __forceinline__ uint32_t sw128_offset(uint32_t row, uint32_t chunk) {
+  return row * 128u + ((chunk ^ (row & 7u)) << 4);
+}
+
+// 16-byte cp.async, bypassing L1; src_bytes < 16 zero-fills the rest (0: nothing is read).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
+  }
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous MMAs.
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+template <uint32_t Regs>
+__device__ __forceinline__ void regs_dealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Regs));
+}
+template <uint32_t Regs>
+__device__ __forceinline__ void regs_alloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Regs));
+}
+
+}  // namespace sm90
+}  // namespace gemm
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,33 @@
+// Tile shape and shared-memory budget of the sm_90a grouped GEMM, visible to the host (launch,
+// workspace sizing) and to the kernel.
+#pragma once
+
+#include <cstdint>
+
+namespace moeblaze {
+inline namespace v0 {
+namespace gemm {
+namespace sm90 {
+
+constexpr int kBlockM = 128;         // two consumer warpgroups of 64 rows
+constexpr int kBlockK = 64;          // one 128-byte swizzle row of bf16/fp16
+constexpr int kThreads = 384;        // producer warpgroup + two consumer warpgroups
+constexpr int kProducerRegs = 72;    // setmaxnreg split: 128 * 72 + 256 * 216 <= 64K (56 spills the gather loop)
+constexpr int kConsumerRegs = 216;
+
+template <int BN>
+struct TileConfig {
+  static_assert(BN == 128 || BN == 256, "block_n is 128 or 256");
+  static constexpr int kBlockN = BN;
+  static constexpr int kABytes = kBlockM * kBlockK * 2;  // 16 KB
+  static constexpr int kBBytes = BN * kBlockK * 2;       // 16 or 32 KB
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kStages = BN == 256 ? 4 : 6;      // 192 KB of operands either way
+  // + 1 KB to align the stages to the 1024-byte swizzle atom, + the stage barriers.
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8;
+};
+
+}  // namespace sm90
+}  // namespace gemm
+}  // namespace v0
+}  // namespace moeblaze
