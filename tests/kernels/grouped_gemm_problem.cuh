@@ -132,6 +132,27 @@ __global__ void reference_kernel(const T* a, const int32_t* index, int64_t a_row
   ref[p * ncols + c] = acc;
 }
 
+// Uniform values in [-scale sqrt(3), scale sqrt(3)) (variance scale^2) from a per-element hash:
+// fast enough for the benchmark's GiB-sized weights.
+template <class T>
+__global__ void fill_hash_kernel(T* d, int64_t count, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.f / 16777216.f) * 2.f - 1.f;
+    d[i] = static_cast<T>(u * scale * 1.7320508f);
+  }
+}
+
+inline void fill_random_device(void* d, int64_t count, DType dt, uint64_t seed, float scale) {
+  if (dt == DType::kBF16) fill_hash_kernel<<<1024, 256>>>(static_cast<__nv_bfloat16*>(d), count, seed, scale);
+  else fill_hash_kernel<<<1024, 256>>>(static_cast<__half*>(d), count, seed, scale);
+  GGP_CK(cudaGetLastError());
+}
+
 inline void fill_random(void* d, int64_t count, DType dt, std::mt19937_64& rng, float scale) {
   std::normal_distribution<float> nd(0.f, scale);
   std::vector<uint16_t> h(count);
@@ -165,8 +186,14 @@ inline Problem make_problem(const Shape& s, DType dt, uint64_t seed, bool bad_in
   GGP_CK(cudaMalloc(&P.d_sched, gemm::sm90::schedule_bytes(s.E)));
   GGP_CK(cudaMemcpy(P.d_offsets, P.offsets.data(), sizeof(int32_t) * (s.E + 1), cudaMemcpyHostToDevice));
   GGP_CK(cudaMemcpy(P.d_index, idx.data(), sizeof(int32_t) * idx.size(), cudaMemcpyHostToDevice));
-  fill_random(P.d_a, a_rows * s.k, dt, rng, 1.f);
-  fill_random(P.d_b, P.b_stride() * s.E, dt, rng, 1.f / std::sqrt(static_cast<float>(std::max(s.k, 1))));
+  const float b_scale = 1.f / std::sqrt(static_cast<float>(std::max(s.k, 1)));
+  if (with_reference) {  // the test: exact normal draws
+    fill_random(P.d_a, a_rows * s.k, dt, rng, 1.f);
+    fill_random(P.d_b, P.b_stride() * s.E, dt, rng, b_scale);
+  } else {  // the benchmark: GiB of weights, drawn on the device
+    fill_random_device(P.d_a, a_rows * s.k, dt, rng(), 1.f);
+    fill_random_device(P.d_b, P.b_stride() * s.E, dt, rng(), b_scale);
+  }
   std::vector<float> sc(std::max<int64_t>(s.m_total, 1));
   std::uniform_real_distribution<float> ud(0.1f, 1.f);
   for (auto& v : sc) v = ud(rng);

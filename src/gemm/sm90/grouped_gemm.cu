@@ -10,8 +10,10 @@ namespace cubw = CUB_NS_QUALIFIER;
 #include "gemm/sm90/epilogue.cuh"
 #include "gemm/sm90/grouped_gemm.hpp"
 #include "gemm/sm90/mainloop.cuh"
+#include "gemm/sm90/tensor_map.hpp"
 #include "util/align.hpp"
 #include "util/error.hpp"
+#include "util/vec8.cuh"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -60,18 +62,20 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const int32_
 
 template <class T, int BN, Major BMajor, EpilogueKind Epi>
 __global__ void __launch_bounds__(kThreads, 1)
-    grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ EpilogueParams e) {
+    grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ TmaDescriptor bmap,
+                        const __grid_constant__ EpilogueParams e) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using Cfg = TileConfig<BN>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   StageRing ring;
+  ring.ptr = smem;
   ring.base = smem_addr(smem);
   ring.full = reinterpret_cast<uint64_t*>(smem + Cfg::kStages * Cfg::kStageBytes);
   ring.empty = ring.full + Cfg::kStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
-      cuda::ptx::mbarrier_init(&ring.full[s], 128);  // every producer thread's cp.async arrival
+      cuda::ptx::mbarrier_init(&ring.full[s], 129);  // every producer thread's cp.async arrival + the TMA expect_tx
       cuda::ptx::mbarrier_init(&ring.empty[s], 8);   // lane 0 of each consumer warp
     }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
@@ -80,7 +84,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dealloc<kProducerRegs>();
-    produce<T, BN, BMajor>(p, ring);
+    produce<T, BN, BMajor>(p, bmap, ring);
   } else {
     regs_alloc<kConsumerRegs>();
     const int32_t E = p.sched.num_experts, cb = col_blocks_of(p, BN);
@@ -109,7 +113,8 @@ void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s)
   const int cb = (p.n + (p.gated ? BN / 2 : BN) - 1) / (p.gated ? BN / 2 : BN);
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, cb);
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sms, bound)));
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, e);
+  const TmaDescriptor bmap = weight_tensor_map(Elem<T>::kType, p, p.gated ? BN / 2 : BN);
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, bmap, e);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -150,7 +155,8 @@ Schedule make_schedule(const int32_t* offsets, int64_t num_experts, int64_t m_to
 
 const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const EpilogueParams& e) {
   if (dt != DType::kBF16 && dt != DType::kF16) return "the sm_90a grouped GEMM takes bf16 or fp16 operands";
-  if (p.k % 8 || p.n % 8 || p.lda % 8 || p.ldb % 8) return "K, N and the operands' leading dimensions must be multiples of 8";
+  if (p.k <= 0 || p.n <= 0 || p.k % 8 || p.n % 8 || p.lda % 8 || p.ldb % 8)
+    return "K and N must be positive multiples of 8, and the operands' leading dimensions multiples of 8";
   if (!aligned16(p.a) || !aligned16(p.b)) return "operands must be 16-byte aligned";
   if (p.gated && e.kind != EpilogueKind::kActivation) return "gated tiles pair columns for the activation epilogue only";
   if (e.kind == EpilogueKind::kStore && (e.ldc % 2 || reinterpret_cast<uintptr_t>(e.c) % 4))

@@ -1,8 +1,10 @@
 // The grouped GEMM's warp-specialised mainloop: a producer warpgroup gathers A rows (through the
 // routing plan's index list) and B tiles (the expert's weights) into a ring of shared-memory
 // stages with 16-byte cp.async, 128-byte swizzled; two consumer warpgroups run wgmma on them.
-// full[s] completes when all 128 producer threads' copies into stage s have landed
-// (cp.async.mbarrier.arrive.noinc); empty[s] when all 8 consumer warps are done reading it.
+// B comes by TMA (one elected producer thread, 64-wide boxes of the weights' tensor map). full[s]
+// completes when all 128 producer threads' A copies into stage s have landed
+// (cp.async.mbarrier.arrive.noinc) and the B bytes have arrived (expect_tx by the elected thread,
+// its 129th arrival); empty[s] when all 8 consumer warps are done reading it.
 // Producer and consumers walk the same persistent tile sequence, so they never exchange tiles.
 #pragma once
 
@@ -20,22 +22,23 @@ namespace gemm {
 namespace sm90 {
 
 struct StageRing {
-  uint32_t base;    // shared address of stage 0 (1024-byte aligned)
+  uint8_t* ptr;     // stage 0 (1024-byte aligned), generic address
+  uint32_t base;    // the same, shared address
   uint64_t* full;   // [stages]
   uint64_t* empty;  // [stages]
 };
 
-// Tile column c (multiple of 8) -> B column, or -1 past the problem's columns. Gated tiles take
-// their first half from the gate columns and their second half from the same up columns.
+// The first B column (kMN) or row (kK) of the 64-wide box `box` of a tile's columns. Gated tiles
+// take their first half from the gate columns and their second half from the same up columns;
+// a box that reaches past n reads zeros (past the tensor) or up columns (the gate half), and the
+// epilogue never stores those columns.
 template <int BN>
-__device__ __forceinline__ int32_t b_column(const GroupedGemmParams& p, int32_t col_block, int32_t c) {
+__device__ __forceinline__ int32_t b_box_start(const GroupedGemmParams& p, int32_t col_block, int box, int box_cols) {
   if (p.gated) {
-    const int32_t half = c >= BN / 2;
-    const int32_t j = col_block * (BN / 2) + c - half * (BN / 2);
-    return j < p.n ? j + half * p.n : -1;
+    const int half = box * box_cols >= BN / 2;
+    return col_block * (BN / 2) + box * box_cols - half * (BN / 2) + half * p.n;
   }
-  const int32_t j = col_block * BN + c;
-  return j < p.n ? j : -1;
+  return col_block * BN + box * box_cols;
 }
 
 __device__ __forceinline__ int32_t col_blocks_of(const GroupedGemmParams& p, int bn) {
@@ -44,11 +47,10 @@ __device__ __forceinline__ int32_t col_blocks_of(const GroupedGemmParams& p, int
 }
 
 template <class T, int BN, Major BMajor>
-__device__ void produce(const GroupedGemmParams& p, const StageRing& ring) {
+__device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing& ring) {
   using Cfg = TileConfig<BN>;
   const int t = threadIdx.x;  // 0..127
   const T* A = static_cast<const T*>(p.a);
-  const T* B = static_cast<const T*>(p.b);
   const int32_t E = p.sched.num_experts, cb = col_blocks_of(p, BN);
   const int num_kb = (p.k + kBlockK - 1) / kBlockK;
   const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
@@ -68,7 +70,6 @@ __device__ void produce(const GroupedGemmParams& p, const StageRing& ring) {
       }
       src_row[i] = q;
     }
-    const T* Be = B + static_cast<int64_t>(tc.expert) * p.b_expert_stride;
     for (int kb = 0; kb < num_kb; ++kb, ++it) {
       const uint32_t s = it % Cfg::kStages;
       mbar_wait(&ring.empty[s], ((it / Cfg::kStages) & 1) ^ 1);
@@ -83,36 +84,22 @@ __device__ void produce(const GroupedGemmParams& p, const StageRing& ring) {
           cp_async_16(a_dst + sw128_offset(a_row + 16 * i, a_chunk), src, ok ? 16u : 0u);
         }
       }
-      if constexpr (BMajor == Major::kMN) {
-        // smem [BN/64 column blocks][64 k rows][128 B]; thread: one column chunk, every
-        // (1024/BN)-th k row.
-        constexpr int kChunksPerRow = BN / 8, kRowStep = 128 / kChunksPerRow;
-        const int cc = t % kChunksPerRow, kr0 = t / kChunksPerRow;
-        const int32_t col = b_column<BN>(p, tc.col_block, cc * 8);
+      if (t == 0) {
+        using namespace cuda::ptx;
+        mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, &ring.full[s], Cfg::kBBytes);
+        uint8_t* b_ptr = ring.ptr + s * Cfg::kStageBytes + Cfg::kABytes;
+        if constexpr (BMajor == Major::kMN) {  // smem [BN/64 boxes][64 k rows][128 B]
 #pragma unroll
-        for (int i = 0; i < kBlockK / kRowStep; ++i) {
-          const int kr = kr0 + kRowStep * i;
-          const bool ok = col >= 0 && k0 + kr < p.k;
-          const T* src = ok ? Be + static_cast<int64_t>(k0 + kr) * p.ldb + col : B;
-          cp_async_16(b_dst + (cc / 8) * (kBlockK * 128) + sw128_offset(kr, cc % 8), src, ok ? 16u : 0u);
-        }
-      } else {
-        // smem [BN n rows][128 B]; thread: chunk t % 8 of rows t / 8 + 16 i. A gated tile's second
-        // half starts at a multiple of 16 rows, so each unrolled i knows its half: the row
-        // addresses are two bases plus multiples of 16 ldb (few live registers).
-        const int ch = t & 7, nr0 = t >> 3;
-        const int32_t kk = k0 + ch * 8;
-        constexpr int kHalfRows = BN / 32;  // i per half
-        const int32_t w = p.gated ? BN / 2 : BN, j0 = tc.col_block * w + nr0;
-        const T* row0 = Be + static_cast<int64_t>(j0) * p.ldb + kk;
-        const T* row1 = Be + static_cast<int64_t>(j0 + p.n - BN / 2) * p.ldb + kk;  // gated second half
-#pragma unroll
-        for (int i = 0; i < BN / 16; ++i) {
-          const bool second = p.gated && i >= kHalfRows;
-          const int32_t j = j0 + 16 * i - (second ? BN / 2 : 0);  // column within its half
-          const bool ok = j < p.n && kk < p.k;
-          const T* src = ok ? (second ? row1 : row0) + static_cast<int64_t>(16 * i) * p.ldb : B;
-          cp_async_16(b_dst + sw128_offset(nr0 + 16 * i, ch), src, ok ? 16u : 0u);
+          for (int box = 0; box < BN / 64; ++box) {
+            const int32_t c[3] = {b_box_start<BN>(p, tc.col_block, box, 64), k0, tc.expert};
+            cp_async_bulk_tensor(space_cluster, space_global, b_ptr + box * (kBlockK * 128), &bmap, c, &ring.full[s]);
+          }
+        } else {  // smem [BN n rows][128 B]: one box of BN rows, or two of BN/2 when gated
+          const int boxes = p.gated ? 2 : 1, rows = BN / boxes;
+          for (int box = 0; box < boxes; ++box) {
+            const int32_t c[3] = {k0, b_box_start<BN>(p, tc.col_block, box, rows), tc.expert};
+            cp_async_bulk_tensor(space_cluster, space_global, b_ptr + box * rows * 128, &bmap, c, &ring.full[s]);
+          }
         }
       }
       cuda::ptx::cp_async_mbarrier_arrive_noinc(&ring.full[s]);

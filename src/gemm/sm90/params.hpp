@@ -52,6 +52,13 @@ struct GroupedGemmParams {
   int64_t b_expert_stride = 0;  // elements
 };
 
+// A CUtensorMap (128 opaque bytes, 64-byte aligned) by value: the weights' TMA descriptor,
+// encoded on the host per launch (gemm/sm90/tensor_map.hpp) and passed as a __grid_constant__
+// kernel parameter, so graph capture records it with the launch.
+struct alignas(64) TmaDescriptor {
+  unsigned char bytes[128];
+};
+
 struct EpilogueParams {
   EpilogueKind kind = EpilogueKind::kStore;
   void* c = nullptr;  // kStore: [m_total, ldc]

@@ -1,0 +1,59 @@
+#include "gemm/sm90/tensor_map.hpp"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <mutex>
+
+#include "util/error.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace gemm {
+namespace sm90 {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  });
+  if (!fn) fail(Status::kCudaError, "the CUDA driver has no cuTensorMapEncodeTiled (driver too old for TMA)");
+  return fn;
+}
+
+}  // namespace
+
+TmaDescriptor weight_tensor_map(DType dt, const GroupedGemmParams& p, int box_rows) {
+  static_assert(sizeof(CUtensorMap) == sizeof(TmaDescriptor), "TmaDescriptor holds a CUtensorMap");
+  const cuuint64_t ncols = static_cast<cuuint64_t>(p.gated ? 2 * p.n : p.n);
+  const bool mn = p.b_major == Major::kMN;
+  const cuuint64_t dims[3] = {mn ? ncols : static_cast<cuuint64_t>(p.k), mn ? static_cast<cuuint64_t>(p.k) : ncols,
+                              static_cast<cuuint64_t>(p.sched.num_experts)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.ldb) * 2, static_cast<cuuint64_t>(p.b_expert_stride) * 2};
+  const cuuint32_t box[3] = {64, mn ? 64u : static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = encoder()(&map, dt == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                               3, const_cast<void*>(p.b), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    fail(Status::kNotSupported, "cuTensorMapEncodeTiled rejected the weight layout (error %d): strides must be "
+         "multiples of 16 bytes and below 2^40", static_cast<int>(r));
+  TmaDescriptor d;
+  std::memcpy(d.bytes, &map, sizeof(map));
+  return d;
+}
+
+}  // namespace sm90
+}  // namespace gemm
+}  // namespace v0
+}  // namespace moeblaze
