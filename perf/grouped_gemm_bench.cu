@@ -149,10 +149,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  int ndev = 0;
   cudaDeviceProp prop;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0 || cudaGetDeviceProperties(&prop, 0) != cudaSuccess ||
-      prop.major != 9) {
+  if (!have_sm90(&prop)) {
     std::printf("grouped-gemm-bench needs an sm_90 GPU\n");
     return 77;
   }

@@ -4,7 +4,8 @@
 # Usage (device tool, carry .deps):
 #   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|policies|bench|all]...
 # gemm: the sm_90a grouped GEMM alone: its kernel test, a SASS check (HGMMA, no local memory)
-# and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g. "--bn 256"; "skip" runs no bench).
+# and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g. "--bn 256"; "skip" runs no bench);
+# GEMM_SANITIZE="memcheck racecheck synccheck" runs the kernel test under those tools.
 # sanitize: memcheck, racecheck, initcheck and synccheck on the quick subset of the GPU tests
 # and on test_gpu_hardening; sanitize-full: racecheck and initcheck on the full GPU test set
 # (not part of "all": about 10 minutes).
@@ -52,6 +53,13 @@ if want gemm; then
   rc=$?
   grep -vE '^\[ *(RUN|  OK) *\]' "$OUT/gemm-test.log" | tail -20
   summary+=("gemm kernel test: rc=$rc; $(grep -E 'PASSED|FAILED' "$OUT/gemm-test.log" | tr '\n' ' ')")
+  if [ -n "${GEMM_SANITIZE:-}" ]; then  # e.g. "memcheck synccheck"
+    for tool in $GEMM_SANITIZE; do
+      timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
+        build-gpu/tests/kernels/test_sm90_grouped_gemm > "$OUT/gemm-$tool.log" 2>&1
+      summary+=("gemm kernel test under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/gemm-$tool.log" | tail -1)")
+    done
+  fi
   if [ "${GEMM_BENCH_ARGS:-}" != skip ]; then
     timeout 400 build-gpu/perf/grouped-gemm-bench ${GEMM_BENCH_ARGS:-} > "$OUT/gemm-bench.txt" 2> "$OUT/gemm-bench.err"
     summary+=("gemm bench: rc=$? (table below)")

@@ -34,6 +34,13 @@ using gemm::sm90::Major;
     }                                                                                              \
   } while (0)
 
+// Device 0 is a Hopper GPU (the kernel's only target); fills *prop when it is.
+inline bool have_sm90(cudaDeviceProp* prop) {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0 && cudaGetDeviceProperties(prop, 0) == cudaSuccess &&
+         prop->major == 9;
+}
+
 inline uint16_t to_half_bits(float f, DType dt) {
   if (dt == DType::kBF16) return f32_to_bf16(f);
   __half h = __float2half_rn(f);

@@ -135,10 +135,8 @@ void no_rows(void**) {  // m_total = 0: no tiles, nothing launched past the sche
 }  // namespace
 
 int main() {
-  int n = 0;
   cudaDeviceProp prop;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0 || cudaGetDeviceProperties(&prop, 0) != cudaSuccess ||
-      prop.major != 9) {
+  if (!have_sm90(&prop)) {
     std::printf("no sm_90 GPU: skipped\n");
     return 77;
   }
