@@ -1,4 +1,5 @@
-// Eight-element vector access for the memory-bound kernels: one 16-byte load or store per
+// Eight-element vector access for the memory-bound kernels (and the pair stores of the GEMM
+// epilogues): one 16-byte load or store per
 // eight bf16/fp16 values (two for fp32), converted to and from fp32 with round-to-nearest-even,
 // exactly as util/dtype.hpp rounds on the host.
 #pragma once
@@ -28,6 +29,7 @@ struct Elem<float> {
   }
   __device__ static float load1(const float* p) { return *p; }
   __device__ static void store1(float* p, float v) { *p = v; }
+  __device__ static void store2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 };
 template <>
 struct Elem<__nv_bfloat16> {
@@ -51,6 +53,9 @@ struct Elem<__nv_bfloat16> {
   }
   __device__ static float load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
   __device__ static void store1(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+  __device__ static void store2(__nv_bfloat16* p, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+  }
 };
 template <>
 struct Elem<__half> {
@@ -74,6 +79,7 @@ struct Elem<__half> {
   }
   __device__ static float load1(const __half* p) { return __half2float(*p); }
   __device__ static void store1(__half* p, float v) { *p = __float2half_rn(v); }
+  __device__ static void store2(__half* p, float a, float b) { *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b); }
 };
 
 // Runs `body` with T bound to the C++ type of a float DType.

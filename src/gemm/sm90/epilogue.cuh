@@ -5,40 +5,21 @@
 // the one definition shared with the CPU engine and the elementwise kernels.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "experts/activation.hpp"
 #include "gemm/grouped_tiles.hpp"
 #include "gemm/sm90/params.hpp"
+#include "util/vec8.cuh"
 
 namespace moeblaze {
 inline namespace v0 {
 namespace gemm {
 namespace sm90 {
 
-template <class T>
-struct Cvt;
-template <>
-struct Cvt<__nv_bfloat16> {
-  using Pair = __nv_bfloat162;
-  __device__ static __nv_bfloat16 one(float v) { return __float2bfloat16_rn(v); }
-  __device__ static float back(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static Pair two(float a, float b) { return __floats2bfloat162_rn(a, b); }
-};
-template <>
-struct Cvt<__half> {
-  using Pair = __half2;
-  __device__ static __half one(float v) { return __float2half_rn(v); }
-  __device__ static float back(__half v) { return __half2float(v); }
-  __device__ static Pair two(float a, float b) { return __floats2half2_rn(a, b); }
-};
-
 // Stores v0, v1 at columns j, j + 1 of a row (j even); the second only where j + 1 < n.
 template <class T>
 __device__ __forceinline__ void store_pair(T* row, int32_t j, int32_t n, float v0, float v1) {
-  if (j + 1 < n) *reinterpret_cast<typename Cvt<T>::Pair*>(row + j) = Cvt<T>::two(v0, v1);
-  else if (j < n) row[j] = Cvt<T>::one(v0);
+  if (j + 1 < n) Elem<T>::store2(row + j, v0, v1);
+  else if (j < n) Elem<T>::store1(row + j, v0);
 }
 
 // Calls f(row in tile, column in tile, acc index) for the fragment's valid rows.
@@ -75,13 +56,12 @@ __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, 
   T* pre = static_cast<T*>(e.pre);
   T* act = static_cast<T*>(e.act);
   const Activation a = e.activation;
-  using C = Cvt<T>;
   if (p.gated) {
     for_each_fragment_pair<BN / 2>(wg, tc.rows, [&](int r, int c, int q) {
       const int64_t pos = tc.row0 + r;
       const int32_t j = tc.col_block * (BN / 2) + c;
-      const float u0 = C::back(C::one(acc[q])), u1 = C::back(C::one(acc[q + 1]));
-      const float b0 = C::back(C::one(acc[q + BN / 4])), b1 = C::back(C::one(acc[q + 1 + BN / 4]));
+      const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
+      const float b0 = round_as<T>(acc[q + BN / 4]), b1 = round_as<T>(acc[q + 1 + BN / 4]);
       if (pre) {
         store_pair(pre + pos * e.ld_pre, j, p.n, u0, u1);
         store_pair(pre + pos * e.ld_pre + p.n, j, p.n, b0, b1);
@@ -92,7 +72,7 @@ __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, 
     for_each_fragment_pair<BN>(wg, tc.rows, [&](int r, int c, int q) {
       const int64_t pos = tc.row0 + r;
       const int32_t j = tc.col_block * BN + c;
-      const float u0 = C::back(C::one(acc[q])), u1 = C::back(C::one(acc[q + 1]));
+      const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
       if (pre) store_pair(pre + pos * e.ld_pre, j, p.n, u0, u1);
       store_pair(act + pos * e.ld_act, j, p.n, act_fn(a, u0), act_fn(a, u1));
     });

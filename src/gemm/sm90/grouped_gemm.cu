@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     produce<T, BN, BMajor>(p, bmap, ring);
   } else {
     regs_alloc<kConsumerRegs>();
-    const int32_t E = p.sched.num_experts, cb = col_blocks_of(p, BN);
+    const int32_t E = p.sched.num_experts, cb = column_blocks(p.n, p.gated, BN);
     const int num_kb = (p.k + kBlockK - 1) / kBlockK;
     const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
     uint32_t it = 0;
@@ -110,10 +110,9 @@ void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s)
   MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
   MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  const int cb = (p.n + (p.gated ? BN / 2 : BN) - 1) / (p.gated ? BN / 2 : BN);
-  const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, cb);
+  const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sms, bound)));
-  const TmaDescriptor bmap = weight_tensor_map(Elem<T>::kType, p, p.gated ? BN / 2 : BN);
+  const TmaDescriptor bmap = weight_tensor_map(Elem<T>::kType, p, tile_columns(p.gated, BN));
   kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, bmap, e);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }

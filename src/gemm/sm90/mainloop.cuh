@@ -34,16 +34,8 @@ struct StageRing {
 // epilogue never stores those columns.
 template <int BN>
 __device__ __forceinline__ int32_t b_box_start(const GroupedGemmParams& p, int32_t col_block, int box, int box_cols) {
-  if (p.gated) {
-    const int half = box * box_cols >= BN / 2;
-    return col_block * (BN / 2) + box * box_cols - half * (BN / 2) + half * p.n;
-  }
-  return col_block * BN + box * box_cols;
-}
-
-__device__ __forceinline__ int32_t col_blocks_of(const GroupedGemmParams& p, int bn) {
-  const int32_t w = p.gated ? bn / 2 : bn;
-  return (p.n + w - 1) / w;
+  const int half = p.gated && box * box_cols >= BN / 2;
+  return col_block * tile_columns(p.gated, BN) + box * box_cols - half * (BN / 2) + half * p.n;
 }
 
 template <class T, int BN, Major BMajor>
@@ -51,7 +43,7 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
   using Cfg = TileConfig<BN>;
   const int t = threadIdx.x;  // 0..127
   const T* A = static_cast<const T*>(p.a);
-  const int32_t E = p.sched.num_experts, cb = col_blocks_of(p, BN);
+  const int32_t E = p.sched.num_experts, cb = column_blocks(p.n, p.gated, BN);
   const int num_kb = (p.k + kBlockK - 1) / kBlockK;
   const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
   const int a_chunk = t & 7, a_row = t >> 3;  // A: rows a_row + 16 i, chunk a_chunk

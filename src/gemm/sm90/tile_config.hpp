@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "util/dtype.hpp"
+
 namespace moeblaze {
 inline namespace v0 {
 namespace gemm {
@@ -14,6 +16,13 @@ constexpr int kBlockK = 64;          // one 128-byte swizzle row of bf16/fp16
 constexpr int kThreads = 384;        // producer warpgroup + two consumer warpgroups
 constexpr int kProducerRegs = 72;    // setmaxnreg split: 128 * 72 + 256 * 216 <= 64K (56 spills the gather loop)
 constexpr int kConsumerRegs = 216;
+
+// Output columns a tile covers: BN, or BN/2 of each half when gated (gate and up columns
+// side by side); and the column blocks of an n-column problem.
+MOEBLAZE_HD int32_t tile_columns(int32_t gated, int bn) { return gated ? bn / 2 : bn; }
+MOEBLAZE_HD int32_t column_blocks(int32_t n, int32_t gated, int bn) {
+  return (n + tile_columns(gated, bn) - 1) / tile_columns(gated, bn);
+}
 
 template <int BN>
 struct TileConfig {
