@@ -3,9 +3,10 @@
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
 #   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|policies|bench|all]...
-# gemm: the sm_90a grouped GEMM alone: its kernel test, a SASS check (HGMMA, no local memory)
-# and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g. "--bn 256"; "skip" runs no bench);
-# GEMM_SANITIZE="memcheck racecheck synccheck" runs the kernel test under those tools.
+# gemm: the sm_90a grouped GEMMs alone: their kernel tests (varlen M and weight gradients), a
+# SASS check (HGMMA, no local memory) and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g.
+# "--bn 256"; "skip" runs no bench); GEMM_SANITIZE="memcheck racecheck synccheck" runs the
+# kernel tests under those tools.
 # sanitize: memcheck, racecheck, initcheck and synccheck on the quick subset of the GPU tests
 # and on test_gpu_hardening; sanitize-full: racecheck and initcheck on the full GPU test set
 # (not part of "all": about 10 minutes).
@@ -46,20 +47,21 @@ fi
 summary+=("build: ok in $(( $(date +%s) - t0 )) s; fatbin: $(cuobjdump --list-elf build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';') PTX: $(cuobjdump --list-ptx build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';')")
 
 if want gemm; then
-  obj=$(find build-gpu -name 'grouped_gemm.cu.o' | head -1)
-  cuobjdump -sass "$obj" > "$OUT/gemm.sass" 2>&1
-  summary+=("gemm SASS: HGMMA $(grep -c HGMMA "$OUT/gemm.sass"), local-memory LDL/STL $(grep -cE 'LDL|STL' "$OUT/gemm.sass")")
-  timeout 300 build-gpu/tests/kernels/test_sm90_grouped_gemm > "$OUT/gemm-test.log" 2>&1
-  rc=$?
-  grep -vE '^\[ *(RUN|  OK) *\]' "$OUT/gemm-test.log" | tail -20
-  summary+=("gemm kernel test: rc=$rc; $(grep -E 'PASSED|FAILED' "$OUT/gemm-test.log" | tr '\n' ' ')")
-  if [ -n "${GEMM_SANITIZE:-}" ]; then  # e.g. "memcheck synccheck"
-    for tool in $GEMM_SANITIZE; do
+  for obj in $(find build-gpu -name 'grouped_gemm.cu.o' -o -name 'weight_grad.cu.o'); do
+    cuobjdump -sass "$obj" > "$OUT/$(basename "$obj" .cu.o).sass" 2>&1
+    summary+=("$(basename "$obj" .cu.o) SASS: HGMMA $(grep -c HGMMA "$OUT/$(basename "$obj" .cu.o).sass"), local-memory LDL/STL $(grep -cE 'LDL|STL' "$OUT/$(basename "$obj" .cu.o).sass")")
+  done
+  for t in test_sm90_grouped_gemm test_sm90_weight_grad; do
+    timeout 300 build-gpu/tests/kernels/$t > "$OUT/$t.log" 2>&1
+    rc=$?
+    grep -vE '^\[ *(RUN|  OK) *\]' "$OUT/$t.log" | tail -20
+    summary+=("$t: rc=$rc; $(grep -E 'PASSED|FAILED' "$OUT/$t.log" | tr '\n' ' ')")
+    for tool in ${GEMM_SANITIZE:-}; do  # e.g. "memcheck racecheck synccheck"
       timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
-        build-gpu/tests/kernels/test_sm90_grouped_gemm > "$OUT/gemm-$tool.log" 2>&1
-      summary+=("gemm kernel test under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/gemm-$tool.log" | tail -1)")
+        build-gpu/tests/kernels/$t > "$OUT/$t-$tool.log" 2>&1
+      summary+=("$t under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$t-$tool.log" | tail -1)")
     done
-  fi
+  done
   if [ "${GEMM_BENCH_ARGS:-}" != skip ]; then
     timeout 400 build-gpu/perf/grouped-gemm-bench ${GEMM_BENCH_ARGS:-} > "$OUT/gemm-bench.txt" 2> "$OUT/gemm-bench.err"
     summary+=("gemm bench: rc=$? (table below)")

@@ -8,6 +8,7 @@
 #include "experts/activation.hpp"
 #include "gemm/grouped_tiles.hpp"
 #include "gemm/sm90/params.hpp"
+#include "gemm/sm90/tile_config.hpp"
 #include "util/vec8.cuh"
 
 namespace moeblaze {
@@ -47,7 +48,7 @@ __device__ __forceinline__ void epilogue_store(const GroupedGemmParams& p, const
   });
 }
 
-// pre = acc rounded to T; act = f(pre) (plain) or f(gate) * up (gated: the tile's first half
+// pre = acc rounded to T (optional); act = f(pre) (optional) (plain) or f(gate) * up (gated: the tile's first half
 // holds gate columns, its second half the same up columns), computed from the rounded pre as the
 // elementwise kernels do, then rounded.
 template <class T, int BN>
@@ -66,7 +67,7 @@ __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, 
         store_pair(pre + pos * e.ld_pre, j, p.n, u0, u1);
         store_pair(pre + pos * e.ld_pre + p.n, j, p.n, b0, b1);
       }
-      store_pair(act + pos * e.ld_act, j, p.n, act_fn(a, u0) * b0, act_fn(a, u1) * b1);
+      if (act) store_pair(act + pos * e.ld_act, j, p.n, act_fn(a, u0) * b0, act_fn(a, u1) * b1);
     });
   } else {
     for_each_fragment_pair<BN>(wg, tc.rows, [&](int r, int c, int q) {
@@ -74,9 +75,30 @@ __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, 
       const int32_t j = tc.col_block * BN + c;
       const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
       if (pre) store_pair(pre + pos * e.ld_pre, j, p.n, u0, u1);
-      store_pair(act + pos * e.ld_act, j, p.n, act_fn(a, u0), act_fn(a, u1));
+      if (act) store_pair(act + pos * e.ld_act, j, p.n, act_fn(a, u0), act_fn(a, u1));
     });
   }
+}
+
+// A weight-gradient tile: C_e[m0 + r, n0 + c] = acc (+ the old value when accumulating), rows
+// past m and columns past n masked. An expert without positions (num_kb == 0, acc zero) leaves
+// an accumulated gradient untouched.
+template <class T, int BN>
+__device__ __forceinline__ void epilogue_weight_grad(const WeightGradParams& p, int32_t expert, int32_t m0, int32_t n0,
+                                                     int num_kb, int wg, const float (&acc)[BN / 2]) {
+  if (p.accumulate && num_kb == 0) return;
+  T* C = static_cast<T*>(p.c) + static_cast<int64_t>(expert) * p.c_expert_stride;
+  const int rows = p.m - m0 < kBlockM ? p.m - m0 : kBlockM;
+  for_each_fragment_pair<BN>(wg, rows, [&](int r, int c, int q) {
+    T* row = C + static_cast<int64_t>(m0 + r) * p.ldc;
+    const int32_t j = n0 + c;
+    float v0 = acc[q], v1 = acc[q + 1];
+    if (p.accumulate) {
+      if (j < p.n) v0 += Elem<T>::load1(row + j);
+      if (j + 1 < p.n) v1 += Elem<T>::load1(row + j + 1);
+    }
+    store_pair(row, j, p.n, v0, v1);
+  });
 }
 
 }  // namespace sm90

@@ -9,6 +9,7 @@ namespace cubw = CUB_NS_QUALIFIER;
 #include "cuda/cuda_check.hpp"
 #include "gemm/sm90/epilogue.cuh"
 #include "gemm/sm90/grouped_gemm.hpp"
+#include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/mainloop.cuh"
 #include "gemm/sm90/tensor_map.hpp"
 #include "util/align.hpp"
@@ -65,22 +66,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ TmaDescriptor bmap,
                         const __grid_constant__ EpilogueParams e) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using Cfg = TileConfig<BN>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  StageRing ring;
-  ring.ptr = smem;
-  ring.base = smem_addr(smem);
-  ring.full = reinterpret_cast<uint64_t*>(smem + Cfg::kStages * Cfg::kStageBytes);
-  ring.empty = ring.full + Cfg::kStages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < Cfg::kStages; ++s) {
-      cuda::ptx::mbarrier_init(&ring.full[s], 129);  // every producer thread's cp.async arrival + the TMA expect_tx
-      cuda::ptx::mbarrier_init(&ring.empty[s], 8);   // lane 0 of each consumer warp
-    }
-    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
-  }
-  __syncthreads();
+  // full[s]: every producer thread's cp.async arrival + the TMA expect_tx.
+  const StageRing ring = init_ring<BN>(smem_raw, 129);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dealloc<kProducerRegs>();
@@ -94,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[BN / 2];
     for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
       const TileCoord tc = decode_tile(w, p.sched.offsets, p.sched.rb_prefix, E, kBlockM, cb);
-      consume_tile<T, BN, BMajor>(p, ring, wg - 1, num_kb, it, acc);
+      consume_tile<T, BN, BMajor>(ring, wg - 1, num_kb, it, acc);
       if constexpr (Epi == EpilogueKind::kStore) epilogue_store<T, BN>(p, e, tc, wg - 1, acc);
       else epilogue_activation<T, BN>(p, e, tc, wg - 1, acc);
     }
@@ -106,12 +94,8 @@ template <class T, int BN, Major BMajor, EpilogueKind Epi>
 void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
   using Cfg = TileConfig<BN>;
   auto* kernel = grouped_gemm_kernel<T, BN, BMajor, Epi>;
-  int dev = 0, sms = 0;
-  MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
-  MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sms, bound)));
+  const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound);
   const TmaDescriptor bmap = weight_tensor_map(Elem<T>::kType, p, tile_columns(p.gated, BN));
   kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, bmap, e);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
@@ -131,8 +115,6 @@ void dispatch_bn(int bn, const GroupedGemmParams& p, const EpilogueParams& e, cu
   if (bn == 256) dispatch_major<T, 256>(p, e, s);
   else dispatch_major<T, 128>(p, e, s);
 }
-
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace
 

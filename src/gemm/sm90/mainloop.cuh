@@ -28,6 +28,29 @@ struct StageRing {
   uint64_t* empty;  // [stages]
 };
 
+// Carves the ring from the dynamic shared memory (TileConfig<BN>::kSmemBytes) and initialises
+// its barriers: full[s] expects full_arrivals arrivals, empty[s] one per consumer warp. Every
+// thread of the block calls it (it ends with a block barrier).
+template <int BN>
+__device__ __forceinline__ StageRing init_ring(uint8_t* smem_raw, uint32_t full_arrivals) {
+  using Cfg = TileConfig<BN>;
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  StageRing ring;
+  ring.ptr = smem;
+  ring.base = smem_addr(smem);
+  ring.full = reinterpret_cast<uint64_t*>(smem + Cfg::kStages * Cfg::kStageBytes);
+  ring.empty = ring.full + Cfg::kStages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      cuda::ptx::mbarrier_init(&ring.full[s], full_arrivals);
+      cuda::ptx::mbarrier_init(&ring.empty[s], 8);  // lane 0 of each consumer warp
+    }
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+  }
+  __syncthreads();
+  return ring;
+}
+
 // The first B column (kMN) or row (kK) of the 64-wide box `box` of a tile's columns. Gated tiles
 // take their first half from the gate columns and their second half from the same up columns;
 // a box that reaches past n reads zeros (past the tensor) or up columns (the gate half), and the
@@ -101,12 +124,16 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
 
 // One consumer warpgroup's share of a tile: rows [64 wg, 64 wg + 64) x BN columns, accumulated
 // over K into acc (the wgmma m64nBN fragment). `it` is the ring position, carried across tiles.
-template <class T, int BN, Major BMajor>
-__device__ __forceinline__ void consume_tile(const GroupedGemmParams& p, const StageRing& ring, int wg, int num_kb,
+// A's stage is [128 rows][64 k] K-major (the varlen-M gathers), or [2][64 k][64 rows] MN-major
+// (the weight gradients, whose reduction runs over positions); either way the warpgroup's
+// 64 rows start 8 KB into the stage.
+template <class T, int BN, Major BMajor, Major AMajor = Major::kK>
+__device__ __forceinline__ void consume_tile(const StageRing& ring, int wg, int num_kb,
                                              uint32_t& it, float (&acc)[BN / 2]) {
   using Cfg = TileConfig<BN>;
-  using Mma = Wgmma<T, BN, 0, 0>;   // B K-major
-  using MmaT = Wgmma<T, BN, 0, 1>;  // B MN-major
+  constexpr int kTransA = AMajor == Major::kMN ? 1 : 0;
+  using Mma = Wgmma<T, BN, kTransA, 0>;   // B K-major
+  using MmaT = Wgmma<T, BN, kTransA, 1>;  // B MN-major
   const bool lane0 = (threadIdx.x & 31) == 0;
   if (num_kb == 0) {  // K = 0: the product is zero
 #pragma unroll
@@ -121,7 +148,8 @@ __device__ __forceinline__ void consume_tile(const GroupedGemmParams& p, const S
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      const uint64_t da = sw128_desc(a + kk * 32, 16, 1024);
+      const uint64_t da = AMajor == Major::kMN ? sw128_desc(a + kk * 16 * 128, kBlockK * 128, 1024)
+                                               : sw128_desc(a + kk * 32, 16, 1024);
       const int accumulate = (kb | kk) != 0;
       if constexpr (BMajor == Major::kMN) MmaT::mma(acc, da, sw128_desc(b + kk * 16 * 128, kBlockK * 128, 1024), accumulate);
       else Mma::mma(acc, da, sw128_desc(b + kk * 32, 16, 1024), accumulate);

@@ -71,6 +71,31 @@ struct EpilogueParams {
   int64_t ld_act = 0;
 };
 
+// The weight-gradient shape (varlen K): for every expert e, over its positions
+// p in [offsets[e], offsets[e+1]) (the reduction),
+//   C_e[i, j] = sum_p A[rowA(p), i] * B[rowB(p), j]      (+ C_e[i, j] when accumulate)
+// with rowA(p) = a_index ? a_index[p] : p and likewise for B, so either operand can be gathered
+// through the plan (x or dy) or read in expert order (dpre, g * act). An expert without
+// positions gets C_e = 0 (left alone when accumulating). As for A above, a row index outside
+// [0, rows) reads as zeros.
+struct WeightGradParams {
+  Schedule sched;      // only offsets and num_experts are read
+  int32_t m = 0;       // rows of C_e: columns of A
+  int32_t n = 0;       // columns of C_e: columns of B
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const int32_t* a_index = nullptr;
+  int32_t a_rows = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  const int32_t* b_index = nullptr;
+  int32_t b_rows = 0;
+  void* c = nullptr;
+  int64_t ldc = 0;
+  int64_t c_expert_stride = 0;  // elements
+  int32_t accumulate = 0;
+};
+
 }  // namespace sm90
 }  // namespace gemm
 }  // namespace v0

@@ -1,0 +1,76 @@
+// The sm_90a weight-gradient GEMM: the grouped GEMM's ring, consumers and register split, with
+// the varlen-K producer (mainloop_k.cuh) and the weight-gradient epilogue. Compiled for sm_90a only.
+#include "gemm/sm90/epilogue.cuh"
+#include "gemm/sm90/launch.cuh"
+#include "gemm/sm90/mainloop_k.cuh"
+#include "gemm/sm90/weight_grad.hpp"
+#include "util/error.hpp"
+#include "util/vec8.cuh"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace gemm {
+namespace sm90 {
+namespace {
+
+constexpr int kWeightGradBlockN = 256;
+
+template <class T, int BN>
+__global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_constant__ WeightGradParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const StageRing ring = init_ring<BN>(smem_raw, 128);  // every producer thread's cp.async arrival
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    regs_dealloc<kProducerRegs>();
+    produce_weight_grad<T, BN>(p, ring);
+  } else {
+    regs_alloc<kConsumerRegs>();
+    const int32_t mb = (p.m + kBlockM - 1) / kBlockM, nb = (p.n + BN - 1) / BN;
+    const int64_t total = static_cast<int64_t>(p.sched.num_experts) * mb * nb;
+    uint32_t it = 0;
+    float acc[BN / 2];
+    for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
+      const WeightGradTile tile = decode_weight_grad_tile<BN>(p, w);
+      const int num_kb = weight_grad_k_blocks(tile);
+      consume_tile<T, BN, Major::kMN, Major::kMN>(ring, wg - 1, num_kb, it, acc);
+      epilogue_weight_grad<T, BN>(p, tile.expert, tile.m0, tile.n0, num_kb, wg - 1, acc);
+    }
+  }
+#endif
+}
+
+template <class T>
+void launch(const WeightGradParams& p, cudaStream_t s) {
+  constexpr int BN = kWeightGradBlockN;
+  using Cfg = TileConfig<BN>;
+  auto* kernel = weight_grad_kernel<T, BN>;
+  const int64_t tiles = static_cast<int64_t>(p.sched.num_experts) * ((p.m + kBlockM - 1) / kBlockM) * ((p.n + BN - 1) / BN);
+  const int grid = persistent_grid(kernel, Cfg::kSmemBytes, tiles);
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p);
+  MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+const char* weight_grad_unsupported_reason(DType dt, const WeightGradParams& p) {
+  if (dt != DType::kBF16 && dt != DType::kF16) return "the sm_90a weight-gradient GEMM takes bf16 or fp16 operands";
+  if (p.m <= 0 || p.n <= 0 || p.m % 8 || p.n % 8 || p.lda % 8 || p.ldb % 8)
+    return "the gradient's rows and columns and the operands' leading dimensions must be multiples of 8";
+  if (!aligned16(p.a) || !aligned16(p.b)) return "operands must be 16-byte aligned";
+  if (p.ldc % 2 || p.c_expert_stride % 2 || reinterpret_cast<uintptr_t>(p.c) % 4)
+    return "the gradient's strides must be even and the gradient 4-byte aligned";
+  return nullptr;
+}
+
+void weight_grad(DType dt, const WeightGradParams& p, cudaStream_t s) {
+  if (const char* why = weight_grad_unsupported_reason(dt, p)) fail(Status::kNotSupported, "%s", why);
+  if (p.sched.num_experts == 0) return;
+  if (dt == DType::kBF16) launch<__nv_bfloat16>(p, s);
+  else launch<__half>(p, s);
+}
+
+}  // namespace sm90
+}  // namespace gemm
+}  // namespace v0
+}  // namespace moeblaze
