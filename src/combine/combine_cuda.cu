@@ -19,7 +19,11 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
 #pragma unroll
     for (int q = 0; q < W; ++q) acc[q] = 0.f;
     for (int64_t j = 0; j < k; ++j) {
-      const T* in = src + static_cast<int64_t>(map[t * k + j]) * d + c;
+      // A position outside [0, L k) only comes from a bad saved plan, which the fused engine
+      // flags on the device and answers with NaN outputs: read nothing for it.
+      const int64_t pos = map[t * k + j];
+      if (pos < 0 || pos >= static_cast<int64_t>(gridDim.x) * k) continue;
+      const T* in = src + pos * d + c;
       const float g = gates ? gates[t * k + j] : 1.f;
       if (W == 8) Elem<T>::load8(in, v);
       else v[0] = Elem<T>::load1(in);
@@ -42,7 +46,9 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
 
 __global__ void to_token_order_kernel(const int32_t* map, const float* v, int64_t n, float* out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) out[i] = v[map[i]];
+  if (i >= n) return;
+  const int32_t pos = map[i];
+  out[i] = pos >= 0 && pos < n ? v[pos] : 0.f;  // a bad saved map reads nothing
 }
 
 __global__ void store_rows_kernel(const float* src, int64_t rows, int64_t cols, char* out, DType t, int64_t stride,

@@ -33,6 +33,9 @@ std::unique_ptr<Engine> create_engine(LayerConfig& cfg);
 // The engines' factories (src/engines/*).
 std::unique_ptr<Engine> make_cpu_engine(const LayerConfig& cfg);
 std::unique_ptr<Engine> make_cublaslt_engine(const LayerConfig& cfg);
+std::unique_ptr<Engine> make_fused_engine(const LayerConfig& cfg);
+// Why the fused engine cannot serve cfg on a device of compute capability sm_major.x, or nullptr.
+const char* fused_engine_refuses(const LayerConfig& cfg, int sm_major);
 
 }  // namespace v0
 }  // namespace moeblaze

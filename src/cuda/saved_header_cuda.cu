@@ -6,13 +6,28 @@ inline namespace v0 {
 namespace cuda {
 namespace {
 
-__global__ void store_saved_header_kernel(SavedHeader header, SavedHeader* dst) { *dst = header; }
+__global__ void store_saved_header_kernel(SavedHeader header, SavedHeader* dst, const int32_t* unless_flag) {
+  if (!unless_flag || *unless_flag == 0) *dst = header;
+}
+
+__global__ void check_saved_header_kernel(SavedHeader want, const SavedHeader* got, int32_t* flag, int32_t bit) {
+  const uint32_t* a = reinterpret_cast<const uint32_t*>(&want);
+  const uint32_t* b = reinterpret_cast<const uint32_t*>(got);
+  bool same = true;
+  for (size_t i = 0; i < sizeof(SavedHeader) / 4; ++i) same &= a[i] == b[i];
+  if (!same) atomicOr(flag, bit);
+}
 
 }  // namespace
 
-void store_saved_header(const SavedHeader& header, SavedHeader* dst, cudaStream_t s) {
-  store_saved_header_kernel<<<1, 1, 0, s>>>(header, dst);
+void store_saved_header(const SavedHeader& header, SavedHeader* dst, cudaStream_t s, const int32_t* unless_flag) {
+  store_saved_header_kernel<<<1, 1, 0, s>>>(header, dst, unless_flag);
   MOEBLAZE_CUDA_LAUNCH_CHECK("store_saved_header");
+}
+
+void check_saved_header_cuda(const SavedHeader& want, const SavedHeader* got, int32_t* flag, int32_t bit, cudaStream_t s) {
+  check_saved_header_kernel<<<1, 1, 0, s>>>(want, got, flag, bit);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("check_saved_header");
 }
 
 }  // namespace cuda

@@ -1,4 +1,4 @@
-// Writing the saved buffer's header from the stream (a kernel with the header as its argument:
+// Writing and checking the saved buffer's header from the stream (a kernel with the header as its argument:
 // stream-ordered after the regions it vouches for, and capturable, unlike a pageable memcpy).
 #pragma once
 
@@ -10,7 +10,13 @@ namespace moeblaze {
 inline namespace v0 {
 namespace cuda {
 
-void store_saved_header(const SavedHeader& header, SavedHeader* dst, cudaStream_t s);
+// Writes the header, unless *unless_flag is nonzero (a sync-free call that found bad input leaves
+// the buffer vouching for nothing, so its backward rejects it too).
+void store_saved_header(const SavedHeader& header, SavedHeader* dst, cudaStream_t s, const int32_t* unless_flag = nullptr);
+
+// The sync-free form of check_saved_header (core/memory_layout.hpp): sets `bit` in *flag unless
+// the header at `got` is bitwise the one this handle's forward writes (`want`).
+void check_saved_header_cuda(const SavedHeader& want, const SavedHeader* got, int32_t* flag, int32_t bit, cudaStream_t s);
 
 }  // namespace cuda
 }  // namespace v0

@@ -17,14 +17,18 @@ inline namespace v0 {
 std::unique_ptr<Engine> make_cublaslt_engine(const LayerConfig&) {
   fail(Status::kArchMismatch, "this build of libmoeblaze has no CUDA support");
 }
+std::unique_ptr<Engine> make_fused_engine(const LayerConfig&) {
+  fail(Status::kArchMismatch, "this build of libmoeblaze has no CUDA support");
+}
+const char* fused_engine_refuses(const LayerConfig&, int) { return "this build of libmoeblaze has no CUDA support"; }
 #endif
 
 namespace {
 
 const char* cpu_refuses(const LayerConfig&, const cuda::DeviceInfo*) { return nullptr; }
 
-const char* fused_refuses(const LayerConfig&, const cuda::DeviceInfo*) {
-  return "the fused sm_90a engine is not built yet (issue 7)";
+const char* fused_refuses(const LayerConfig& cfg, const cuda::DeviceInfo* info) {
+  return fused_engine_refuses(cfg, info ? info->sm_major : 0);
 }
 
 const char* cublaslt_refuses(const LayerConfig& cfg, const cuda::DeviceInfo*) {
@@ -40,10 +44,11 @@ struct EngineEntry {
   std::unique_ptr<Engine> (*make)(const LayerConfig&);
 };
 
-// Preference order within a device: the fused engine first, once it can serve.
+// Preference order within a device: the fused engine first where it can serve (sm_90, bf16 or
+// fp16), cuBLASLt elsewhere.
 const EngineEntry kEngines[] = {
     {EngineKind::kCpu, kDeviceCpu, "cpu", cpu_refuses, make_cpu_engine},
-    {EngineKind::kCudaFused, kDeviceCuda, "cuda_fused", fused_refuses, nullptr},
+    {EngineKind::kCudaFused, kDeviceCuda, "cuda_fused", fused_refuses, make_fused_engine},
     {EngineKind::kCudaCublasLt, kDeviceCuda, "cuda_cublaslt", cublaslt_refuses, make_cublaslt_engine},
 };
 

@@ -27,7 +27,9 @@ __global__ void gather_rows_kernel(const char* src, int64_t es, int64_t stride, 
 
 __global__ void gates_to_positions_kernel(const int32_t* map, const float* gates, int64_t n, float* out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) out[map[i]] = gates[i];
+  if (i >= n) return;
+  const int32_t pos = map[i];
+  if (pos >= 0 && pos < n) out[pos] = gates[i];  // a bad saved map (fused engine: flagged on the device) is skipped
 }
 
 // One thread per 8 columns (vector path, h % 8 == 0) or per column.

@@ -15,6 +15,7 @@ namespace routing {
 // Bits of the engines' device error flag.
 constexpr int32_t kCallerIdsInvalid = 1;  // caller TOPK_INDICES out of range or repeated
 constexpr int32_t kPlanInvalid = 2;       // a saved routing plan failed validate_plan's rules
+constexpr int32_t kSavedHeaderInvalid = 4;  // a saved buffer's header is not this handle's forward's
 
 // Sets kPlanInvalid in *flag if `plan` breaks any rule of validate_plan. Reads only the plan's
 // [L*k] and [E+1] arrays, whatever they hold.

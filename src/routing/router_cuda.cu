@@ -145,11 +145,14 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
   const float aux_scale = aux_coeff * gaux * static_cast<float>(E) / (static_cast<float>(L) * static_cast<float>(L * k));
   const float z_scale = z_coeff * gz * 2.f / static_cast<float>(L);
   if (lane == 0) {
+    // Ids come from a saved plan; one out of [0, E) (flagged on the device by the fused engine's
+    // plan check) is clamped so that nothing is read outside the logits row.
+    auto id = [&](int64_t j) { return min(max(ids[t * k + j], 0), static_cast<int32_t>(E - 1)); };
     float norm = 0.f, dot = 0.f;
-    for (int64_t j = 0; j < k; ++j) norm += score(fn, l[ids[t * k + j]], lse);
-    for (int64_t j = 0; j < k; ++j) dot += dgates[t * k + j] * (score(fn, l[ids[t * k + j]], lse) / norm);
+    for (int64_t j = 0; j < k; ++j) norm += score(fn, l[id(j)], lse);
+    for (int64_t j = 0; j < k; ++j) dot += dgates[t * k + j] * (score(fn, l[id(j)], lse) / norm);
     for (int64_t j = 0; j < k; ++j) {
-      sel[warp][j] = ids[t * k + j];
+      sel[warp][j] = id(j);
       dsel[warp][j] = normalize ? (dgates[t * k + j] - dot) / norm : dgates[t * k + j];
     }
   }

@@ -138,12 +138,31 @@ static moeblaze_tensor_t tens(const runner* r, const slotinfo* t, int slot, int3
   return x;
 }
 
-static moeblaze_status_t run_step(runner* r, step* s, const gcase* c) {
+/* When set, a device int32 that every forward and backward of run_step reports into (STATUS). */
+static int32_t* g_status_dev = NULL;
+
+static moeblaze_arg_t status_arg(void) {
+  moeblaze_tensor_t t = tu_tensor(g_status_dev, tu_i32, 0, NULL);
+  t.device.device_type = MOEBLAZE_DEVICE_CUDA;
+  return tu_arg(MOEBLAZE_ARG_STATUS, t);
+}
+
+/* The forward (f) and backward (b) arguments of a step. */
+typedef struct step_args {
+  moeblaze_arg_t f[13], b[15];
+  size_t nf, nb;
+  int64_t sx[2], swg[2], sl[2], swgu[3], swd[3], sk[2], se[1]; /* shapes the descriptors point at */
+} step_args;
+
+static void make_args(runner* r, step* s, const gcase* c, step_args* A) {
   slotinfo t[T_COUNT];
   slots(s, t);
-  const int64_t sx[2] = {s->L, s->d}, swg[2] = {s->E, s->d}, sl[2] = {s->L, s->E}, swgu[3] = {s->E, s->d, s->gh},
-                swd[3] = {s->E, s->h, s->d}, sk[2] = {s->L, s->k}, se[1] = {s->E};
-  moeblaze_arg_t f[12];
+  int64_t* sx = A->sx; int64_t* swg = A->swg; int64_t* sl = A->sl; int64_t* swgu = A->swgu; int64_t* swd = A->swd;
+  int64_t* sk = A->sk; int64_t* se = A->se;
+  sx[0] = s->L; sx[1] = s->d; swg[0] = s->E; swg[1] = s->d; sl[0] = s->L; sl[1] = s->E;
+  swgu[0] = s->E; swgu[1] = s->d; swgu[2] = s->gh; swd[0] = s->E; swd[1] = s->h; swd[2] = s->d;
+  sk[0] = s->L; sk[1] = s->k; se[0] = s->E;
+  moeblaze_arg_t* f = A->f;
   size_t nf = 0;
   f[nf++] = tu_arg(MOEBLAZE_ARG_INPUT, tens(r, t, T_X, 2, sx));
   f[nf++] = tu_arg(MOEBLAZE_ARG_W_GATE_UP, tens(r, t, T_WGU, 3, swgu));
@@ -161,6 +180,33 @@ static moeblaze_status_t run_step(runner* r, step* s, const gcase* c) {
     f[nf++] = tu_arg(MOEBLAZE_ARG_AUX_LOSS, tens(r, t, T_AUX, 0, NULL));
     f[nf++] = tu_arg(MOEBLAZE_ARG_Z_LOSS, tens(r, t, T_Z, 0, NULL));
   }
+  if (g_status_dev && r->cuda) f[nf++] = status_arg();
+  moeblaze_arg_t* b = A->b;
+  size_t nb = 0;
+  b[nb++] = f[0]; b[nb++] = f[1]; b[nb++] = f[2];
+  b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_OUTPUT, tens(r, t, T_DY, 2, sx));
+  b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_INPUT, tens(r, t, T_DX, 2, sx));
+  b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_W_GATE_UP, tens(r, t, T_DWGU, 3, swgu));
+  b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_W_DOWN, tens(r, t, T_DWD, 3, swd));
+  b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, tens(r, t, T_DGW, 2, sk));
+  if (c->mode == MODE_LOGITS) {
+    b[nb++] = tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tens(r, t, T_LOG, 2, sl));
+    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_ROUTER_LOGITS, tens(r, t, T_DLOG, 2, sl));
+  } else if (c->mode == MODE_WG) {
+    b[nb++] = tu_arg(MOEBLAZE_ARG_ROUTER_WEIGHT, tens(r, t, T_WG, 2, swg));
+    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_ROUTER_WEIGHT, tens(r, t, T_DWG, 2, swg));
+  }
+  if (c->accumulate)
+    for (size_t i = 4; i < nb; ++i)
+      if (b[i].kind >= MOEBLAZE_ARG_GRAD_INPUT) b[i].flags = MOEBLAZE_ARG_FLAG_ACCUMULATE;
+  if (g_status_dev && r->cuda) b[nb++] = status_arg();
+  A->nf = nf;
+  A->nb = nb;
+}
+
+static moeblaze_status_t run_step(runner* r, step* s, const gcase* c) {
+  step_args A;
+  make_args(r, s, c, &A);
   size_t wf = 0, wb = 0, sv = 0;
   moeblaze_status_t st;
   if ((st = moeblaze_get_workspace_size(r->h, MOEBLAZE_PASS_FORWARD_TRAINING, s->L, &wf))) return st;
@@ -174,27 +220,9 @@ static moeblaze_status_t run_step(runner* r, step* s, const gcase* c) {
     ws = tu_alloc_bytes(wsz);
     saved = tu_alloc_bytes(sv);
   }
-  st = moeblaze_forward(r->h, MOEBLAZE_PASS_FORWARD_TRAINING, f, nf, ws, wsz, saved, sv, r->stream);
+  st = moeblaze_forward(r->h, MOEBLAZE_PASS_FORWARD_TRAINING, A.f, A.nf, ws, wsz, saved, sv, r->stream);
   if (st == MOEBLAZE_STATUS_SUCCESS) {
-    moeblaze_arg_t b[14];
-    size_t nb = 0;
-    b[nb++] = f[0]; b[nb++] = f[1]; b[nb++] = f[2];
-    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_OUTPUT, tens(r, t, T_DY, 2, sx));
-    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_INPUT, tens(r, t, T_DX, 2, sx));
-    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_W_GATE_UP, tens(r, t, T_DWGU, 3, swgu));
-    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_W_DOWN, tens(r, t, T_DWD, 3, swd));
-    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, tens(r, t, T_DGW, 2, sk));
-    if (c->mode == MODE_LOGITS) {
-      b[nb++] = tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tens(r, t, T_LOG, 2, sl));
-      b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_ROUTER_LOGITS, tens(r, t, T_DLOG, 2, sl));
-    } else if (c->mode == MODE_WG) {
-      b[nb++] = tu_arg(MOEBLAZE_ARG_ROUTER_WEIGHT, tens(r, t, T_WG, 2, swg));
-      b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_ROUTER_WEIGHT, tens(r, t, T_DWG, 2, swg));
-    }
-    if (c->accumulate)
-      for (size_t i = 4; i < nb; ++i)
-        if (b[i].kind >= MOEBLAZE_ARG_GRAD_INPUT) b[i].flags = MOEBLAZE_ARG_FLAG_ACCUMULATE;
-    st = moeblaze_backward(r->h, b, nb, saved, sv, ws, wsz, r->stream);
+    st = moeblaze_backward(r->h, A.b, A.nb, saved, sv, ws, wsz, r->stream);
   }
   if (r->cuda) {
     cudaStreamSynchronize(r->stream);
@@ -373,6 +401,9 @@ static gcase base_case(int64_t E, int64_t k, int64_t d, int64_t h, int64_t L, in
   gcase c;
   memset(&c, 0, sizeof c);
   c.layer = tu_layer_default(E, k, d, h, L > 0 ? L : 1, act);
+  /* The fused engine serves bf16 and fp16 (fp32 stays on cuBLASLt): its suite runs the fp32
+   * cases in bf16, so every edge below is still covered, at bf16 tolerance. */
+  if (g_engine == MOEBLAZE_ENGINE_CUDA_FUSED && dt.code == tu_f32.code && dt.bits == 32) dt = tu_bf16;
   c.layer.act_dtype = dt;
   c.layer.weight_dtype = dt;
   c.layer.save_policy = policy;
@@ -431,15 +462,25 @@ static void routing_modes_and_edges(void** state) {
   run_case(&zero, &rng, 0);
 }
 
+/* Bad caller ids. cuBLASLt: INVALID_ARGUMENT returned at its host sync, y untouched. Fused (no
+ * host sync): the calls return SUCCESS, every output (given finite values first) is NaN,
+ * STATUS reads INVALID_ARGUMENT after forward and after backward (whose saved buffer the
+ * failed forward left unvouched), and nothing is written past any buffer. */
 static void bad_caller_ids_write_nothing(void** state) {
   (void)state;
   tu_rng rng;
   tu_rng_seed(&rng, tu_fresh_seed("gpu_bad_ids"));
+  const int fused = g_engine == MOEBLAZE_ENGINE_CUDA_FUSED;
   for (int variant = 0; variant < 3; ++variant) {
     gcase c = base_case(8, 2, 32, 32, 64, MOEBLAZE_ACTIVATION_SILU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_CALLER);
-    step s;
+    step s, prior;
     make_inputs(&s, &c, &rng);
     alloc_outputs(&s);
+    prior = s;
+    alloc_outputs(&prior);
+    slotinfo tp[T_COUNT];
+    slots(&prior, tp);
+    for (int i = T_Y; i < T_COUNT; ++i) tu_fill_normal(&rng, *tp[i].host, tp[i].dt, tp[i].n, 0.5);
     int32_t* ids = (int32_t*)s.ids;
     if (variant == 0) ids[17] = 8;          /* == E */
     else if (variant == 1) ids[40] = -1;    /* negative */
@@ -448,17 +489,274 @@ static void bad_caller_ids_write_nothing(void** state) {
     assert_ok(create(&c.layer, 1, &r.h));
     r.cuda = 1;
     CUDA_OK(cudaStreamCreate(&r.stream));
-    to_device(&r, &s, NULL);
+    to_device(&r, &s, fused ? &prior : NULL);
+    int32_t* status = NULL;
+    const int32_t unset = 12345;
+    CUDA_OK(cudaMalloc((void**)&status, sizeof(int32_t)));
+    CUDA_OK(cudaMemcpy(status, &unset, sizeof unset, cudaMemcpyHostToDevice));
+    g_status_dev = status;
     moeblaze_status_t st = run_step(&r, &s, &c);
-    assert_int_equal(st, MOEBLAZE_STATUS_INVALID_ARGUMENT);
-    assert_true(moeblaze_get_last_error_message()[0] != '\0');
+    g_status_dev = NULL;
+    int32_t got = unset;
+    CUDA_OK(cudaMemcpy(&got, status, sizeof got, cudaMemcpyDeviceToHost));
+    cudaFree(status);
     assert_true(guards_intact(&r, &s));
     from_device(&r, &s);
-    for (int64_t i = 0; i < s.L * s.d; ++i) assert_true(isnan(tu_load(s.y, s.at, (size_t)i))); /* y untouched */
+    if (fused) {
+      assert_int_equal(st, MOEBLAZE_STATUS_SUCCESS);
+      assert_int_equal(got, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+      const int nan_slots[] = {T_Y, T_DX, T_DWGU, T_DWD, T_DGW};
+      slotinfo t[T_COUNT];
+      slots(&s, t);
+      for (size_t q = 0; q < sizeof nan_slots / sizeof nan_slots[0]; ++q)
+        for (size_t i = 0; i < t[nan_slots[q]].n; ++i)
+          if (!isnan(tu_load(*t[nan_slots[q]].host, t[nan_slots[q]].dt, i))) fail_msg("slot %d [%zu] is not NaN", nan_slots[q], i);
+    } else {
+      assert_int_equal(st, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+      assert_int_equal(got, unset); /* a failing call leaves STATUS alone */
+      assert_true(moeblaze_get_last_error_message()[0] != '\0');
+      for (int64_t i = 0; i < s.L * s.d; ++i) assert_true(isnan(tu_load(s.y, s.at, (size_t)i))); /* y untouched */
+    }
     free_device(&r);
     cudaStreamDestroy(r.stream);
     moeblaze_destroy(r.h);
+    free_outputs(&prior);
     free_step(&s);
+  }
+}
+
+/* AUTO picks the fused engine on sm_90 for bf16/fp16 layers whose d and h are multiples of 8,
+ * cuBLASLt otherwise; an explicit fused request it cannot serve fails with its reason. */
+static void auto_engine_choice(void** state) {
+  (void)state;
+  struct cudaDeviceProp prop;
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  const int hopper = prop.major == 9;
+  const struct { int64_t d; moeblaze_dtype_t dt; int fused_ok; } cases[] = {
+      {64, tu_bf16, 1}, {64, tu_f16, 1}, {64, tu_f32, 0}, {36, tu_bf16, 0}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+    tu_layer l = tu_layer_default(8, 2, cases[i].d, 32, 64, MOEBLAZE_ACTIVATION_SWIGLU);
+    l.act_dtype = l.weight_dtype = cases[i].dt;
+    l.engine = MOEBLAZE_ENGINE_AUTO;
+    moeblaze_handle_t h = NULL;
+    assert_ok(tu_create_on(&l, MOEBLAZE_DEVICE_CUDA, &h));
+    int64_t engine = -1;
+    assert_ok(moeblaze_handle_get_i64(h, MOEBLAZE_ATTR_ENGINE, &engine));
+    moeblaze_destroy(h);
+    const int64_t want = hopper && cases[i].fused_ok ? MOEBLAZE_ENGINE_CUDA_FUSED : MOEBLAZE_ENGINE_CUDA_CUBLASLT;
+    if (engine != want) fail_msg("case %zu: AUTO chose engine %lld, expected %lld", i, (long long)engine, (long long)want);
+    l.engine = MOEBLAZE_ENGINE_CUDA_FUSED;
+    const moeblaze_status_t st = tu_create_on(&l, MOEBLAZE_DEVICE_CUDA, &h);
+    if (hopper && cases[i].fused_ok) {
+      assert_int_equal(st, MOEBLAZE_STATUS_SUCCESS);
+      moeblaze_destroy(h);
+    } else {
+      assert_int_equal(st, MOEBLAZE_STATUS_NOT_SUPPORTED);
+      assert_non_null(strstr(moeblaze_get_last_error_message(), "cuda_fused"));
+    }
+  }
+}
+
+static void refill(runner* r, step* s);
+
+/* Hostile saved buffers handed to backward: zeros, 0xFF, random bytes, and a valid buffer with
+ * one plan entry corrupted (each index list in turn). cuBLASLt returns INVALID_ARGUMENT and
+ * writes no gradient; fused returns SUCCESS, STATUS reads INVALID_ARGUMENT and every gradient
+ * is NaN. Neither reads or writes outside a buffer (guards here; compute-sanitizer memcheck in
+ * scripts/gpu-check.sh). A valid buffer afterwards still gives STATUS 0. */
+static void hostile_saved_buffers(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_hostile_saved"));
+  const int fused = g_engine == MOEBLAZE_ENGINE_CUDA_FUSED;
+  gcase c = base_case(16, 4, 64, 96, 300, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  step s;
+  make_inputs(&s, &c, &rng);
+  alloc_outputs(&s);
+  runner r = {0};
+  assert_ok(create(&c.layer, 1, &r.h));
+  r.cuda = 1;
+  CUDA_OK(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking));
+  to_device(&r, &s, NULL);
+  int32_t* status = NULL;
+  CUDA_OK(cudaMalloc((void**)&status, sizeof(int32_t)));
+  g_status_dev = status;
+  step_args A;
+  make_args(&r, &s, &c, &A);
+  g_status_dev = NULL;
+  size_t wf = 0, wb = 0, sv = 0;
+  assert_ok(moeblaze_get_workspace_size(r.h, MOEBLAZE_PASS_FORWARD_TRAINING, c.L, &wf));
+  assert_ok(moeblaze_get_workspace_size(r.h, MOEBLAZE_PASS_BACKWARD, c.L, &wb));
+  assert_ok(moeblaze_get_saved_size(r.h, c.L, &sv));
+  const size_t wsz = wf > wb ? wf : wb;
+  void *ws = NULL, *saved = NULL;
+  CUDA_OK(cudaMalloc(&ws, wsz));
+  CUDA_OK(cudaMalloc(&saved, sv));
+  unsigned char* junk = malloc(sv);
+  const size_t R = ((size_t)(c.L * c.layer.top_k) * 4 + 255) / 256 * 256;
+  const size_t at[4] = {256 + 7 * 4, 256 + 2 * R + 5 * 4, 256 + 3 * R + 11 * 4, 256 + 4 * R + 3 * 4};
+  const int32_t bad[4] = {(int32_t)c.layer.experts + 3, -9, (int32_t)(c.L * c.layer.top_k) + 1, 1 << 29};
+  const int grads[] = {T_DX, T_DWGU, T_DWD, T_DGW, T_DLOG};
+  for (int variant = 0; variant < 8; ++variant) {
+    assert_ok(moeblaze_forward(r.h, MOEBLAZE_PASS_FORWARD_TRAINING, A.f, A.nf, ws, wsz, saved, sv, r.stream));
+    CUDA_OK(cudaStreamSynchronize(r.stream));
+    if (variant == 0) CUDA_OK(cudaMemset(saved, 0, sv));
+    else if (variant == 1) CUDA_OK(cudaMemset(saved, 0xff, sv));
+    else if (variant < 4) {
+      for (size_t i = 0; i < sv; ++i) junk[i] = (unsigned char)tu_rng_next(&rng);
+      CUDA_OK(cudaMemcpy(saved, junk, sv, cudaMemcpyHostToDevice));
+    } else {
+      CUDA_OK(cudaMemcpy((char*)saved + at[variant - 4], &bad[variant - 4], 4, cudaMemcpyHostToDevice));
+    }
+    refill(&r, &s); /* gradients poisoned */
+    const int32_t unset = 777;
+    CUDA_OK(cudaMemcpy(status, &unset, 4, cudaMemcpyHostToDevice));
+    const moeblaze_status_t st = moeblaze_backward(r.h, A.b, A.nb, saved, sv, ws, wsz, r.stream);
+    CUDA_OK(cudaStreamSynchronize(r.stream));
+    int32_t got = 0;
+    CUDA_OK(cudaMemcpy(&got, status, 4, cudaMemcpyDeviceToHost));
+    if (!guards_intact(&r, &s)) fail_msg("variant %d: a buffer was written past its end", variant);
+    from_device(&r, &s);
+    slotinfo t[T_COUNT];
+    slots(&s, t);
+    if (fused) {
+      if (st != MOEBLAZE_STATUS_SUCCESS || got != MOEBLAZE_STATUS_INVALID_ARGUMENT)
+        fail_msg("variant %d: returned %s, STATUS %d", variant, moeblaze_status_name(st), got);
+      for (size_t q = 0; q < sizeof grads / sizeof grads[0]; ++q)
+        for (size_t i = 0; i < t[grads[q]].n; ++i)
+          if (!isnan(tu_load(*t[grads[q]].host, t[grads[q]].dt, i))) fail_msg("variant %d: slot %d [%zu] is not NaN", variant, grads[q], i);
+    } else {
+      if (st != MOEBLAZE_STATUS_INVALID_ARGUMENT || got != unset)
+        fail_msg("variant %d: returned %s, STATUS %d", variant, moeblaze_status_name(st), got);
+    }
+  }
+  assert_ok(moeblaze_forward(r.h, MOEBLAZE_PASS_FORWARD_TRAINING, A.f, A.nf, ws, wsz, saved, sv, r.stream));
+  assert_ok(moeblaze_backward(r.h, A.b, A.nb, saved, sv, ws, wsz, r.stream));
+  CUDA_OK(cudaStreamSynchronize(r.stream));
+  int32_t got = -1;
+  CUDA_OK(cudaMemcpy(&got, status, 4, cudaMemcpyDeviceToHost));
+  assert_int_equal(got, 0);
+  free(junk);
+  cudaFree(status);
+  cudaFree(ws);
+  cudaFree(saved);
+  free_device(&r);
+  cudaStreamDestroy(r.stream);
+  moeblaze_destroy(r.h);
+  free_step(&s);
+}
+
+/* Device copies of a step's inputs refreshed in place, outputs poisoned again (no allocation). */
+static void refill(runner* r, step* s) {
+  slotinfo t[T_COUNT];
+  slots(s, t);
+  for (int i = 0; i < T_COUNT; ++i) {
+    const size_t bytes = t[i].n * tu_dtype_size(t[i].dt);
+    if (!t[i].output) {
+      CUDA_OK(cudaMemcpy(r->dev[i], *t[i].host, bytes, cudaMemcpyHostToDevice));
+    } else {
+      void* tmp = tu_alloc(t[i].dt, t[i].n + 1);
+      tu_poison(tmp, t[i].dt, t[i].n);
+      CUDA_OK(cudaMemcpy(r->dev[i], tmp, bytes, cudaMemcpyHostToDevice));
+      tu_free(tmp);
+    }
+  }
+}
+
+/* The fused engine has no host sync: forward + backward captured once in a CUDA graph and
+ * replayed on new inputs and new routing (new logits in the same buffers) give the same bits
+ * as eager calls on those inputs. The cuBLASLt engine refuses a capturing stream with
+ * NOT_SUPPORTED before enqueuing anything, and the capture stays usable. */
+static void graph_capture(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_graph"));
+  const int fused = g_engine == MOEBLAZE_ENGINE_CUDA_FUSED;
+  for (int mode = MODE_LOGITS; mode <= MODE_CALLER; ++mode) {
+    gcase c = base_case(8, 2, 64, 96, 300, mode == MODE_WG ? MOEBLAZE_ACTIVATION_GELU : MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16,
+                        mode == MODE_CALLER ? MOEBLAZE_SAVE_RECOMPUTE_UP : MOEBLAZE_SAVE_PREACT, mode);
+    step in[2], eager[2], graphed[2];
+    for (int i = 0; i < 2; ++i) {
+      make_inputs(&in[i], &c, &rng);
+      alloc_outputs(&in[i]);
+      eager[i] = in[i];
+      graphed[i] = in[i];
+      alloc_outputs(&eager[i]);
+      alloc_outputs(&graphed[i]);
+    }
+    runner r = {0};
+    assert_ok(create(&c.layer, 1, &r.h));
+    r.cuda = 1;
+    CUDA_OK(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking));
+    to_device(&r, &in[0], NULL);
+    int32_t* status = NULL;
+    CUDA_OK(cudaMalloc((void**)&status, sizeof(int32_t)));
+    g_status_dev = status;
+    step_args A;
+    make_args(&r, &in[0], &c, &A);
+    size_t wf = 0, wb = 0, sv = 0;
+    assert_ok(moeblaze_get_workspace_size(r.h, MOEBLAZE_PASS_FORWARD_TRAINING, c.L, &wf));
+    assert_ok(moeblaze_get_workspace_size(r.h, MOEBLAZE_PASS_BACKWARD, c.L, &wb));
+    assert_ok(moeblaze_get_saved_size(r.h, c.L, &sv));
+    const size_t wsz = wf > wb ? wf : wb;
+    void *ws = NULL, *saved = NULL;
+    CUDA_OK(cudaMalloc(&ws, wsz));
+    CUDA_OK(cudaMalloc(&saved, sv));
+    cudaGraph_t graph = NULL;
+    CUDA_OK(cudaStreamBeginCapture(r.stream, cudaStreamCaptureModeGlobal));
+    moeblaze_status_t st = moeblaze_forward(r.h, MOEBLAZE_PASS_FORWARD_TRAINING, A.f, A.nf, ws, wsz, saved, sv, r.stream);
+    moeblaze_status_t st2 = st ? st : moeblaze_backward(r.h, A.b, A.nb, saved, sv, ws, wsz, r.stream);
+    CUDA_OK(cudaStreamEndCapture(r.stream, &graph));
+    if (!fused) {
+      assert_int_equal(st, MOEBLAZE_STATUS_NOT_SUPPORTED);
+      cudaGraphExec_t exec = NULL;
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0)); /* the caller's capture is still valid */
+      cudaGraphExecDestroy(exec);
+    } else {
+      if (st || st2) fail_msg("capture: %s: %s", moeblaze_status_name(st ? st : st2), moeblaze_get_last_error_message());
+      cudaGraphExec_t exec = NULL;
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int i = 0; i < 2; ++i) {  /* replay on each input set */
+        refill(&r, &in[i]);
+        CUDA_OK(cudaGraphLaunch(exec, r.stream));
+        CUDA_OK(cudaStreamSynchronize(r.stream));
+        int32_t got = -1;
+        CUDA_OK(cudaMemcpy(&got, status, sizeof got, cudaMemcpyDeviceToHost));
+        assert_int_equal(got, 0);
+        from_device(&r, &graphed[i]);
+      }
+      for (int i = 1; i >= 0; --i) {  /* eager calls on the same buffers, in the other order */
+        refill(&r, &in[i]);
+        assert_ok(run_step(&r, &in[i], &c));
+        from_device(&r, &eager[i]);
+      }
+      for (int i = 0; i < 2; ++i) {
+        slotinfo te[T_COUNT], tg[T_COUNT];
+        slots(&eager[i], te);
+        slots(&graphed[i], tg);
+        for (int q = T_Y; q < T_COUNT; ++q)
+          if (memcmp(*te[q].host, *tg[q].host, te[q].n * tu_dtype_size(te[q].dt)) != 0)
+            fail_msg("graph replay %d differs from the eager call in slot %d", i, q);
+      }
+      if (memcmp(graphed[0].y, graphed[1].y, (size_t)(c.L * c.layer.d) * tu_dtype_size(tu_bf16)) == 0)
+        fail_msg("the two input sets gave the same y: the replay did not read the new inputs");
+      cudaGraphExecDestroy(exec);
+      printf("  ok  graph capture, %s routing: 2 replays == eager, bitwise\n", mode == MODE_LOGITS ? "logits" : mode == MODE_WG ? "W_g" : "caller");
+    }
+    g_status_dev = NULL;
+    cudaGraphDestroy(graph);
+    cudaFree(status);
+    cudaFree(ws);
+    cudaFree(saved);
+    free_device(&r);
+    cudaStreamDestroy(r.stream);
+    moeblaze_destroy(r.h);
+    for (int i = 0; i < 2; ++i) {
+      free_outputs(&eager[i]);
+      free_outputs(&graphed[i]);
+      free_step(&in[i]);
+    }
+    if (!fused) break; /* one refusal is enough */
   }
 }
 
@@ -587,6 +885,9 @@ int main(void) {
       cmocka_unit_test(bad_caller_ids_write_nothing),
       cmocka_unit_test(route_only),
       cmocka_unit_test(two_handles_two_streams),
+      cmocka_unit_test(graph_capture),
+      cmocka_unit_test(hostile_saved_buffers),
+      cmocka_unit_test(auto_engine_choice),
   };
   /* One suite, every CUDA engine that can serve this device (MOEBLAZE_TEST_ENGINE=cublaslt|fused
    * picks one); an engine the registry refuses here is reported, not failed. */
@@ -598,6 +899,7 @@ int main(void) {
     if (only && strcmp(only, engines[i].name) != 0) continue;
     g_engine = engines[i].engine;
     tu_layer probe = tu_layer_default(4, 2, 8, 16, 8, MOEBLAZE_ACTIVATION_SILU);
+    probe.act_dtype = probe.weight_dtype = tu_bf16; /* every CUDA engine serves bf16 */
     moeblaze_handle_t h = NULL;
     const moeblaze_status_t st = create(&probe, 1, &h);
     if (st == MOEBLAZE_STATUS_NOT_SUPPORTED) {

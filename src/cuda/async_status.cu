@@ -1,0 +1,59 @@
+#include "cuda/async_status.hpp"
+
+#include <algorithm>
+
+#include "cuda/cuda_check.hpp"
+#include "util/align.hpp"
+#include "util/error.hpp"
+#include "util/vec8.cuh"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace cuda {
+namespace {
+
+// One element per iteration of a grid-stride loop over the view's logical index space; the
+// flag is read once per thread, so an unflagged call costs one tiny launch.
+template <class T>
+__global__ void poison_kernel(const int32_t* flag, T* data, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1) {
+  if (*flag == 0) return;
+  const int64_t total = n0 * n1 * n2;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c = i % n2, r = (i / n2) % n1, a = i / (n1 * n2);
+    Elem<T>::store1(data + a * s0 + r * s1 + c, __int_as_float(0x7fc00000));
+  }
+}
+
+__global__ void status_kernel(const int32_t* flag, int32_t* status) {
+  *status = *flag ? static_cast<int32_t>(Status::kInvalidArgument) : 0;
+}
+
+}  // namespace
+
+void poison_if_flagged(const int32_t* flag, const View& out, cudaStream_t s) {
+  if (!out.present) return;
+  // As 3-D [n0, n1, n2] with strides s0, s1 (the innermost stride is 1).
+  int64_t n[3] = {1, 1, 1}, st[3] = {0, 0, 1};
+  for (int i = 0; i < out.ndim; ++i) {
+    n[3 - out.ndim + i] = out.shape[i];
+    st[3 - out.ndim + i] = out.stride[i];
+  }
+  const int64_t total = n[0] * n[1] * n[2];
+  if (total == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(total, 256), 1024));
+  MOEBLAZE_DISPATCH_FLOAT(out.dtype, T,
+                          poison_kernel<T><<<blocks, 256, 0, s>>>(flag, reinterpret_cast<T*>(out.data), n[0], n[1], n[2],
+                                                                  st[0], st[1]));
+  MOEBLAZE_CUDA_LAUNCH_CHECK("poison_if_flagged");
+}
+
+void write_status(const int32_t* flag, const View& status, cudaStream_t s) {
+  if (!status.present) return;
+  status_kernel<<<1, 1, 0, s>>>(flag, reinterpret_cast<int32_t*>(status.data));
+  MOEBLAZE_CUDA_LAUNCH_CHECK("write_status");
+}
+
+}  // namespace cuda
+}  // namespace v0
+}  // namespace moeblaze
