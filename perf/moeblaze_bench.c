@@ -39,6 +39,7 @@ typedef struct options {
   int reps, warmup, threads, check;
   int device; /* -1 auto, 0 cpu, 1 cuda */
   int32_t policy;
+  int64_t engine; /* MOEBLAZE_ENGINE_* for CUDA handles (AUTO by default) */
   moeblaze_dtype_t dtype;
   int activations[8];
   int num_activations;
@@ -251,10 +252,12 @@ static void usage(FILE* f) {
   fprintf(f,
           "usage: moeblaze-bench [--configs paper|modern|FILE]... [--shape T,d,n,E,K]... [--only NAME,...]\n"
           "                      [--activations silu,swiglu,...] [--dtype bf16|f16|f32] [--policy preact|recompute|all]\n"
-          "                      [--tokens N] [--device auto|cpu|cuda] [--cpu-gflop G] [--reps N] [--warmup N]\n"
+          "                      [--tokens N] [--device auto|cpu|cuda] [--engine auto|fused|cublaslt] [--cpu-gflop G]\n"
+          "                      [--reps N] [--warmup N]\n"
           "                      [--threads N] [--quick] [--no-check] [--json FILE]\n"
           "  --configs   config file(s): paper (default; n = 4 d), modern (fine-grained MoEs, explicit n), or a path\n"
           "  --shape     one layer: T tokens, d model dim, n expert FFN dim, E experts, K top-k (repeatable)\n"
+          "  --engine    the CUDA engine (auto: fused on sm_90 for bf16/fp16, else cuBLASLt)\n"
           "  --quick     a short CPU correctness check: small token counts, one rep, pass/fail per row\n");
 }
 
@@ -343,6 +346,8 @@ static void parse(int argc, char** argv, options* o) {
   static const char* const policy_names[] = {"preact", "recompute", "all", NULL};
   static const int32_t policies[] = {MOEBLAZE_SAVE_PREACT, MOEBLAZE_SAVE_RECOMPUTE_UP, MOEBLAZE_SAVE_ALL};
   static const char* const device_names[] = {"auto", "cpu", "cuda", NULL};
+  static const char* const engine_names[] = {"auto", "fused", "cublaslt", NULL};
+  static const int64_t engines[] = {MOEBLAZE_ENGINE_AUTO, MOEBLAZE_ENGINE_CUDA_FUSED, MOEBLAZE_ENGINE_CUDA_CUBLASLT};
   for (int i = 1; i < argc; ++i) {
     const char* a = argv[i];
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
@@ -366,6 +371,7 @@ static void parse(int argc, char** argv, options* o) {
     else if (!strcmp(a, "--warmup")) o->warmup = (int)parse_int(a, v, 0, 100000);
     else if (!strcmp(a, "--threads")) o->threads = (int)parse_int(a, v, 0, 4096);
     else if (!strcmp(a, "--device")) o->device = parse_choice(a, v, device_names) - 1;
+    else if (!strcmp(a, "--engine")) o->engine = engines[parse_choice(a, v, engine_names)];
     else if (!strcmp(a, "--policy")) o->policy = policies[parse_choice(a, v, policy_names)];
     else if (!strcmp(a, "--dtype")) o->dtype = dtypes[parse_choice(a, v, dtype_names)];
     else if (!strcmp(a, "--activations")) {
@@ -397,6 +403,7 @@ typedef struct result {
   double fwd, bwd, total, ceiling, err;
   size_t saved, ws_fwd, ws_bwd;
   int64_t L, check_tokens;
+  int64_t engine; /* the engine the handle resolved to */
 } result;
 
 /* One config x activation: times fwd, bwd and fwd+bwd, the dense ceiling, and one checked
@@ -418,11 +425,13 @@ static result run_one(backend* be, const options* o, const bench_config* c, int 
   CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ACTIVATION, act));
   CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SAVE_POLICY, o->policy));
   if (!be->cuda) CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_THREADS, o->threads));
+  if (be->cuda) CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ENGINE, o->engine));
   CHECK(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, o->dtype));
   CHECK(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, o->dtype));
   moeblaze_handle_t handle;
   CHECK(moeblaze_create(&handle, cfg));
   moeblaze_config_destroy(cfg);
+  CHECK(moeblaze_handle_get_i64(handle, MOEBLAZE_ATTR_ENGINE, &res.engine));
 
   const moeblaze_dtype_t dt = o->dtype, f32 = MOEBLAZE_DTYPE_F32;
   const size_t es = dsize(dt), nx = (size_t)(L * d), nl = (size_t)(L * E), nwgu = (size_t)(E * d * gh), nwd = (size_t)(E * h * d);
@@ -560,7 +569,8 @@ int main(int argc, char** argv) {
 #endif
   printf("# %s\n", moeblaze_get_build_info());
   if (be.cuda)
-    printf("# engine: CUDA cuBLASLt on device 0 of %d; median of %d reps after warm-up, CUDA events; ceiling = dense bf16 cuBLAS GEMMs of the same FLOPs in the same run\n",
+    printf("# engine: CUDA %s on device 0 of %d (the resolved engine is in the JSON); median of %d reps after warm-up, CUDA events; ceiling = dense bf16 cuBLAS GEMMs of the same FLOPs in the same run\n",
+           o.engine == MOEBLAZE_ENGINE_CUDA_FUSED ? "fused" : o.engine == MOEBLAZE_ENGINE_CUDA_CUBLASLT ? "cuBLASLt" : "AUTO (fused on sm_90 for bf16/fp16, else cuBLASLt)",
            gpus, o.reps > 0 ? o.reps : 20);
   else
     printf("# engine: CPU reference (%d CUDA device(s) seen)%s. On the CPU these numbers show correctness, not speed:\n"
@@ -628,7 +638,8 @@ int main(int argc, char** argv) {
         fprintf(json,
                 "{\"config\":\"%s\",\"activation\":\"%s\",\"engine\":\"%s\",\"dtype\":\"%s\",\"tokens\":%lld,\"full_tokens\":%lld,"
                 "\"d\":%lld,\"n\":%lld,\"experts\":%lld,\"k\":%lld",
-                c->name, act_name(act), be.cuda ? "cuda_cublaslt" : "cpu", dtype_name(o.dtype), (long long)L, (long long)L_full,
+                c->name, act_name(act),
+                !be.cuda ? "cpu" : r.engine == MOEBLAZE_ENGINE_CUDA_FUSED ? "cuda_fused" : "cuda_cublaslt", dtype_name(o.dtype), (long long)L, (long long)L_full,
                 (long long)c->d, (long long)c->n, (long long)c->experts, (long long)c->k);
         json_number(json, "fwd_ms", r.fwd, "%.4f");
         json_number(json, "bwd_ms", r.bwd, "%.4f");

@@ -295,7 +295,7 @@ typedef enum moeblaze_engine {
   MOEBLAZE_ENGINE_AUTO = 0,          /**< The best engine for the device (resolved at create). */
   MOEBLAZE_ENGINE_CPU = 1,           /**< The multi-threaded CPU reference engine. */
   MOEBLAZE_ENGINE_CUDA_CUBLASLT = 2, /**< CUDA: cuBLASLt per-expert GEMMs (portable, sm_80+). */
-  MOEBLAZE_ENGINE_CUDA_FUSED = 3,    /**< CUDA: fused grouped GEMMs (sm_90a). */
+  MOEBLAZE_ENGINE_CUDA_FUSED = 3,    /**< CUDA: fused grouped GEMMs (sm_90a; bf16/fp16; d, h multiples of 8). Sync-free and graph-capturable. Chosen explicitly: AUTO picks cuBLASLt until the fused backward is faster on coarse MoEs too. */
   MOEBLAZE_ENGINE__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_engine_t;
 
@@ -644,7 +644,9 @@ MOEBLAZE_API moeblaze_status_t moeblaze_get_saved_size(moeblaze_handle_t handle,
  * 2. #MOEBLAZE_ARG_ROUTER_WEIGHT W_g [E, d] given: logits = x W_g^T, then as above.
  * 3. Neither: #MOEBLAZE_ARG_TOPK_INDICES and #MOEBLAZE_ARG_TOPK_WEIGHTS are inputs (the
  *    caller routed, e.g. expert parallelism). Ids are validated (0 <= id < E, distinct per
- *    token); a bad id fails the call with INVALID_ARGUMENT before anything is written.
+ *    token); a bad id fails the call with INVALID_ARGUMENT before anything is written (the
+ *    fused engine, which never syncs, finds it on the device instead: outputs NaN and
+ *    #MOEBLAZE_ARG_STATUS = INVALID_ARGUMENT; see docs/errors.md).
  * In cases 1 and 2, TOPK_INDICES, TOPK_WEIGHTS and TOKENS_PER_EXPERT are optional outputs.
  * Backward takes the same routing inputs as the forward it follows (logits, or x and W_g, to
  * recompute the router scores); the ids and gates come from the saved buffer, so in case 3

@@ -47,26 +47,24 @@ __device__ __forceinline__ int32_t weight_grad_row(int32_t pos, int32_t p1, cons
   return q >= 0 && q < rows ? q : -1;
 }
 
-// 8 chunks of 16 bytes: columns [col0, col0 + 64) of source row `row` into one swizzled block row.
+// One 16-byte chunk per thread and row: columns [col0 + 8 chunk, + 8) of source row `row` into
+// row r of a swizzled 64-column block.
 template <class T>
-__device__ __forceinline__ void copy_block_row(uint32_t dst_block, int r, const T* base, int64_t ld, int32_t row,
-                                               int32_t col0, int32_t cols) {
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    const int32_t col = col0 + c * 8;
-    const bool ok = row >= 0 && col < cols;
-    const T* src = ok ? base + static_cast<int64_t>(row) * ld + col : base;
-    cp_async_16(dst_block + sw128_offset(r, c), src, ok ? 16u : 0u);
-  }
+__device__ __forceinline__ void copy_chunk(uint32_t dst_block, int r, int chunk, const T* base, int64_t ld, int32_t row,
+                                           int32_t col0, int32_t cols) {
+  const int32_t col = col0 + chunk * 8;
+  const bool ok = row >= 0 && col < cols;
+  const T* src = ok ? base + static_cast<int64_t>(row) * ld + col : base;
+  cp_async_16(dst_block + sw128_offset(r, chunk), src, ok ? 16u : 0u);
 }
 
-// Thread t (of 128) fills position row t / 2 of each stage: A block t % 2 and B blocks
-// (BN / 128) * (t % 2) onwards.
+// Thread t (of 128) copies chunk t % 8 of position rows t / 8 + 16 i (i < 4) of every block, so
+// eight neighbouring lanes read one 128-byte row segment (coalesced) and a warp four rows.
 template <class T, int BN>
 __device__ void produce_weight_grad(const WeightGradParams& p, const StageRing& ring) {
   using Cfg = TileConfig<BN>;
-  constexpr int kBBlocksPerThread = BN / 128;
-  const int t = threadIdx.x, r = t >> 1, half = t & 1;
+  constexpr int kRowPasses = kBlockK / 16;
+  const int t = threadIdx.x, chunk = t & 7, r0 = t >> 3;
   const T* A = static_cast<const T*>(p.a);
   const T* B = static_cast<const T*>(p.b);
   const int32_t mb = (p.m + kBlockM - 1) / kBlockM, nb = (p.n + BN - 1) / BN;
@@ -75,18 +73,37 @@ __device__ void produce_weight_grad(const WeightGradParams& p, const StageRing& 
   for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
     const WeightGradTile tile = decode_weight_grad_tile<BN>(p, w);
     const int num_kb = weight_grad_k_blocks(tile);
+    // The source rows change with every k-block: they are looked up one block ahead, so the
+    // index loads' latency overlaps the previous block's copies instead of preceding them.
+    int32_t qa[kRowPasses], qb[kRowPasses], next_a[kRowPasses], next_b[kRowPasses];
+    auto lookup = [&](int kb, int32_t (&ra)[kRowPasses], int32_t (&rb)[kRowPasses]) {
+#pragma unroll
+      for (int i = 0; i < kRowPasses; ++i) {
+        const int32_t pos = tile.p0 + kb * kBlockK + r0 + 16 * i;
+        ra[i] = weight_grad_row(pos, tile.p1, p.a_index, p.a_rows);
+        rb[i] = weight_grad_row(pos, tile.p1, p.b_index, p.b_rows);
+      }
+    };
+    if (num_kb > 0) lookup(0, next_a, next_b);
     for (int kb = 0; kb < num_kb; ++kb, ++it) {
       const uint32_t s = it % Cfg::kStages;
+#pragma unroll
+      for (int i = 0; i < kRowPasses; ++i) {
+        qa[i] = next_a[i];
+        qb[i] = next_b[i];
+      }
+      if (kb + 1 < num_kb) lookup(kb + 1, next_a, next_b);
       mbar_wait(&ring.empty[s], ((it / Cfg::kStages) & 1) ^ 1);
       const uint32_t a_dst = ring.base + s * Cfg::kStageBytes, b_dst = a_dst + Cfg::kABytes;
-      const int32_t pos = tile.p0 + kb * kBlockK + r;
-      const int32_t qa = weight_grad_row(pos, tile.p1, p.a_index, p.a_rows);
-      const int32_t qb = weight_grad_row(pos, tile.p1, p.b_index, p.b_rows);
-      copy_block_row(a_dst + half * (kBlockK * 128), r, A, p.lda, qa, tile.m0 + half * 64, p.m);
 #pragma unroll
-      for (int i = 0; i < kBBlocksPerThread; ++i) {
-        const int blk = half * kBBlocksPerThread + i;
-        copy_block_row(b_dst + blk * (kBlockK * 128), r, B, p.ldb, qb, tile.n0 + blk * 64, p.n);
+      for (int i = 0; i < kRowPasses; ++i) {
+        const int r = r0 + 16 * i;
+#pragma unroll
+        for (int blk = 0; blk < kBlockM / 64; ++blk)
+          copy_chunk(a_dst + blk * (kBlockK * 128), r, chunk, A, p.lda, qa[i], tile.m0 + blk * 64, p.m);
+#pragma unroll
+        for (int blk = 0; blk < BN / 64; ++blk)
+          copy_chunk(b_dst + blk * (kBlockK * 128), r, chunk, B, p.ldb, qb[i], tile.n0 + blk * 64, p.n);
       }
       cuda::ptx::cp_async_mbarrier_arrive_noinc(&ring.full[s]);
     }
