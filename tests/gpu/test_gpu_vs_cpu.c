@@ -3,8 +3,11 @@
  * logits / from W_g / caller-given, experts with no tokens, all tokens on one expert, L = 1,
  * L not a multiple of the plan tile, very large E, L = 0, bad caller ids (clear status, nothing
  * written, guard bytes intact), the accumulate flag, determinism (three runs, same bits) and two
- * handles used from two threads and streams at once. The suite runs once per CUDA engine that
- * the registry serves on this device. Exits 77 (skipped) without a GPU. */
+ * handles used from two threads and streams at once, CUDA-graph capture (fused: replays on new
+ * inputs and routing equal the eager bits; cuBLASLt: refused cleanly), hostile saved buffers
+ * and the STATUS contract, and AUTO's engine choice. The suite runs once per CUDA engine that
+ * the registry serves on this device (the fused engine runs the fp32 cases in bf16). Exits 77
+ * (skipped) without a GPU. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
