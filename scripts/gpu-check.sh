@@ -2,7 +2,7 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|policies|bench|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|policies|maxtokens|bench|all]...
 # gemm: the sm_90a grouped GEMMs alone: their kernel tests (varlen M and weight gradients), a
 # SASS check (HGMMA, no local memory) and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g.
 # "--bn 256"; "skip" runs no bench); GEMM_SANITIZE="memcheck racecheck synccheck" runs the
@@ -132,6 +132,13 @@ if want policies; then  # the save policies' memory/speed trade-off on two confi
     cat /tmp/pol-$pol.md >> "$OUT/policies.md"
   done
   cat "$OUT/policies.md"
+fi
+if want maxtokens; then  # the largest training step that fits, vs a plain torch._grouped_mm MoE
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONUNBUFFERED=1 \
+    timeout ${MAXTOKENS_TIMEOUT:-420} python3 perf/max_tokens.py --json "$OUT/max-tokens.json" ${MAXTOKENS_ARGS:-} \
+    > "$OUT/max-tokens.md" 2>&1
+  summary+=("max tokens: rc=$?")
+  cat "$OUT/max-tokens.md"
 fi
 if want bench; then
   build-gpu/perf/moeblaze-bench --json "$OUT/bench.jsonl" > "$OUT/bench.md" 2>&1

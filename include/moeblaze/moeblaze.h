@@ -347,11 +347,17 @@ typedef enum moeblaze_attr {
   MOEBLAZE_ATTR_ENGINE = 17,
   /** i64 0..1024, default 0 (all hardware threads): CPU engine worker threads. @since 0.1 */
   MOEBLAZE_ATTR_NUM_THREADS = 18,
+  /** i64 0..MAX_TOKENS, default 0 (automatic): the CUDA fused engine runs the expert MLPs on
+   *  windows of this many tokens, so its workspace is bounded by the window instead of growing
+   *  with the call's tokens (docs/memory.md gives the formula and the automatic choice). Results
+   *  depend on it only through the fp32 summation order of the weight gradients. Other engines
+   *  ignore it. @since 0.2 */
+  MOEBLAZE_ATTR_WINDOW_TOKENS = 19,
   MOEBLAZE_ATTR__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_attr_t;
 
 /** @brief Number of attributes known to this header (attributes are 0..MOEBLAZE_ATTR_COUNT-1). */
-#define MOEBLAZE_ATTR_COUNT 19
+#define MOEBLAZE_ATTR_COUNT 20
 
 /**
  * @brief Creates a config with every attribute at its default.

@@ -47,6 +47,7 @@ static_assert(MOEBLAZE_ATTR_COUNT == kAttrCount, "attribute table and header dis
 static_assert(static_cast<int>(Status::kInternalError) == MOEBLAZE_STATUS_INTERNAL_ERROR, "status values");
 static_assert(static_cast<int>(Status::kInsufficientWorkspace) == MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE, "status values");
 static_assert(static_cast<int>(Attr::kNumThreads) == MOEBLAZE_ATTR_NUM_THREADS, "attribute values");
+static_assert(static_cast<int>(Attr::kWindowTokens) == MOEBLAZE_ATTR_WINDOW_TOKENS, "attribute values");
 static_assert(static_cast<int>(Attr::kSavePolicy) == MOEBLAZE_ATTR_SAVE_POLICY, "attribute values");
 static_assert(static_cast<int>(ArgKind::kGradTopkWeights) == MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kZLoss) == MOEBLAZE_ARG_Z_LOSS, "argument kinds");
@@ -223,7 +224,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_attr_query(moeblaze_attr_t attr, moeblaz
     full.max_i64 = a->max_i64;
     full.default_i64 = a->default_i64;
     full.default_f64 = a->default_f64;
-    full.since_version = MOEBLAZE_VERSION_ENCODE(0, 1, 0);
+    full.since_version = MOEBLAZE_VERSION_ENCODE(0, a->since_minor, 0);
     const size_t caller = info->struct_size;
     std::memcpy(info, &full, caller < sizeof full ? caller : sizeof full);
     info->struct_size = caller;

@@ -82,10 +82,10 @@ void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_
   MOEBLAZE_CUDA_LAUNCH_CHECK("combine_rows");
 }
 
-void to_token_order_cuda(const RoutingPlan& plan, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s) {
+void to_token_order_cuda(const int32_t* token_index_map, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s) {
   const int64_t n = L * k;
   if (n == 0) return;
-  to_token_order_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, s>>>(plan.token_index_map, v, n, out);
+  to_token_order_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, s>>>(token_index_map, v, n, out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("to_token_order");
 }
 

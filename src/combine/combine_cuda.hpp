@@ -21,7 +21,7 @@ void combine_rows_cuda(const int32_t* token_index_map, const float* gates, int64
                        const void* src, const float* extra_f32, const View& out, cudaStream_t s);
 
 // out[t k + j] = v[token_index_map[t k + j]].
-void to_token_order_cuda(const RoutingPlan& plan, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s);
+void to_token_order_cuda(const int32_t* token_index_map, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s);
 // Dense fp32 [rows, cols] into a caller view (its dtype, row stride, accumulate flag).
 void store_f32_rows_cuda(const float* src, int64_t rows, int64_t cols, const View& out, cudaStream_t s);
 

@@ -31,6 +31,7 @@ const AttrInfo kAttrTable[kAttrCount] = {
     {"device_id", ValueType::kI64, false, -1, 1023, -1, 0.0, DType::kInvalid},
     {"engine", ValueType::kI64, false, 0, 3, 0, 0.0, DType::kInvalid},
     {"num_threads", ValueType::kI64, false, 0, 1024, 0, 0.0, DType::kInvalid},
+    {"window_tokens", ValueType::kI64, false, 0, kMaxI32, 0, 0.0, DType::kInvalid, 2},
 };
 
 const AttrInfo& checked(int32_t attr, ValueType want) {
@@ -114,6 +115,7 @@ LayerConfig LayerConfig::from_values(const ConfigValues& v) {
   c.device_id = static_cast<int32_t>(I(Attr::kDeviceId));
   c.engine = static_cast<EngineKind>(I(Attr::kEngine));
   c.num_threads = static_cast<int32_t>(I(Attr::kNumThreads));
+  c.window_tokens = I(Attr::kWindowTokens);
 
   if (c.top_k > c.num_experts)
     fail(Status::kInvalidArgument, "top_k = %lld exceeds num_experts = %lld", static_cast<long long>(c.top_k),
@@ -141,6 +143,7 @@ ConfigValues LayerConfig::to_values() const {
   S(Attr::kDeviceId, device_id);
   S(Attr::kEngine, static_cast<int64_t>(engine));
   S(Attr::kNumThreads, num_threads);
+  S(Attr::kWindowTokens, window_tokens);
   v.f64[static_cast<int>(Attr::kAuxLossCoeff)] = aux_loss_coeff;
   v.f64[static_cast<int>(Attr::kZLossCoeff)] = z_loss_coeff;
   v.dtype[static_cast<int>(Attr::kActivationDtype)] = act_dtype;

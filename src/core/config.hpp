@@ -15,8 +15,9 @@ enum class Attr : int32_t {
   kActivation = 5, kScoreFunction = 6, kNormalizeTopK = 7, kAuxLossCoeff = 8, kZLossCoeff = 9,
   kActivationDtype = 10, kWeightDtype = 11, kAccumDtype = 12, kSavePolicy = 13,
   kDeterministic = 14, kDeviceType = 15, kDeviceId = 16, kEngine = 17, kNumThreads = 18,
+  kWindowTokens = 19,
 };
-constexpr int kAttrCount = 19;
+constexpr int kAttrCount = 20;
 
 enum class Activation : int32_t { kRelu = 0, kGelu = 1, kSilu = 2, kSwiglu = 3, kGeglu = 4 };
 enum class ScoreFn : int32_t { kSoftmax = 0, kSigmoid = 1 };
@@ -35,6 +36,7 @@ struct AttrInfo {
   int64_t min_i64, max_i64, default_i64;
   double default_f64;
   DType default_dtype;
+  int32_t since_minor = 1;  // the 0.x release that introduced it
 };
 // nullptr for unknown attributes.
 const AttrInfo* attr_info(int32_t attr);
@@ -67,6 +69,7 @@ struct LayerConfig {
   int32_t device_type, device_id;
   EngineKind engine;
   int32_t num_threads;
+  int64_t window_tokens;  // 0: automatic (engines/fused/window.hpp)
 
   int64_t gate_up_cols() const { return (is_gated(activation) ? 2 : 1) * ffn_hidden; }
   // Checks required attributes and cross-attribute rules; throws Error.

@@ -27,6 +27,15 @@ struct View {
   char* row(int64_t a, int64_t r) const {
     return data + (a * stride[0] + r * stride[1]) * static_cast<int64_t>(elem());
   }
+  // Rows [r0, r0 + n) of a 2-D view, as a view of its own (an absent view stays absent).
+  View rows(int64_t r0, int64_t n) const {
+    View v = *this;
+    if (!present) return v;
+    v.data = row(r0);
+    v.shape[0] = n;
+    v.span_bytes = n > 0 ? static_cast<size_t>(((n - 1) * stride[0] + shape[1]) * static_cast<int64_t>(elem())) : 0;
+    return v;
+  }
 };
 
 }  // namespace v0

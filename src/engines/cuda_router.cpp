@@ -7,7 +7,7 @@
 namespace moeblaze {
 inline namespace v0 {
 
-RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, void* gemm_ws) const {
+RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, int64_t window, void* gemm_ws) const {
   const int64_t E = cfg_.num_experts, d = cfg_.hidden;
   RouterWork w;
   w.gemm_ws = gemm_ws;
@@ -19,17 +19,17 @@ RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, void* gemm_ws) con
     w.plan_scratch = c.take<char>(routing::plan_scratch_bytes_cuda(L, E));
   } else {
     w.dlogits = c.take<float>(static_cast<size_t>(L * E));
-    w.x_f32 = c.take<float>(static_cast<size_t>(L * d));
+    w.x_f32 = c.take<float>(static_cast<size_t>(window * d));
     w.wg_f32 = c.take<float>(static_cast<size_t>(E * d));
-    w.router_dx = c.take<float>(static_cast<size_t>(L * d));
+    w.router_dx = c.take<float>(static_cast<size_t>(window * d));
     w.dwg_f32 = c.take<float>(static_cast<size_t>(E * d));
   }
   return w;
 }
 
 void CudaRouter::gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
-                      const RouterWork& w, cudaStream_t s) const {
-  gemm_.gemm(M, N, K, A, B, C, DType::kF32, N, 1.f, 0.f, w.gemm_ws, gemm::CublasLtGemm::kWorkspaceBytes, s);
+                      const RouterWork& w, cudaStream_t s, float beta) const {
+  gemm_.gemm(M, N, K, A, B, C, DType::kF32, N, 1.f, beta, w.gemm_ws, gemm::CublasLtGemm::kWorkspaceBytes, s);
 }
 
 void CudaRouter::logits(const CallArgs& a, const RouterWork& w, cudaStream_t s) const {
@@ -68,26 +68,47 @@ void CudaRouter::write_outputs(const CallArgs& a, const RoutingPlan& plan, const
 
 bool CudaRouter::backward(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, const float* dg_tok,
                           const RouterWork& w, cudaStream_t s) const {
-  if (!needs.router_grad) return false;
-  const int64_t L = a.num_tokens, E = cfg_.num_experts, d = cfg_.hidden;
+  backward_begin(a, needs, w, s);
+  const bool adds_dx = backward_window(a, needs, plan, 0, a.num_tokens, dg_tok, true, w, s);
+  backward_finish(a, needs, w, s);
+  return adds_dx;
+}
+
+void CudaRouter::backward_begin(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const {
+  if (!needs.router_grad) return;
   logits(a, w, s);
-  routing::router_backward_cuda(cfg_, w.logits, L, plan.token_expert_indices, dg_tok,
+  if (a.mode == RoutingMode::kRouterWeight && needs.router_adds_dx)
+    routing::logits_to_f32_cuda(a.router_weight, cfg_.num_experts, cfg_.hidden, w.wg_f32, s);
+}
+
+bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, int64_t t0, int64_t rows,
+                                 const float* dg_tok, bool first, const RouterWork& w, cudaStream_t s) const {
+  if (!needs.router_grad || rows == 0) return false;
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden;
+  float* dlogits = w.dlogits + t0 * E;
+  routing::router_backward_cuda(cfg_, w.logits + t0 * E, rows, L, plan.token_expert_indices + t0 * k, dg_tok,
                                 a.grad_aux.present ? reinterpret_cast<const float*>(a.grad_aux.data) : nullptr,
                                 a.grad_z.present ? reinterpret_cast<const float*>(a.grad_z.data) : nullptr,
-                                plan.expert_token_offsets, w.dlogits, s);
-  if (a.d_logits.present) combine::store_f32_rows_cuda(w.dlogits, L, E, a.d_logits, s);
+                                plan.expert_token_offsets, dlogits, s);
   if (a.mode != RoutingMode::kRouterWeight) return false;
-  // Router GEMMs in fp32: dW_g = dlogits^T x, dx += dlogits W_g.
-  routing::logits_to_f32_cuda(a.x, L, d, w.x_f32, s);
-  if (a.d_router_weight.present) {
-    if (L > 0) gemm(E, d, L, {w.dlogits, DType::kF32, E, true}, {w.x_f32, DType::kF32, d, false}, w.dwg_f32, w, s);
-    else MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.dwg_f32, 0, sizeof(float) * E * d, s));
-    combine::store_f32_rows_cuda(w.dwg_f32, E, d, a.d_router_weight, s);
-  }
+  // Router GEMMs in fp32: dW_g = dlogits^T x (summed over the windows in order), dx += dlogits W_g.
+  View x = a.x;
+  x.data = a.x.row(t0);
+  routing::logits_to_f32_cuda(x, rows, d, w.x_f32, s);
+  if (a.d_router_weight.present)
+    gemm(E, d, rows, {dlogits, DType::kF32, E, true}, {w.x_f32, DType::kF32, d, false}, w.dwg_f32, w, s, first ? 0.f : 1.f);
   if (!needs.router_adds_dx) return false;
-  routing::logits_to_f32_cuda(a.router_weight, E, d, w.wg_f32, s);
-  gemm(L, d, E, {w.dlogits, DType::kF32, E, false}, {w.wg_f32, DType::kF32, d, false}, w.router_dx, w, s);
+  gemm(rows, d, E, {dlogits, DType::kF32, E, false}, {w.wg_f32, DType::kF32, d, false}, w.router_dx, w, s);
   return true;
+}
+
+void CudaRouter::backward_finish(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const {
+  if (!needs.router_grad) return;
+  const int64_t L = a.num_tokens, E = cfg_.num_experts, d = cfg_.hidden;
+  if (a.d_logits.present) combine::store_f32_rows_cuda(w.dlogits, L, E, a.d_logits, s);
+  if (a.mode != RoutingMode::kRouterWeight || !a.d_router_weight.present) return;
+  if (L == 0) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.dwg_f32, 0, sizeof(float) * E * d, s));
+  combine::store_f32_rows_cuda(w.dwg_f32, E, d, a.d_router_weight, s);
 }
 
 }  // namespace v0

@@ -25,10 +25,10 @@ struct RouterWork {
   float* loss_scratch = nullptr;  //           forward, route
   void* plan_scratch = nullptr;   //           forward, route
   float* dlogits = nullptr;       // [L, E]    backward
-  float* x_f32 = nullptr;         // [L, d]    backward, ROUTER_WEIGHT: the router GEMMs in fp32
-  float* wg_f32 = nullptr;        // [E, d]
-  float* router_dx = nullptr;     // [L, d]
-  float* dwg_f32 = nullptr;       // [E, d]
+  float* x_f32 = nullptr;         // [W, d]    backward, ROUTER_WEIGHT: the router GEMMs in fp32
+  float* wg_f32 = nullptr;        // [E, d]                (W: the tokens of one window)
+  float* router_dx = nullptr;     // [W, d]
+  float* dwg_f32 = nullptr;       // [E, d]    summed over the windows
   void* gemm_ws = nullptr;        // cuBLASLt workspace, shared with the engine
 };
 
@@ -36,8 +36,9 @@ class CudaRouter {
  public:
   CudaRouter(const LayerConfig& cfg, const gemm::CublasLtGemm& gemm) : cfg_(cfg), gemm_(gemm) {}
 
-  // Appends the router's regions for `pass` to a carve (the engine's workspace layout).
-  RouterWork carve(Carver& c, Pass pass, int64_t L, void* gemm_ws) const;
+  // Appends the router's regions for `pass` to a carve (the engine's workspace layout); the
+  // backward's [W, d] regions serve windows of at most `window` tokens.
+  RouterWork carve(Carver& c, Pass pass, int64_t L, int64_t window, void* gemm_ws) const;
 
   // Zeroes the error flag, routes (or imports and checks the caller's ids) into plan's ids and
   // gates, and builds the plan.
@@ -48,11 +49,17 @@ class CudaRouter {
   // and d logits W_g into w.router_dx. Returns true when router_dx holds dx's router part.
   bool backward(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, const float* dg_tok, const RouterWork& w,
                 cudaStream_t s) const;
+  // The same in token windows: begin once, then one call per window [t0, t0 + rows) in order
+  // (dg_tok and router_dx are the window's; `first` starts the dW_g sum), then finish.
+  void backward_begin(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const;
+  bool backward_window(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, int64_t t0, int64_t rows,
+                       const float* dg_tok, bool first, const RouterWork& w, cudaStream_t s) const;
+  void backward_finish(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const;
 
  private:
   void logits(const CallArgs& a, const RouterWork& w, cudaStream_t s) const;
   void gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
-            const RouterWork& w, cudaStream_t s) const;
+            const RouterWork& w, cudaStream_t s, float beta = 0.f) const;
 
   const LayerConfig& cfg_;
   const gemm::CublasLtGemm& gemm_;

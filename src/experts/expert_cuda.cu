@@ -59,14 +59,14 @@ __global__ void activation_forward_kernel(Activation a, int64_t P, int64_t h, co
 // One warp per row; lanes take W-column chunks in a fixed order, then a fixed-order shuffle
 // reduction: dg is bitwise reproducible.
 template <class T, int W>
-__global__ void activation_backward_kernel(Activation a, int64_t P, int64_t h, const T* pre, const float* gate, T* dpre,
-                                           T* gact, float* dg_pos) {
+__global__ void activation_backward_kernel(Activation a, int64_t P, int64_t h, const T* pre, const int32_t* pre_rows,
+                                           const float* gate, T* dpre, T* gact, float* dg_pos) {
   const int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (p >= P) return;
   const bool gated = is_gated(a);
   const int64_t ld = gated ? 2 * h : h;
-  const T* pr = pre + p * ld;
+  const T* pr = pre + (pre_rows ? static_cast<int64_t>(pre_rows[p]) : p) * ld;
   T* dr = dpre + p * ld;
   T* gr = gact + p * h;
   const float g = gate[p];
@@ -143,17 +143,17 @@ void activation_forward_cuda(Activation a, DType dt, int64_t P, int64_t h, const
   MOEBLAZE_CUDA_LAUNCH_CHECK("activation_forward");
 }
 
-void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, const float* gate, void* dpre,
-                              void* gact, float* dg_pos, cudaStream_t s) {
+void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, const int32_t* pre_rows,
+                              const float* gate, void* dpre, void* gact, float* dg_pos, cudaStream_t s) {
   if (P == 0) return;
   const bool vec = h % 8 == 0;
   const unsigned blocks = static_cast<unsigned>(ceil_div(P, 8));
   MOEBLAZE_DISPATCH_FLOAT(dt, T, {
     const T* in = static_cast<const T*>(pre);
     if (vec)
-      activation_backward_kernel<T, 8><<<blocks, 256, 0, s>>>(a, P, h, in, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos);
+      activation_backward_kernel<T, 8><<<blocks, 256, 0, s>>>(a, P, h, in, pre_rows, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos);
     else
-      activation_backward_kernel<T, 1><<<blocks, 256, 0, s>>>(a, P, h, in, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos);
+      activation_backward_kernel<T, 1><<<blocks, 256, 0, s>>>(a, P, h, in, pre_rows, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos);
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("activation_backward");
 }

@@ -31,7 +31,8 @@ void activation_forward_cuda(Activation a, DType dt, int64_t P, int64_t h, const
 // act recomputed from pre exactly as the forward rounded it:
 //   dg_pos[p] = <dact, act>;  dpre[p, :] = backward of g * dact (dA, dB or dH), in place;
 //   gact[p, :] = g * act (the dW_down operand).
-void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre,
+// pre row p is pre_rows[p] when pre_rows is given (a window reading the call's saved pre).
+void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, const int32_t* pre_rows,
                               const float* gate_of_position, void* dpre, void* gact, float* dg_pos, cudaStream_t s);
 
 }  // namespace experts

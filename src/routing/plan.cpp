@@ -72,6 +72,8 @@ void validate_plan(const RoutingPlan& plan, int64_t L, int64_t k, int64_t E) {
       if (pos < off[e] || pos >= off[e + 1] || plan.expert_token_indices[pos] != t)
         fail(Status::kInvalidArgument, "saved routing plan: slot (%lld, %lld) does not map to a position of expert %d holding its token",
              static_cast<long long>(t), static_cast<long long>(j), e);
+      if (pos + 1 < off[e + 1] && plan.expert_token_indices[pos + 1] <= t)
+        fail(Status::kInvalidArgument, "saved routing plan: the tokens of expert %d do not ascend at position %d", e, pos);
     }
 }
 

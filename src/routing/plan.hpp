@@ -37,7 +37,8 @@ void build_plan(RoutingPlan& plan, int64_t num_tokens, int64_t k, int64_t num_ex
 // Checks a plan that came from outside (a caller's saved buffer) before any of its indices is
 // followed: offsets start at 0, never decrease and end at L*k; every id is in [0, E) and
 // distinct within its token; every slot (t, j) maps to a position of its expert's range that
-// holds token t (so token_index_map is a bijection and expert_token_indices lies in [0, L)).
+// holds token t (so token_index_map is a bijection and expert_token_indices lies in [0, L));
+// tokens ascend within each expert's range, as build_plan writes them.
 // Throws Error(kInvalidArgument) naming the first violation. O(L k^2), reads only [L*k] and
 // [E+1] entries.
 void validate_plan(const RoutingPlan& plan, int64_t num_tokens, int64_t k, int64_t num_experts);

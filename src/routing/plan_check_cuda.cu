@@ -30,6 +30,8 @@ __global__ void validate_plan_kernel(const int32_t* tei, const int32_t* eti, con
     const int32_t pos = tim[i];
     if (pos < 0 || pos >= P || pos < off[e] || pos >= off[e + 1]) { bad = true; continue; }
     bad |= eti[pos] != t;
+    // Tokens ascend within an expert (windows of tokens find their rows by binary search).
+    if (pos + 1 < off[e + 1]) bad |= eti[pos + 1] <= t;
   }
   if (bad) atomicOr(flag, kPlanInvalid);
 }

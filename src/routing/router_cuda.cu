@@ -131,14 +131,14 @@ __global__ void loss_finish_kernel(double aux_coeff, double z_coeff, int64_t L, 
 }
 
 __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coeff, float z_coeff, const float* logits,
-                                       int64_t L, int64_t E, int64_t k, const int32_t* ids, const float* dgates,
+                                       int64_t rows, int64_t L, int64_t E, int64_t k, const int32_t* ids, const float* dgates,
                                        const float* grad_aux, const float* grad_z, const int32_t* offsets,
                                        float* dlogits) {
   __shared__ int sel[kWarpsPerBlock][kMaxTopK];
   __shared__ float dsel[kWarpsPerBlock][kMaxTopK];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + warp;
-  if (t >= L) return;
+  if (t >= rows) return;
   const float* l = logits + t * E;
   const float lse = row_lse(l, E, lane);
   const float gaux = grad_aux ? *grad_aux : 1.f, gz = grad_z ? *grad_z : 1.f;
@@ -273,13 +273,13 @@ void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float
   MOEBLAZE_CUDA_LAUNCH_CHECK("loss_finish");
 }
 
-void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t L, const int32_t* ids,
+void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t rows, int64_t L, const int32_t* ids,
                           const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
                           float* dlogits, cudaStream_t s) {
-  if (L == 0) return;
-  router_backward_kernel<<<blocks_for(L, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, s>>>(
+  if (rows == 0) return;
+  router_backward_kernel<<<blocks_for(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, s>>>(
       cfg.score_fn, cfg.normalize_topk, static_cast<float>(cfg.aux_loss_coeff), static_cast<float>(cfg.z_loss_coeff),
-      logits, L, cfg.num_experts, cfg.top_k, ids, dgates, grad_aux, grad_z, offsets, dlogits);
+      logits, rows, L, cfg.num_experts, cfg.top_k, ids, dgates, grad_aux, grad_z, offsets, dlogits);
   MOEBLAZE_CUDA_LAUNCH_CHECK("router_backward");
 }
 

@@ -30,9 +30,11 @@ size_t router_loss_scratch_floats(int64_t L, int64_t E);
 void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float* lse, int64_t L,
                         const int32_t* offsets, float* scratch, float* aux_out, float* z_out, cudaStream_t s);
 
-// d logits [L, E] fp32 from dgates (token order), aux/z gradient scalars (device pointers, or
-// null for 1.0) and the expert offsets. One warp per token.
-void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t L, const int32_t* ids,
+// d logits [rows, E] fp32 from dgates (token order), aux/z gradient scalars (device pointers, or
+// null for 1.0) and the expert offsets, for `rows` consecutive tokens of a call of L tokens
+// (the losses are means over the call: a window of its tokens passes its own rows and the
+// call's L; logits, ids, dgates and dlogits point at the window's first token). One warp per token.
+void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t rows, int64_t L, const int32_t* ids,
                           const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
                           float* dlogits, cudaStream_t s);
 

@@ -288,10 +288,12 @@ static void free_device(runner* r) {
 
 /* The CUDA engine under test (main runs the whole suite once per engine that serves here). */
 static int64_t g_engine = MOEBLAZE_ENGINE_CUDA_CUBLASLT;
+static int64_t g_window = 0; /* MOEBLAZE_ATTR_WINDOW_TOKENS of the CUDA handles (0: automatic) */
 
 static moeblaze_status_t create(const tu_layer* l, int cuda, moeblaze_handle_t* out) {
   tu_layer e = *l;
   e.engine = cuda ? g_engine : MOEBLAZE_ENGINE_CPU;
+  if (cuda) e.window_tokens = g_window;
   return tu_create_on(&e, cuda ? MOEBLAZE_DEVICE_CUDA : MOEBLAZE_DEVICE_CPU, out);
 }
 
@@ -558,6 +560,41 @@ static void auto_engine_choice(void** state) {
       assert_int_equal(st, MOEBLAZE_STATUS_NOT_SUPPORTED);
       assert_non_null(strstr(moeblaze_get_last_error_message(), "cuda_fused"));
     }
+  }
+}
+
+/* The fused engine's workspace is bounded by its window: past two windows, a token more adds
+ * only the router's and the plan's per-token scalars (logits, d logits, plan scratch, gate
+ * gradients), never a row of activations. Checked at 2 windows and at 2^21 tokens. */
+static void fused_workspace_bounded(void** state) {
+  (void)state;
+  if (g_engine != MOEBLAZE_ENGINE_CUDA_FUSED) {
+    printf("  skipped: the cuBLASLt engine keeps per-row workspace (docs/memory.md)\n");
+    return;
+  }
+  const int64_t E = 16, k = 4, d = 2048, h = 1024, W = 4096, big = (int64_t)1 << 21;
+  tu_layer l = tu_layer_default(E, k, d, h, big, MOEBLAZE_ACTIVATION_SWIGLU);
+  l.act_dtype = l.weight_dtype = tu_bf16;
+  l.engine = MOEBLAZE_ENGINE_CUDA_FUSED;
+  l.window_tokens = W;
+  const int64_t row_bytes = k * (h + 2 * h + 2 * h + d) * 2; /* act, dpre, pre, dx parts per token */
+  for (int pol = 0; pol < 3; ++pol) {
+    l.save_policy = pol;
+    moeblaze_handle_t hd = NULL;
+    assert_ok(tu_create_on(&l, MOEBLAZE_DEVICE_CUDA, &hd));
+    const moeblaze_pass_t passes[3] = {MOEBLAZE_PASS_FORWARD_TRAINING, MOEBLAZE_PASS_FORWARD_INFERENCE, MOEBLAZE_PASS_BACKWARD};
+    for (int p = 0; p < 3; ++p) {
+      size_t two = 0, many = 0;
+      assert_ok(moeblaze_get_workspace_size(hd, passes[p], 2 * W, &two));
+      assert_ok(moeblaze_get_workspace_size(hd, passes[p], big, &many));
+      const double per_token = (double)(many - two) / (double)(big - 2 * W);
+      printf("  policy %d pass %d: %zu B at %lld tokens, %zu B at %lld: %.1f B per extra token (a row: %lld B)\n", pol,
+             (int)passes[p], two, (long long)(2 * W), many, (long long)big, per_token, (long long)row_bytes);
+      if (per_token > 8.0 * E + 16.0 * k + 64.0)
+        fail_msg("policy %d pass %d: the workspace grows by %.1f bytes per token past the window", pol, (int)passes[p],
+                 per_token);
+    }
+    moeblaze_destroy(hd);
   }
 }
 
@@ -892,16 +929,22 @@ int main(void) {
       cmocka_unit_test(graph_capture),
       cmocka_unit_test(hostile_saved_buffers),
       cmocka_unit_test(auto_engine_choice),
+      cmocka_unit_test(fused_workspace_bounded),
   };
-  /* One suite, every CUDA engine that can serve this device (MOEBLAZE_TEST_ENGINE=cublaslt|fused
-   * picks one); an engine the registry refuses here is reported, not failed. */
-  static const struct { int64_t engine; const char* name; } engines[] = {
-      {MOEBLAZE_ENGINE_CUDA_CUBLASLT, "cublaslt"}, {MOEBLAZE_ENGINE_CUDA_FUSED, "fused"}};
+  /* One suite, every CUDA engine that can serve this device (MOEBLAZE_TEST_ENGINE=cublaslt|fused|
+   * fused-windowed picks one); an engine the registry refuses here is reported, not failed.
+   * fused-windowed runs the fused engine on windows of 13 tokens: most cases then span several
+   * windows (weight gradients summed across them, saved pre read at the call's positions). */
+  static const struct { int64_t engine, window; const char* name; } engines[] = {
+      {MOEBLAZE_ENGINE_CUDA_CUBLASLT, 0, "cublaslt"},
+      {MOEBLAZE_ENGINE_CUDA_FUSED, 0, "fused"},
+      {MOEBLAZE_ENGINE_CUDA_FUSED, 13, "fused-windowed"}};
   const char* only = getenv("MOEBLAZE_TEST_ENGINE");
   int failed = 0, ran = 0;
   for (size_t i = 0; i < sizeof engines / sizeof engines[0]; ++i) {
     if (only && strcmp(only, engines[i].name) != 0) continue;
     g_engine = engines[i].engine;
+    g_window = engines[i].window;
     tu_layer probe = tu_layer_default(4, 2, 8, 16, 8, MOEBLAZE_ACTIVATION_SILU);
     probe.act_dtype = probe.weight_dtype = tu_bf16; /* every CUDA engine serves bf16 */
     moeblaze_handle_t h = NULL;

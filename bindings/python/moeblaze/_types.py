@@ -34,7 +34,7 @@ VERSION = version_encode(VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH)
 #: The ABI this binding was written for; _lib refuses a library reporting another one.
 ABI_VERSION = 0
 #: Number of attributes known to the header this binding mirrors (the library may know more).
-ATTR_COUNT = 19
+ATTR_COUNT = 20
 #: Required alignment of workspace and saved buffers, in bytes.
 BUFFER_ALIGNMENT = 256
 #: Flag on a gradient output: accumulate into it instead of overwriting.
@@ -190,6 +190,7 @@ class Attr(_IntConstants):
     DEVICE_ID = 16
     ENGINE = 17
     NUM_THREADS = 18
+    WINDOW_TOKENS = 19
 
 
 class Pass(_IntConstants):

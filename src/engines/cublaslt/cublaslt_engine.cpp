@@ -111,7 +111,7 @@ CublasLtWork CublasLtEngine::carve(Pass pass, int64_t L, void* base) const {
   const int64_t d = cfg_.hidden, h = cfg_.ffn_hidden, gh = cfg_.gate_up_cols();
   const size_t P = static_cast<size_t>(L * cfg_.top_k), es = dtype_size(cfg_.act_dtype);
   w.gemm_ws = c.take<char>(gemm::CublasLtGemm::kWorkspaceBytes);
-  w.router = router_->carve(c, pass, L, w.gemm_ws);
+  w.router = router_->carve(c, pass, L, L, w.gemm_ws);
   if (pass == Pass::kForwardInference || pass == Pass::kRoute) {
     SavedRegions r = carve_saved(cfg_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
     c.take<char>(r.bytes);
@@ -281,7 +281,7 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
     gemm(n, h, d, {dyg + p0 * d * es, dt, d, false}, {a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], true},
          dpre + p0 * gh * es, dt, gh, 0.f, w, s);
   });
-  experts::activation_backward_cuda(cfg_.activation, dt, P, h, pre, w.gate_pos, dpre, gact, w.dg_pos, s);
+  experts::activation_backward_cuda(cfg_.activation, dt, P, h, pre, nullptr, w.gate_pos, dpre, gact, w.dg_pos, s);
 
   if (a.d_w_down.present) weight_gradient(a.d_w_down, off, h, d, gact, h, dyg, d, w, s);            // (g act)^T dy
   if (a.d_w_gate_up.present) weight_gradient(a.d_w_gate_up, off, d, gh, xg, d, dpre, gh, w, s);     // x^T dpre
@@ -291,7 +291,7 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
            dx_part + p0 * d * es, dt, d, 0.f, w, s);
     });
 
-  combine::to_token_order_cuda(plan, L, k, w.dg_pos, w.dg_tok, s);
+  combine::to_token_order_cuda(plan.token_index_map, L, k, w.dg_pos, w.dg_tok, s);
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
 
   const bool router_dx = router_->backward(a, needs, plan, w.dg_tok, w.router, s);

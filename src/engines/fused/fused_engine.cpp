@@ -1,15 +1,20 @@
 // The CUDA fused engine (sm_90a): the shared GPU router half (engines/cuda_router), then the
 // paper's structure on the sm_90a grouped GEMMs (gemm/sm90), which read the expert ranges from
-// the device offsets of the routing plan:
-//   forward:  up GEMM gathering x rows, activation (and the save policy's pre) in its epilogue;
-//             down GEMM with the gate in its epilogue; deterministic combine through the plan.
-//   backward: dact GEMM gathering dy rows; the fused activation backward (dg, dpre, g * act);
-//             varlen-K weight gradients gathering x and dy; dx GEMM; router backward; combine.
+// the device offsets of a routing plan. The expert MLPs run on windows of the call's tokens
+// (engines/fused/window.hpp), each seen through the call's plan (routing/window_plan_cuda), so
+// the per-row workspace is sized by the window:
+//   forward, per window:  up GEMM gathering x rows, activation (and the save policy's pre, at
+//             the call's positions) in its epilogue; down GEMM with the gate in its epilogue;
+//             deterministic combine of the window's tokens.
+//   backward, per window: dact GEMM gathering dy rows; the fused activation backward (dg, dpre,
+//             g * act); varlen-K weight gradients gathering x and dy (summed over the windows in
+//             fp32, rounded once); dx GEMM; router backward of the window's tokens; combine.
 // Nothing synchronises the host and nothing allocates: every call can be captured in a CUDA
 // graph. Bad caller ids and saved buffers that fail their checks are found on the device; the
 // call then fills its outputs with NaN and reports through STATUS (docs/errors.md).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <memory>
 
 #include "combine/combine_cuda.hpp"
@@ -21,11 +26,13 @@
 #include "cuda/device_guard.hpp"
 #include "cuda/saved_header_cuda.hpp"
 #include "engines/cuda_router.hpp"
+#include "engines/fused/window.hpp"
 #include "experts/expert_cuda.hpp"
 #include "gemm/cublaslt.hpp"
 #include "gemm/sm90/grouped_gemm.hpp"
 #include "gemm/sm90/weight_grad.hpp"
 #include "routing/plan_check_cuda.hpp"
+#include "routing/window_plan_cuda.hpp"
 #include "util/align.hpp"
 
 namespace moeblaze {
@@ -37,15 +44,18 @@ namespace sm90 = gemm::sm90;
 struct FusedWork {
   RouterWork router;              // logits, error flag, plan scratch; router backward scratch
   RoutingPlan plan;               // inference / route: the plan lives in the workspace
+  FusedWindows windows{1, 1};
+  routing::WindowPlan win;        // the current window's plan
   void* sched = nullptr;          // the GEMMs' schedule (sm90::schedule_bytes)
-  float* gate_pos = nullptr;      // [L k] gate of each position (expert order)
-  void* pre = nullptr;            // backward, RECOMPUTE_UP: [L k, g h]
-  void* act = nullptr;            // forward: [L k, h] unless saved; backward: g * act
-  void* out = nullptr;            // forward: [L k, d] gate-scaled expert outputs
-  void* dpre = nullptr;           // backward: [L k, g h]
-  void* dx_part = nullptr;        // backward: [L k, d]
-  float* dg_pos = nullptr;        // backward: [L k]
+  void* pre = nullptr;            // backward, RECOMPUTE_UP: [W k, g h]
+  void* act = nullptr;            // forward: [W k, h] unless saved; backward: g * act
+  void* out = nullptr;            // forward: [W k, d] gate-scaled expert outputs
+  void* dpre = nullptr;           // backward: [W k, g h]
+  void* dx_part = nullptr;        // backward: [W k, d]
+  float* dg_pos = nullptr;        // backward: [W k]
   float* dg_tok = nullptr;        // backward: [L k]
+  float* dw_gate_up32 = nullptr;  // backward, several windows: [E, d, g h] fp32 partial sums
+  float* dw_down32 = nullptr;     // backward, several windows: [E, h, d]
   size_t bytes = 0;
 };
 
@@ -55,6 +65,52 @@ void require(const char* why, const char* gemm) {
   if (why)
     fail(Status::kNotSupported,
          "the fused engine's %s cannot take these tensors: %s (a handle with MOEBLAZE_ENGINE_CUDA_CUBLASLT can)", gemm, why);
+}
+
+// A grouped GEMM whose A rows are a[index[p]] (index given) or a[p], times the expert weights w
+// read as `major`, with N = n and K = k.
+sm90::GroupedGemmParams expert_gemm(const void* a, int64_t lda, const int32_t* index, int64_t a_rows, const View& w,
+                                    sm90::Major major, int64_t n, int64_t k) {
+  sm90::GroupedGemmParams p;
+  p.n = static_cast<int32_t>(n);
+  p.k = static_cast<int32_t>(k);
+  p.b_major = major;
+  p.a = a;
+  p.lda = lda;
+  p.a_index = index;
+  p.a_rows = static_cast<int32_t>(a_rows);
+  p.b = w.data;
+  p.ldb = w.stride[1];
+  p.b_expert_stride = w.stride[0];
+  return p;
+}
+
+// dW[e] = A^T B over the expert's rows, into the caller's gradient view (or the fp32 sums).
+sm90::WeightGradParams weight_grad_params(const View& dw, int64_t m, int64_t n, const void* a, int64_t lda,
+                                          const int32_t* a_index, int64_t a_rows, const void* b, int64_t ldb,
+                                          const int32_t* b_index, int64_t b_rows, float* acc32, int64_t window,
+                                          int64_t windows) {
+  sm90::WeightGradParams p;
+  p.m = static_cast<int32_t>(m);
+  p.n = static_cast<int32_t>(n);
+  p.a = a;
+  p.lda = lda;
+  p.a_index = a_index;
+  p.a_rows = static_cast<int32_t>(a_rows);
+  p.b = b;
+  p.ldb = ldb;
+  p.b_index = b_index;
+  p.b_rows = static_cast<int32_t>(b_rows);
+  p.c = dw.data;
+  p.ldc = dw.stride[1];
+  p.c_expert_stride = dw.stride[0];
+  p.accumulate = dw.accumulate;
+  if (windows > 1) {  // fp32 partial sums over the windows; the last one rounds into dW
+    p.acc32 = acc32;
+    p.acc32_load = window > 0;
+    p.acc32_store = window + 1 < windows;
+  }
+  return p;
 }
 
 class FusedEngine final : public Engine {
@@ -72,11 +128,28 @@ class FusedEngine final : public Engine {
 
  private:
   FusedWork carve(Pass pass, int64_t L, void* base) const;
-  // up: x rows gathered through the plan times W_gate_up[e] ([d, g h]), n = h per half.
-  sm90::GroupedGemmParams up_gemm(const CallArgs& a, const RoutingPlan& plan) const;
-  // A [L k, K] in expert order (no gather) times a weight, as grouped-GEMM parameters.
-  sm90::GroupedGemmParams expert_order_gemm(const void* a, int64_t lda, int64_t L, const View& w, sm90::Major major,
-                                            int64_t n, int64_t k) const;
+  // up: x rows gathered through `token` times W_gate_up[e] ([d, g h]), n = h per half.
+  sm90::GroupedGemmParams up_gemm(const CallArgs& a, const int32_t* token) const {
+    sm90::GroupedGemmParams p = expert_gemm(a.x.data, a.x.stride[0], token, a.num_tokens, a.w_gate_up, sm90::Major::kMN,
+                                            cfg_.ffn_hidden, cfg_.hidden);
+    p.gated = is_gated(cfg_.activation);
+    return p;
+  }
+  sm90::EpilogueParams activation_epilogue(void* pre, const int32_t* pre_rows, void* act, const int32_t* act_rows) const {
+    sm90::EpilogueParams e;
+    e.kind = sm90::EpilogueKind::kActivation;
+    e.activation = cfg_.activation;
+    e.pre = pre;
+    e.ld_pre = cfg_.gate_up_cols();
+    e.pre_rows = pre_rows;
+    e.act = act;
+    e.ld_act = cfg_.ffn_hidden;
+    e.act_rows = act_rows;
+    return e;
+  }
+  // Window `i`'s plan and GEMM schedule; returns the window's first token and token count.
+  sm90::Schedule begin_window(const FusedWork& w, const RoutingPlan& plan, int64_t L, int64_t i, int64_t& t0,
+                              int64_t& rows, cudaStream_t s) const;
 
   LayerConfig cfg_;
   std::unique_ptr<gemm::CublasLtGemm> gemm_;  // the router's logits GEMM
@@ -86,10 +159,12 @@ class FusedEngine final : public Engine {
 FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
   Carver c(base);
   FusedWork w;
-  const int64_t d = cfg_.hidden, h = cfg_.ffn_hidden, gh = cfg_.gate_up_cols();
-  const size_t P = static_cast<size_t>(L * cfg_.top_k), es = dtype_size(cfg_.act_dtype);
+  const int64_t d = cfg_.hidden, h = cfg_.ffn_hidden, gh = cfg_.gate_up_cols(), E = cfg_.num_experts, k = cfg_.top_k;
+  const size_t es = dtype_size(cfg_.act_dtype);
+  w.windows = fused_windows(cfg_, L);
+  const size_t Pw = static_cast<size_t>(w.windows.tokens * k);
   void* gemm_ws = c.take<char>(gemm::CublasLtGemm::kWorkspaceBytes);
-  w.router = router_->carve(c, pass, L, gemm_ws);
+  w.router = router_->carve(c, pass, L, w.windows.tokens, gemm_ws);
   if (pass == Pass::kForwardInference || pass == Pass::kRoute) {
     SavedRegions r = carve_saved(cfg_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
     c.take<char>(r.bytes);
@@ -99,54 +174,35 @@ FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
     w.bytes = c.size();
     return w;
   }
-  w.sched = c.take<char>(sm90::schedule_bytes(cfg_.num_experts));
-  w.gate_pos = c.take<float>(P);
+  w.sched = c.take<char>(sm90::schedule_bytes(E));
+  w.win = routing::carve_window_plan(c, E, w.windows.tokens, k);
   if (pass == Pass::kBackward) {
-    if (cfg_.save_policy == SavePolicy::kRecomputeUp) w.pre = c.take<char>(P * static_cast<size_t>(gh) * es);
-    w.act = c.take<char>(P * static_cast<size_t>(h) * es);
-    w.dpre = c.take<char>(P * static_cast<size_t>(gh) * es);
-    w.dx_part = c.take<char>(P * static_cast<size_t>(d) * es);
-    w.dg_pos = c.take<float>(P);
-    w.dg_tok = c.take<float>(P);
+    if (cfg_.save_policy == SavePolicy::kRecomputeUp) w.pre = c.take<char>(Pw * static_cast<size_t>(gh) * es);
+    w.act = c.take<char>(Pw * static_cast<size_t>(h) * es);
+    w.dpre = c.take<char>(Pw * static_cast<size_t>(gh) * es);
+    w.dx_part = c.take<char>(Pw * static_cast<size_t>(d) * es);
+    w.dg_pos = c.take<float>(Pw);
+    w.dg_tok = c.take<float>(static_cast<size_t>(L * k));
+    if (w.windows.count > 1) {
+      w.dw_gate_up32 = c.take<float>(static_cast<size_t>(E * d * gh));
+      w.dw_down32 = c.take<float>(static_cast<size_t>(E * h * d));
+    }
   } else {
-    // pre is stored only where the save policy keeps it; act only where nothing saved holds it.
+    // act only where nothing saved holds it.
     if (pass != Pass::kForwardTraining || cfg_.save_policy != SavePolicy::kSaveAll)
-      w.act = c.take<char>(P * static_cast<size_t>(h) * es);
-    w.out = c.take<char>(P * static_cast<size_t>(d) * es);
+      w.act = c.take<char>(Pw * static_cast<size_t>(h) * es);
+    w.out = c.take<char>(Pw * static_cast<size_t>(d) * es);
   }
   w.bytes = c.size();
   return w;
 }
 
-sm90::GroupedGemmParams FusedEngine::up_gemm(const CallArgs& a, const RoutingPlan& plan) const {
-  sm90::GroupedGemmParams p;
-  p.n = static_cast<int32_t>(cfg_.ffn_hidden);
-  p.k = static_cast<int32_t>(cfg_.hidden);
-  p.gated = is_gated(cfg_.activation);
-  p.b_major = sm90::Major::kMN;
-  p.a = a.x.data;
-  p.lda = a.x.stride[0];
-  p.a_index = plan.expert_token_indices;
-  p.a_rows = static_cast<int32_t>(a.num_tokens);
-  p.b = a.w_gate_up.data;
-  p.ldb = a.w_gate_up.stride[1];
-  p.b_expert_stride = a.w_gate_up.stride[0];
-  return p;
-}
-
-sm90::GroupedGemmParams FusedEngine::expert_order_gemm(const void* a, int64_t lda, int64_t L, const View& w,
-                                                       sm90::Major major, int64_t n, int64_t k) const {
-  sm90::GroupedGemmParams p;
-  p.n = static_cast<int32_t>(n);
-  p.k = static_cast<int32_t>(k);
-  p.b_major = major;
-  p.a = a;
-  p.lda = lda;
-  p.a_rows = static_cast<int32_t>(L * cfg_.top_k);
-  p.b = w.data;
-  p.ldb = w.stride[1];
-  p.b_expert_stride = w.stride[0];
-  return p;
+sm90::Schedule FusedEngine::begin_window(const FusedWork& w, const RoutingPlan& plan, int64_t L, int64_t i, int64_t& t0,
+                                         int64_t& rows, cudaStream_t s) const {
+  t0 = i * w.windows.tokens;
+  rows = std::min(w.windows.tokens, L - t0);
+  routing::build_window_plan_cuda(plan, L, cfg_.top_k, cfg_.num_experts, t0, rows, w.win, s);
+  return sm90::make_schedule(w.win.offsets, cfg_.num_experts, rows * cfg_.top_k, w.sched, s);
 }
 
 void FusedEngine::route(const CallArgs& a, void* ws, void* stream) const {
@@ -161,8 +217,7 @@ void FusedEngine::route(const CallArgs& a, void* ws, void* stream) const {
 void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const {
   cuda::DeviceGuard guard(cfg_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden, h = cfg_.ffn_hidden;
-  const int64_t gh = cfg_.gate_up_cols(), P = L * k;
+  const int64_t L = a.num_tokens, k = cfg_.top_k, d = cfg_.hidden, h = cfg_.ffn_hidden;
   const DType dt = cfg_.act_dtype;
   FusedWork w = carve(pass, L, ws);
   SavedRegions sv;
@@ -170,34 +225,32 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
     sv = carve_saved(cfg_, L, saved);
     w.plan = sv.plan;
   }
-  RoutingPlan& plan = w.plan;
-  void* act = sv.act ? sv.act : w.act;
-
-  sm90::GroupedGemmParams up = up_gemm(a, plan);
-  sm90::EpilogueParams up_epi;
-  up_epi.kind = sm90::EpilogueKind::kActivation;
-  up_epi.activation = cfg_.activation;
-  up_epi.pre = sv.preact;  // null unless the policy saves it: nothing else reads it
-  up_epi.ld_pre = gh;
-  up_epi.act = act;
-  up_epi.ld_act = h;
-  sm90::GroupedGemmParams down = expert_order_gemm(act, h, L, a.w_down, sm90::Major::kMN, d, h);
+  const RoutingPlan& plan = w.plan;
+  const routing::WindowPlan& win = w.win;
+  // The saved pre and act lie at the call's positions; the window's own act at its rows.
+  sm90::GroupedGemmParams up = up_gemm(a, win.token);
+  const sm90::EpilogueParams up_epi = sv.act ? activation_epilogue(sv.preact, win.call_row, sv.act, win.call_row)
+                                             : activation_epilogue(sv.preact, win.call_row, w.act, nullptr);
+  sm90::GroupedGemmParams down = sv.act ? expert_gemm(sv.act, h, win.call_row, L * k, a.w_down, sm90::Major::kMN, d, h)
+                                        : expert_gemm(w.act, h, nullptr, w.windows.tokens * k, a.w_down, sm90::Major::kMN, d, h);
   sm90::EpilogueParams down_epi;
   down_epi.c = w.out;
   down_epi.ldc = d;
-  down_epi.row_scale = w.gate_pos;  // the gate, applied before rounding
+  down_epi.row_scale = win.gate;  // the gate, applied before rounding
   require(sm90::unsupported_reason(dt, up, up_epi), "up GEMM");
   require(sm90::unsupported_reason(dt, down, down_epi), "down GEMM");
 
   if (sv.header)  // until this forward completes, the buffer vouches for nothing
     MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(sv.header, 0, sizeof(SavedHeader), s));
-  router_->route_and_plan(a, plan, w.router, s);
+  router_->route_and_plan(a, w.plan, w.router, s);
   router_->write_outputs(a, plan, w.router, s);
-  up.sched = down.sched = sm90::make_schedule(plan.expert_token_offsets, E, P, w.sched, s);
-  experts::gates_to_positions_cuda(plan, L, k, w.gate_pos, s);
-  sm90::grouped_gemm(dt, up, up_epi, 0, s);
-  sm90::grouped_gemm(dt, down, down_epi, 0, s);
-  combine::combine_rows_cuda(plan.token_index_map, nullptr, L, k, d, w.out, nullptr, a.y, s);
+  for (int64_t i = 0; i < w.windows.count; ++i) {
+    int64_t t0, rows;
+    up.sched = down.sched = begin_window(w, plan, L, i, t0, rows, s);
+    sm90::grouped_gemm(dt, up, up_epi, 0, s);
+    sm90::grouped_gemm(dt, down, down_epi, 0, s);
+    combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.out, nullptr, a.y.rows(t0, rows), s);
+  }
   if (sv.header) cuda::store_saved_header(make_saved_header(cfg_, L), sv.header, s, w.router.error_flag);
   cuda::poison_if_flagged(w.router.error_flag, a.y, s);
   cuda::write_status(w.router.error_flag, a.status, s);
@@ -207,76 +260,45 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   cuda::DeviceGuard guard(cfg_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden, h = cfg_.ffn_hidden;
-  const int64_t gh = cfg_.gate_up_cols(), P = L * k;
+  const int64_t gh = cfg_.gate_up_cols();
   const DType dt = cfg_.act_dtype;
   FusedWork w = carve(Pass::kBackward, L, ws);
   const SavedRegions sv = carve_saved(cfg_, L, const_cast<void*>(saved));
   const RoutingPlan& plan = sv.plan;
+  const routing::WindowPlan& win = w.win;
   const Needs needs = needs_of(cfg_, Pass::kBackward, a);
-  void* pre = sv.preact ? sv.preact : w.pre;
   int32_t* flag = w.router.error_flag;
 
-  // Recomputed pre-activations (RECOMPUTE_UP): the up GEMM again, storing pre only.
-  sm90::GroupedGemmParams up = up_gemm(a, plan);
-  sm90::EpilogueParams up_epi;
-  up_epi.kind = sm90::EpilogueKind::kActivation;
-  up_epi.activation = cfg_.activation;
-  up_epi.pre = pre;
-  up_epi.ld_pre = gh;
-  // dact = dy W_down^T (dy rows gathered through the plan) into the first h columns of dpre.
-  sm90::GroupedGemmParams dact;
-  dact.n = static_cast<int32_t>(h);
-  dact.k = static_cast<int32_t>(d);
-  dact.b_major = sm90::Major::kK;
-  dact.a = a.dy.data;
-  dact.lda = a.dy.stride[0];
-  dact.a_index = plan.expert_token_indices;
-  dact.a_rows = static_cast<int32_t>(L);
-  dact.b = a.w_down.data;
-  dact.ldb = a.w_down.stride[1];
-  dact.b_expert_stride = a.w_down.stride[0];
+  // The window's pre: the saved one at the call's positions, or recomputed (RECOMPUTE_UP).
+  void* pre = sv.preact ? sv.preact : w.pre;
+  const int32_t* pre_rows = sv.preact ? win.call_row : nullptr;
+  sm90::GroupedGemmParams up = up_gemm(a, win.token);
+  const sm90::EpilogueParams up_epi = activation_epilogue(w.pre, nullptr, nullptr, nullptr);
+  // dact = dy W_down^T (dy rows gathered) into the first h columns of dpre.
+  sm90::GroupedGemmParams dact = expert_gemm(a.dy.data, a.dy.stride[0], win.token, L, a.w_down, sm90::Major::kK, h, d);
   sm90::EpilogueParams dact_epi;
   dact_epi.c = w.dpre;
   dact_epi.ldc = gh;
-  // dx parts = dpre W_gate_up^T, per position.
-  sm90::GroupedGemmParams dxg = expert_order_gemm(w.dpre, gh, L, a.w_gate_up, sm90::Major::kK, d, gh);
+  // dx parts = dpre W_gate_up^T, per window row.
+  const int64_t W = w.windows.tokens * k;
+  sm90::GroupedGemmParams dxg = expert_gemm(w.dpre, gh, nullptr, W, a.w_gate_up, sm90::Major::kK, d, gh);
   sm90::EpilogueParams dx_epi;
   dx_epi.c = w.dx_part;
   dx_epi.ldc = d;
-  // dW_down[e] = (g act)^T dy and dW_gate_up[e] = x^T dpre over the expert's positions.
-  sm90::WeightGradParams dwd;
-  dwd.m = static_cast<int32_t>(h);
-  dwd.n = static_cast<int32_t>(d);
-  dwd.a = w.act;
-  dwd.lda = h;
-  dwd.a_rows = static_cast<int32_t>(P);
-  dwd.b = a.dy.data;
-  dwd.ldb = a.dy.stride[0];
-  dwd.b_index = plan.expert_token_indices;
-  dwd.b_rows = static_cast<int32_t>(L);
-  dwd.c = a.d_w_down.data;
-  dwd.ldc = a.d_w_down.stride[1];
-  dwd.c_expert_stride = a.d_w_down.stride[0];
-  dwd.accumulate = a.d_w_down.accumulate;
-  sm90::WeightGradParams dwgu;
-  dwgu.m = static_cast<int32_t>(d);
-  dwgu.n = static_cast<int32_t>(gh);
-  dwgu.a = a.x.data;
-  dwgu.lda = a.x.stride[0];
-  dwgu.a_index = plan.expert_token_indices;
-  dwgu.a_rows = static_cast<int32_t>(L);
-  dwgu.b = w.dpre;
-  dwgu.ldb = gh;
-  dwgu.b_rows = static_cast<int32_t>(P);
-  dwgu.c = a.d_w_gate_up.data;
-  dwgu.ldc = a.d_w_gate_up.stride[1];
-  dwgu.c_expert_stride = a.d_w_gate_up.stride[0];
-  dwgu.accumulate = a.d_w_gate_up.accumulate;
+  // dW_down[e] = (g act)^T dy and dW_gate_up[e] = x^T dpre over the expert's window rows.
+  auto dwd = [&](int64_t i) {
+    return weight_grad_params(a.d_w_down, h, d, w.act, h, nullptr, W, a.dy.data, a.dy.stride[0], win.token, L,
+                              w.dw_down32, i, w.windows.count);
+  };
+  auto dwgu = [&](int64_t i) {
+    return weight_grad_params(a.d_w_gate_up, d, gh, a.x.data, a.x.stride[0], win.token, L, w.dpre, gh, nullptr, W,
+                              w.dw_gate_up32, i, w.windows.count);
+  };
   if (needs.recompute_up) require(sm90::unsupported_reason(dt, up, up_epi), "recomputed up GEMM");
   require(sm90::unsupported_reason(dt, dact, dact_epi), "dact GEMM");
   if (a.dx.present) require(sm90::unsupported_reason(dt, dxg, dx_epi), "dx GEMM");
-  if (a.d_w_down.present) require(sm90::weight_grad_unsupported_reason(dt, dwd), "dW_down GEMM");
-  if (a.d_w_gate_up.present) require(sm90::weight_grad_unsupported_reason(dt, dwgu), "dW_gate_up GEMM");
+  if (a.d_w_down.present) require(sm90::weight_grad_unsupported_reason(dt, dwd(0)), "dW_down GEMM");
+  if (a.d_w_gate_up.present) require(sm90::weight_grad_unsupported_reason(dt, dwgu(0)), "dW_gate_up GEMM");
 
   // The saved buffer is the caller's: its header and plan are checked on the device; every
   // kernel below keeps its indices in bounds whatever the plan holds, and a failed check turns
@@ -284,23 +306,36 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int32_t), s));
   cuda::check_saved_header_cuda(make_saved_header(cfg_, L), sv.header, flag, routing::kSavedHeaderInvalid, s);
   routing::validate_plan_cuda(plan, L, k, E, flag, s);
-  const sm90::Schedule sched = sm90::make_schedule(plan.expert_token_offsets, E, P, w.sched, s);
-  up.sched = dact.sched = dxg.sched = dwd.sched = dwgu.sched = sched;
-  experts::gates_to_positions_cuda(plan, L, k, w.gate_pos, s);
-  if (needs.recompute_up) sm90::grouped_gemm(dt, up, up_epi, 0, s);
-  sm90::grouped_gemm(dt, dact, dact_epi, 0, s);
-  // dg, dpre (in place) and g * act (recomputed from pre) in one pass.
-  experts::activation_backward_cuda(cfg_.activation, dt, P, h, pre, w.gate_pos, w.dpre, w.act, w.dg_pos, s);
-  if (a.d_w_down.present) sm90::weight_grad(dt, dwd, s);
-  if (a.d_w_gate_up.present) sm90::weight_grad(dt, dwgu, s);
-  if (a.dx.present) sm90::grouped_gemm(dt, dxg, dx_epi, 0, s);
-
-  combine::to_token_order_cuda(plan, L, k, w.dg_pos, w.dg_tok, s);
+  router_->backward_begin(a, needs, w.router, s);
+  for (int64_t i = 0; i < w.windows.count; ++i) {
+    int64_t t0, rows;
+    const sm90::Schedule sched = begin_window(w, plan, L, i, t0, rows, s);
+    up.sched = dact.sched = dxg.sched = sched;
+    if (needs.recompute_up) sm90::grouped_gemm(dt, up, up_epi, 0, s);
+    sm90::grouped_gemm(dt, dact, dact_epi, 0, s);
+    // dg, dpre (in place) and g * act (recomputed from pre) in one pass.
+    experts::activation_backward_cuda(cfg_.activation, dt, rows * k, h, pre, pre_rows, win.gate, w.dpre, w.act,
+                                      w.dg_pos, s);
+    if (a.d_w_down.present) {
+      sm90::WeightGradParams p = dwd(i);
+      p.sched = sched;
+      sm90::weight_grad(dt, p, s);
+    }
+    if (a.d_w_gate_up.present) {
+      sm90::WeightGradParams p = dwgu(i);
+      p.sched = sched;
+      sm90::weight_grad(dt, p, s);
+    }
+    if (a.dx.present) sm90::grouped_gemm(dt, dxg, dx_epi, 0, s);
+    float* dg_tok = w.dg_tok + t0 * k;
+    combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s);
+    const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
+    if (a.dx.present)
+      combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,
+                                 router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s);
+  }
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
-  const bool router_dx = router_->backward(a, needs, plan, w.dg_tok, w.router, s);
-  if (a.dx.present)
-    combine::combine_rows_cuda(plan.token_index_map, nullptr, L, k, d, w.dx_part, router_dx ? w.router.router_dx : nullptr,
-                               a.dx, s);
+  router_->backward_finish(a, needs, w.router, s);
   for (const View* out : {&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight})
     cuda::poison_if_flagged(flag, *out, s);
   cuda::write_status(flag, a.status, s);

@@ -57,6 +57,8 @@ __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, 
   T* pre = static_cast<T*>(e.pre);
   T* act = static_cast<T*>(e.act);
   const Activation a = e.activation;
+  auto pre_row = [&](int64_t pos) { return pre + (e.pre_rows ? __ldg(e.pre_rows + pos) : pos) * e.ld_pre; };
+  auto act_row = [&](int64_t pos) { return act + (e.act_rows ? __ldg(e.act_rows + pos) : pos) * e.ld_act; };
   if (p.gated) {
     for_each_fragment_pair<BN / 2>(wg, tc.rows, [&](int r, int c, int q) {
       const int64_t pos = tc.row0 + r;
@@ -64,35 +66,52 @@ __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, 
       const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
       const float b0 = round_as<T>(acc[q + BN / 4]), b1 = round_as<T>(acc[q + 1 + BN / 4]);
       if (pre) {
-        store_pair(pre + pos * e.ld_pre, j, p.n, u0, u1);
-        store_pair(pre + pos * e.ld_pre + p.n, j, p.n, b0, b1);
+        T* row = pre_row(pos);
+        store_pair(row, j, p.n, u0, u1);
+        store_pair(row + p.n, j, p.n, b0, b1);
       }
-      if (act) store_pair(act + pos * e.ld_act, j, p.n, act_fn(a, u0) * b0, act_fn(a, u1) * b1);
+      if (act) store_pair(act_row(pos), j, p.n, act_fn(a, u0) * b0, act_fn(a, u1) * b1);
     });
   } else {
     for_each_fragment_pair<BN>(wg, tc.rows, [&](int r, int c, int q) {
       const int64_t pos = tc.row0 + r;
       const int32_t j = tc.col_block * BN + c;
       const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
-      if (pre) store_pair(pre + pos * e.ld_pre, j, p.n, u0, u1);
-      if (act) store_pair(act + pos * e.ld_act, j, p.n, act_fn(a, u0), act_fn(a, u1));
+      if (pre) store_pair(pre_row(pos), j, p.n, u0, u1);
+      if (act) store_pair(act_row(pos), j, p.n, act_fn(a, u0), act_fn(a, u1));
     });
   }
 }
 
 // A weight-gradient tile: C_e[m0 + r, n0 + c] = acc (+ the old value when accumulating), rows
 // past m and columns past n masked. An expert without positions (num_kb == 0, acc zero) leaves
-// an accumulated gradient untouched.
+// an accumulated gradient untouched. With acc32 (a sum over several launches), the fp32 partial
+// sum is added first (acc32_load) and the result goes to acc32 (acc32_store) or, rounded once,
+// to C; the partial sums are always written, so every launch leaves acc32 defined.
 template <class T, int BN>
 __device__ __forceinline__ void epilogue_weight_grad(const WeightGradParams& p, int32_t expert, int32_t m0, int32_t n0,
                                                      int num_kb, int wg, const float (&acc)[BN / 2]) {
-  if (p.accumulate && num_kb == 0) return;
+  const bool load32 = p.acc32 && p.acc32_load, store32 = p.acc32 && p.acc32_store;
+  if (p.accumulate && num_kb == 0 && !load32 && !store32) return;
   T* C = static_cast<T*>(p.c) + static_cast<int64_t>(expert) * p.c_expert_stride;
+  float* C32 = p.acc32 + static_cast<int64_t>(expert) * p.m * p.n;
   const int rows = p.m - m0 < kBlockM ? p.m - m0 : kBlockM;
   for_each_fragment_pair<BN>(wg, rows, [&](int r, int c, int q) {
-    T* row = C + static_cast<int64_t>(m0 + r) * p.ldc;
+    const int64_t i = m0 + r;
     const int32_t j = n0 + c;
     float v0 = acc[q], v1 = acc[q + 1];
+    // n is a multiple of 8 and j even: a pair is whole or wholly past n, and 8-byte aligned.
+    float2* pair32 = reinterpret_cast<float2*>(C32 + i * p.n + j);
+    if (load32 && j < p.n) {
+      const float2 old = *pair32;
+      v0 += old.x;
+      v1 += old.y;
+    }
+    if (store32) {
+      if (j < p.n) *pair32 = make_float2(v0, v1);
+      return;
+    }
+    T* row = C + i * p.ldc;
     if (p.accumulate) {
       if (j < p.n) v0 += Elem<T>::load1(row + j);
       if (j + 1 < p.n) v1 += Elem<T>::load1(row + j + 1);

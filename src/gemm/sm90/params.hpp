@@ -69,6 +69,11 @@ struct EpilogueParams {
   int64_t ld_pre = 0;
   void* act = nullptr;  // kActivation: [m_total, ld_act]
   int64_t ld_act = 0;
+  // kActivation: optional row maps. Row p of the problem is stored at pre row pre_rows[p] and act
+  // row act_rows[p] instead of p: a window of the layer writes its saved tensors at the
+  // positions of the whole call's plan (engines/fused/window.hpp).
+  const int32_t* pre_rows = nullptr;
+  const int32_t* act_rows = nullptr;
 };
 
 // The weight-gradient shape (varlen K): for every expert e, over its positions
@@ -94,6 +99,12 @@ struct WeightGradParams {
   int64_t ldc = 0;
   int64_t c_expert_stride = 0;  // elements
   int32_t accumulate = 0;
+  // A sum over several launches (the fused engine's token windows) in fp32: acc32 is [E, m, n]
+  // dense. acc32_load adds acc32 to the tile's sum; acc32_store writes the sum to acc32 instead
+  // of C. The last launch loads and writes C (with accumulate as above), rounding once.
+  float* acc32 = nullptr;
+  int32_t acc32_load = 0;
+  int32_t acc32_store = 0;
 };
 
 }  // namespace sm90

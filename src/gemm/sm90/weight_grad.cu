@@ -60,6 +60,7 @@ const char* weight_grad_unsupported_reason(DType dt, const WeightGradParams& p) 
   if (!aligned16(p.a) || !aligned16(p.b)) return "operands must be 16-byte aligned";
   if (p.ldc % 2 || p.c_expert_stride % 2 || reinterpret_cast<uintptr_t>(p.c) % 4)
     return "the gradient's strides must be even and the gradient 4-byte aligned";
+  if (p.acc32 && reinterpret_cast<uintptr_t>(p.acc32) % 8) return "the fp32 partial sums must be 8-byte aligned";
   return nullptr;
 }
 

@@ -134,7 +134,8 @@ const MOEBLAZE_ATTR_DEVICE_TYPE = Int32(15)
 const MOEBLAZE_ATTR_DEVICE_ID = Int32(16)
 const MOEBLAZE_ATTR_ENGINE = Int32(17)
 const MOEBLAZE_ATTR_NUM_THREADS = Int32(18)
-const MOEBLAZE_ATTR_COUNT = Int32(19)
+const MOEBLAZE_ATTR_WINDOW_TOKENS = Int32(19)
+const MOEBLAZE_ATTR_COUNT = Int32(20)
 
 """`moeblaze_attr_info_t` (64 bytes). Set `struct_size` before `moeblaze_attr_query`."""
 mutable struct moeblaze_attr_info_t

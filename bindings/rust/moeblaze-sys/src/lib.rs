@@ -197,8 +197,9 @@ pub const MOEBLAZE_ATTR_DEVICE_TYPE: moeblaze_attr_t = 15;
 pub const MOEBLAZE_ATTR_DEVICE_ID: moeblaze_attr_t = 16;
 pub const MOEBLAZE_ATTR_ENGINE: moeblaze_attr_t = 17;
 pub const MOEBLAZE_ATTR_NUM_THREADS: moeblaze_attr_t = 18;
+pub const MOEBLAZE_ATTR_WINDOW_TOKENS: moeblaze_attr_t = 19;
 /// Attributes known to this header are 0..MOEBLAZE_ATTR_COUNT-1 (the library may know more).
-pub const MOEBLAZE_ATTR_COUNT: i32 = 19;
+pub const MOEBLAZE_ATTR_COUNT: i32 = 20;
 
 /// `moeblaze_attr_info_t`. Set `struct_size` before calling `moeblaze_attr_query`.
 #[repr(C)]

@@ -267,6 +267,7 @@ int_newtype!(
         DEVICE_ID = sys::MOEBLAZE_ATTR_DEVICE_ID,
         ENGINE = sys::MOEBLAZE_ATTR_ENGINE,
         NUM_THREADS = sys::MOEBLAZE_ATTR_NUM_THREADS,
+        WINDOW_TOKENS = sys::MOEBLAZE_ATTR_WINDOW_TOKENS,
     }
 );
 
@@ -610,6 +611,10 @@ impl Config {
     }
     pub fn num_threads(&mut self, v: i64) -> Result<&mut Self> {
         self.set_i64(Attr::NUM_THREADS, v)
+    }
+    /// Tokens per window of the CUDA fused engine's expert pass (0: automatic).
+    pub fn window_tokens(&mut self, v: i64) -> Result<&mut Self> {
+        self.set_i64(Attr::WINDOW_TOKENS, v)
     }
 
     /// Validates the config and creates a handle (`moeblaze_create`). The config is copied.

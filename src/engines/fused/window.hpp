@@ -1,0 +1,44 @@
+// The fused engine's token windows: the expert MLPs of a call run on consecutive windows of its
+// tokens, so that the per-row workspace (activations, dpre, per-position outputs) is sized by
+// the window, not by the call. A pure function of the configuration and L (workspace sizes
+// are shape-only queries); docs/memory.md gives the formula.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/config.hpp"
+#include "util/align.hpp"
+#include "util/dtype.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+
+// The automatic window keeps a backward window's row buffers near this many bytes.
+constexpr int64_t kFusedWindowBudgetBytes = int64_t{2} << 30;
+// ... and never below this many tokens (smaller windows starve the GEMMs of rows).
+constexpr int64_t kFusedMinWindowTokens = 1024;
+
+// Bytes of a backward window's row buffers per token: recomputed pre (RECOMPUTE_UP), g * act,
+// dpre and the dx parts per position, the window plan, and the router backward's fp32 x and
+// dx rows.
+inline int64_t fused_window_bytes_per_token(const LayerConfig& cfg) {
+  const int64_t es = static_cast<int64_t>(dtype_size(cfg.act_dtype)), gh = cfg.gate_up_cols();
+  const int64_t rows = cfg.ffn_hidden + gh + cfg.hidden + (cfg.save_policy == SavePolicy::kRecomputeUp ? gh : 0);
+  return cfg.top_k * (rows * es + 5 * 4) + 2 * 4 * cfg.hidden;
+}
+
+struct FusedWindows {
+  int64_t tokens;  // tokens per window (the last may hold fewer); >= 1
+  int64_t count;   // windows of the call; >= 1 (a call of no tokens runs one empty window)
+};
+
+inline FusedWindows fused_windows(const LayerConfig& cfg, int64_t L) {
+  int64_t w = cfg.window_tokens;
+  if (w == 0) w = std::max(kFusedMinWindowTokens, kFusedWindowBudgetBytes / fused_window_bytes_per_token(cfg));
+  w = std::max<int64_t>(1, std::min(w, L));
+  return {w, std::max<int64_t>(1, ceil_div(L, w))};
+}
+
+}  // namespace v0
+}  // namespace moeblaze

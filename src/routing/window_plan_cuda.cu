@@ -1,0 +1,142 @@
+// The window plan's two steps: one block finds each expert's run of window tokens by binary
+// search and scans the run lengths into the window's offsets; then one thread per window row
+// looks up its call position, token, slot and gate.
+#include <cub/block/block_scan.cuh>
+
+// CUB lives in a private namespace (CUB_WRAPPED_NAMESPACE); CUB_NS_QUALIFIER names it.
+namespace cubw = CUB_NS_QUALIFIER;
+
+#include "cuda/cuda_check.hpp"
+#include "routing/window_plan_cuda.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace routing {
+namespace {
+
+constexpr int kRangeThreads = 1024;
+
+struct MaxOp {
+  __device__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; }
+};
+
+// The first position in [lo, hi) whose token is >= t (hi if none).
+__device__ int32_t lower_bound(const int32_t* eti, int32_t lo, int32_t hi, int32_t t) {
+  while (lo < hi) {
+    const int32_t mid = lo + (hi - lo) / 2;
+    if (eti[mid] < t) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// call_off = the plan's offsets clamped to [0, P] and made non-decreasing (as the GEMM
+// schedule sanitises them); first[e] = the call position of expert e's first window row;
+// win_off = the exclusive scan of the run lengths, capped at the window's rows.
+__global__ void __launch_bounds__(kRangeThreads) window_ranges_kernel(const int32_t* off, const int32_t* eti, int32_t E,
+                                                                      int32_t P, int32_t t0, int32_t t1, int32_t rows,
+                                                                      int32_t* call_off, int32_t* first, int32_t* win_off) {
+  using Scan = cubw::BlockScan<int32_t, kRangeThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int32_t carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int32_t base = 0; base <= E; base += kRangeThreads) {
+    const int32_t e = base + threadIdx.x;
+    int32_t v = e <= E && e > 0 ? min(max(off[e], 0), P) : 0, run;
+    Scan(tmp).InclusiveScan(v, run, MaxOp());
+    run = max(run, carry);
+    if (e <= E) call_off[e] = run;
+    __syncthreads();
+    if (threadIdx.x == kRangeThreads - 1) carry = run;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int32_t base = 0; base < E; base += kRangeThreads) {
+    const int32_t e = base + threadIdx.x;
+    int32_t count = 0;
+    if (e < E) {
+      const int32_t hi = call_off[e + 1];
+      const int32_t a = lower_bound(eti, call_off[e], hi, t0);
+      first[e] = a;
+      count = lower_bound(eti, a, hi, t1) - a;
+    }
+    int32_t excl, total;
+    Scan(tmp).ExclusiveSum(count, excl, total);
+    if (e < E) win_off[e] = min(carry + excl, rows);
+    __syncthreads();
+    if (threadIdx.x == 0) carry = min(carry + total, rows);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) win_off[E] = carry;
+}
+
+__global__ void window_rows_kernel(const int32_t* eti, const int32_t* tim, const float* gates, int64_t L, int64_t k,
+                                   int32_t E, int32_t P, int32_t t0, int32_t t1, int32_t rows, const int32_t* first,
+                                   const int32_t* win_off, int32_t* call_row, int32_t* token, float* gate,
+                                   int32_t* win_tim) {
+  const int32_t r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  if (r >= win_off[E]) {  // only a plan that breaks the rules leaves rows uncovered
+    call_row[r] = 0;
+    token[r] = -1;
+    gate[r] = 0.f;
+    return;
+  }
+  int32_t lo = 0, hi = E;  // the expert whose window range holds r
+  while (hi - lo > 1) {
+    const int32_t mid = (lo + hi) / 2;
+    if (win_off[mid] <= r) lo = mid;
+    else hi = mid;
+  }
+  const int32_t g = min(max(first[lo] + (r - win_off[lo]), 0), P - 1);
+  const int32_t t = eti[g];
+  float gv = 0.f;
+  if (t >= t0 && t < t1 && t < L) {
+    for (int64_t j = 0; j < k; ++j)
+      if (tim[t * k + j] == g) {
+        win_tim[(t - t0) * k + j] = r;
+        gv = gates[t * k + j];
+        break;
+      }
+  }
+  call_row[r] = g;
+  token[r] = t;
+  gate[r] = gv;
+}
+
+}  // namespace
+
+WindowPlan carve_window_plan(Carver& c, int64_t E, int64_t window, int64_t k) {
+  const size_t rows = static_cast<size_t>(window * k);
+  WindowPlan w;
+  w.offsets = c.take<int32_t>(static_cast<size_t>(E + 1));
+  w.call_row = c.take<int32_t>(rows);
+  w.token = c.take<int32_t>(rows);
+  w.gate = c.take<float>(rows);
+  w.token_index_map = c.take<int32_t>(rows);
+  w.scratch = c.take<int32_t>(static_cast<size_t>(2 * E + 1));
+  return w;
+}
+
+void build_window_plan_cuda(const RoutingPlan& plan, int64_t L, int64_t k, int64_t E, int64_t t0, int64_t rows,
+                            const WindowPlan& w, cudaStream_t s) {
+  const int32_t P = static_cast<int32_t>(L * k), wr = static_cast<int32_t>(rows * k);
+  const int32_t a = static_cast<int32_t>(t0), b = static_cast<int32_t>(t0 + rows);
+  int32_t* call_off = w.scratch;
+  int32_t* first = w.scratch + E + 1;
+  window_ranges_kernel<<<1, kRangeThreads, 0, s>>>(plan.expert_token_offsets, plan.expert_token_indices,
+                                                   static_cast<int32_t>(E), P, a, b, wr, call_off, first, w.offsets);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("window_ranges");
+  if (wr == 0) return;
+  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.token_index_map, 0xff, sizeof(int32_t) * wr, s));
+  window_rows_kernel<<<static_cast<unsigned>(ceil_div(wr, 256)), 256, 0, s>>>(
+      plan.expert_token_indices, plan.token_index_map, plan.gates, L, k, static_cast<int32_t>(E), P, a, b, wr, first,
+      w.offsets, w.call_row, w.token, w.gate, w.token_index_map);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("window_rows");
+}
+
+}  // namespace routing
+}  // namespace v0
+}  // namespace moeblaze
