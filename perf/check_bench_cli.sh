@@ -18,6 +18,7 @@ expect_exit 2 --device tpu
 expect_exit 2 --reps 3x
 expect_exit 2 --reps 0
 expect_exit 2 --tokens -5
+expect_exit 2 --window -1
 expect_exit 2 --cpu-gflop nan
 expect_exit 2 --shape 1,2,3
 expect_exit 2 --shape 64,32,48,4,8

@@ -40,6 +40,7 @@ typedef struct options {
   int device; /* -1 auto, 0 cpu, 1 cuda */
   int32_t policy;
   int64_t engine; /* MOEBLAZE_ENGINE_* for CUDA handles (AUTO by default) */
+  int64_t window; /* MOEBLAZE_ATTR_WINDOW_TOKENS (0: automatic) */
   moeblaze_dtype_t dtype;
   int activations[8];
   int num_activations;
@@ -253,11 +254,12 @@ static void usage(FILE* f) {
           "usage: moeblaze-bench [--configs paper|modern|FILE]... [--shape T,d,n,E,K]... [--only NAME,...]\n"
           "                      [--activations silu,swiglu,...] [--dtype bf16|f16|f32] [--policy preact|recompute|all]\n"
           "                      [--tokens N] [--device auto|cpu|cuda] [--engine auto|fused|cublaslt] [--cpu-gflop G]\n"
-          "                      [--reps N] [--warmup N]\n"
+          "                      [--reps N] [--warmup N] [--window N]\n"
           "                      [--threads N] [--quick] [--no-check] [--json FILE]\n"
           "  --configs   config file(s): paper (default; n = 4 d), modern (fine-grained MoEs, explicit n), or a path\n"
           "  --shape     one layer: T tokens, d model dim, n expert FFN dim, E experts, K top-k (repeatable)\n"
-          "  --engine    the CUDA engine (auto: fused on sm_90 for bf16/fp16, else cuBLASLt)\n"
+          "  --engine    the CUDA engine (auto: the registry's choice, today cuBLASLt; fused: sm_90, bf16/fp16)\n"
+          "  --window    the fused engine's tokens per window (MOEBLAZE_ATTR_WINDOW_TOKENS; 0: automatic)\n"
           "  --quick     a short CPU correctness check: small token counts, one rep, pass/fail per row\n");
 }
 
@@ -372,6 +374,7 @@ static void parse(int argc, char** argv, options* o) {
     else if (!strcmp(a, "--threads")) o->threads = (int)parse_int(a, v, 0, 4096);
     else if (!strcmp(a, "--device")) o->device = parse_choice(a, v, device_names) - 1;
     else if (!strcmp(a, "--engine")) o->engine = engines[parse_choice(a, v, engine_names)];
+    else if (!strcmp(a, "--window")) o->window = parse_int(a, v, 0, 2147483647);
     else if (!strcmp(a, "--policy")) o->policy = policies[parse_choice(a, v, policy_names)];
     else if (!strcmp(a, "--dtype")) o->dtype = dtypes[parse_choice(a, v, dtype_names)];
     else if (!strcmp(a, "--activations")) {
@@ -426,6 +429,7 @@ static result run_one(backend* be, const options* o, const bench_config* c, int 
   CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SAVE_POLICY, o->policy));
   if (!be->cuda) CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_THREADS, o->threads));
   if (be->cuda) CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ENGINE, o->engine));
+  if (be->cuda && o->window) CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_WINDOW_TOKENS, o->window));
   CHECK(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, o->dtype));
   CHECK(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, o->dtype));
   moeblaze_handle_t handle;
@@ -570,8 +574,9 @@ int main(int argc, char** argv) {
   printf("# %s\n", moeblaze_get_build_info());
   if (be.cuda)
     printf("# engine: CUDA %s on device 0 of %d (the resolved engine is in the JSON); median of %d reps after warm-up, CUDA events; ceiling = dense bf16 cuBLAS GEMMs of the same FLOPs in the same run\n",
-           o.engine == MOEBLAZE_ENGINE_CUDA_FUSED ? "fused" : o.engine == MOEBLAZE_ENGINE_CUDA_CUBLASLT ? "cuBLASLt" : "AUTO (fused on sm_90 for bf16/fp16, else cuBLASLt)",
+           o.engine == MOEBLAZE_ENGINE_CUDA_FUSED ? "fused" : o.engine == MOEBLAZE_ENGINE_CUDA_CUBLASLT ? "cuBLASLt" : "AUTO",
            gpus, o.reps > 0 ? o.reps : 20);
+  if (be.cuda && o.window) printf("# fused engine windows of %lld tokens (MOEBLAZE_ATTR_WINDOW_TOKENS)\n", (long long)o.window);
   else
     printf("# engine: CPU reference (%d CUDA device(s) seen)%s. On the CPU these numbers show correctness, not speed:\n"
            "# the GPU results are in perf/RESULTS.md (and the README's summary).\n",

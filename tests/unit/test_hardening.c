@@ -155,6 +155,23 @@ static void corrupted_plans(void** state) {
   assert_ok(ms_forward(f->h, p));
   int32_t t = tim[0]; tim[0] = tim[2]; tim[2] = t;
   expect_backward_rejected(f, "token_index_map permuted");
+  /* two tokens of one expert swapped, both lists kept consistent: a bijection still, but the
+   * tokens no longer ascend within the expert (windows of tokens rely on the order) */
+  assert_ok(ms_forward(f->h, p));
+  int swapped = 0;
+  for (int32_t e = 0; e < E0 && !swapped; ++e) {
+    if (off[e + 1] - off[e] < 2) continue;
+    const int32_t q = off[e], ta = eti[q], tb = eti[q + 1];
+    for (int32_t j = 0; j < K0; ++j) {
+      if (tim[ta * K0 + j] == q) tim[ta * K0 + j] = q + 1;
+      if (tim[tb * K0 + j] == q + 1) tim[tb * K0 + j] = q;
+    }
+    eti[q] = tb;
+    eti[q + 1] = ta;
+    swapped = 1;
+  }
+  assert_true(swapped);
+  expect_backward_rejected(f, "tokens out of order within an expert");
   assert_ok(ms_forward(f->h, p));
   assert_ok(ms_backward(f->h, p));
 }

@@ -183,7 +183,7 @@ FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
     w.dx_part = c.take<char>(Pw * static_cast<size_t>(d) * es);
     w.dg_pos = c.take<float>(Pw);
     w.dg_tok = c.take<float>(static_cast<size_t>(L * k));
-    if (w.windows.count > 1) {
+    if (w.windows.count > 1) {  // fused_weight_grad_sum_bytes
       w.dw_gate_up32 = c.take<float>(static_cast<size_t>(E * d * gh));
       w.dw_down32 = c.take<float>(static_cast<size_t>(E * h * d));
     }

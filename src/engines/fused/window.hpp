@@ -33,9 +33,20 @@ struct FusedWindows {
   int64_t count;   // windows of the call; >= 1 (a call of no tokens runs one empty window)
 };
 
+// Several windows sum the weight gradients in fp32 across them: [E, d, g h] and [E, h, d].
+inline int64_t fused_weight_grad_sum_bytes(const LayerConfig& cfg) {
+  return 4 * cfg.num_experts * cfg.hidden * (cfg.gate_up_cols() + cfg.ffn_hidden);
+}
+
+// WINDOW_TOKENS when set; else windows of the budget, unless one window of the whole call
+// needs no more than those windows plus the fp32 sums they bring.
 inline FusedWindows fused_windows(const LayerConfig& cfg, int64_t L) {
   int64_t w = cfg.window_tokens;
-  if (w == 0) w = std::max(kFusedMinWindowTokens, kFusedWindowBudgetBytes / fused_window_bytes_per_token(cfg));
+  if (w == 0) {
+    const int64_t per_token = fused_window_bytes_per_token(cfg);
+    w = std::max(kFusedMinWindowTokens, kFusedWindowBudgetBytes / per_token);
+    if (L * per_token <= w * per_token + fused_weight_grad_sum_bytes(cfg)) w = L;
+  }
   w = std::max<int64_t>(1, std::min(w, L));
   return {w, std::max<int64_t>(1, ceil_div(L, w))};
 }
