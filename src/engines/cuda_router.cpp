@@ -27,6 +27,17 @@ RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, int64_t window, vo
   return w;
 }
 
+RouterWork CudaRouter::carve_head(Carver& c, Pass pass, int64_t L, int64_t window, void* base, RoutingPlan& plan) const {
+  void* gemm_ws = c.take<char>(gemm::CublasLtGemm::kWorkspaceBytes);
+  RouterWork w = carve(c, pass, L, window, gemm_ws);
+  if (pass == Pass::kForwardInference || pass == Pass::kRoute) {
+    SavedRegions r = carve_saved(cfg_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
+    c.take<char>(r.bytes);
+    plan = r.plan;
+  }
+  return w;
+}
+
 void CudaRouter::gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
                       const RouterWork& w, cudaStream_t s, float beta) const {
   gemm_.gemm(M, N, K, A, B, C, DType::kF32, N, 1.f, beta, w.gemm_ws, gemm::CublasLtGemm::kWorkspaceBytes, s);

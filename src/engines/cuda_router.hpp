@@ -39,6 +39,10 @@ class CudaRouter {
   // Appends the router's regions for `pass` to a carve (the engine's workspace layout); the
   // backward's [W, d] regions serve windows of at most `window` tokens.
   RouterWork carve(Carver& c, Pass pass, int64_t L, int64_t window, void* gemm_ws) const;
+  // The head of every CUDA engine's workspace (base: its start, or null to measure): the
+  // cuBLASLt workspace (router.gemm_ws, shared with the engine's own cuBLASLt GEMMs), the
+  // router's regions and, for inference and route (no saved buffer), the plan.
+  RouterWork carve_head(Carver& c, Pass pass, int64_t L, int64_t window, void* base, RoutingPlan& plan) const;
 
   // Zeroes the error flag, routes (or imports and checks the caller's ids) into plan's ids and
   // gates, and builds the plan.

@@ -7,6 +7,7 @@
 namespace cubw = CUB_NS_QUALIFIER;
 
 #include "cuda/cuda_check.hpp"
+#include "routing/offsets_cuda.cuh"
 #include "routing/window_plan_cuda.hpp"
 
 namespace moeblaze {
@@ -15,10 +16,6 @@ namespace routing {
 namespace {
 
 constexpr int kRangeThreads = 1024;
-
-struct MaxOp {
-  __device__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; }
-};
 
 // The first position in [lo, hi) whose token is >= t (hi if none).
 __device__ int32_t lower_bound(const int32_t* eti, int32_t lo, int32_t hi, int32_t t) {
@@ -30,27 +27,16 @@ __device__ int32_t lower_bound(const int32_t* eti, int32_t lo, int32_t hi, int32
   return lo;
 }
 
-// call_off = the plan's offsets clamped to [0, P] and made non-decreasing (as the GEMM
-// schedule sanitises them); first[e] = the call position of expert e's first window row;
-// win_off = the exclusive scan of the run lengths, capped at the window's rows.
+// call_off = the plan's offsets, sanitised as the GEMM schedule does; first[e] = the call
+// position of expert e's first window row; win_off = the exclusive scan of the run lengths,
+// capped at the window's rows.
 __global__ void __launch_bounds__(kRangeThreads) window_ranges_kernel(const int32_t* off, const int32_t* eti, int32_t E,
                                                                       int32_t P, int32_t t0, int32_t t1, int32_t rows,
                                                                       int32_t* call_off, int32_t* first, int32_t* win_off) {
   using Scan = cubw::BlockScan<int32_t, kRangeThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int32_t carry;
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  for (int32_t base = 0; base <= E; base += kRangeThreads) {
-    const int32_t e = base + threadIdx.x;
-    int32_t v = e <= E && e > 0 ? min(max(off[e], 0), P) : 0, run;
-    Scan(tmp).InclusiveScan(v, run, MaxOp());
-    run = max(run, carry);
-    if (e <= E) call_off[e] = run;
-    __syncthreads();
-    if (threadIdx.x == kRangeThreads - 1) carry = run;
-    __syncthreads();
-  }
+  sanitize_offsets_block<kRangeThreads>(off, E, P, call_off);
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
   for (int32_t base = 0; base < E; base += kRangeThreads) {

@@ -1,7 +1,7 @@
 /* The CUDA engine against the CPU reference engine on fresh random inputs, with every GPU
  * output poisoned (NaN) before each run: every activation x dtype x save policy, routing from
  * logits / from W_g / caller-given, experts with no tokens, all tokens on one expert, L = 1,
- * L not a multiple of the plan tile, very large E, L = 0, bad caller ids (clear status, nothing
+ * L not a multiple of the plan tile, very large E, L = 0, L = 2^20, bad caller ids (clear status, nothing
  * written, guard bytes intact), the accumulate flag, determinism (three runs, same bits) and two
  * handles used from two threads and streams at once, CUDA-graph capture (fused: replays on new
  * inputs and routing equal the eager bits; cuBLASLt: refused cleanly), hostile saved buffers
@@ -465,6 +465,11 @@ static void routing_modes_and_edges(void** state) {
   run_case(&acc, &rng, 1);
   gcase zero = base_case(6, 2, 32, 40, 0, MOEBLAZE_ACTIVATION_SWIGLU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
   run_case(&zero, &rng, 0);
+  if (!getenv("MOEBLAZE_GPU_TEST_QUICK")) { /* 2^20 tokens, small d: L k past 2^21 positions */
+    gcase big = base_case(8, 2, 16, 16, (int64_t)1 << 20, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT,
+                          MODE_LOGITS);
+    run_case(&big, &rng, 0);
+  }
 }
 
 /* Bad caller ids. cuBLASLt: INVALID_ARGUMENT returned at its host sync, y untouched. Fused (no

@@ -110,13 +110,8 @@ CublasLtWork CublasLtEngine::carve(Pass pass, int64_t L, void* base) const {
   CublasLtWork w;
   const int64_t d = cfg_.hidden, h = cfg_.ffn_hidden, gh = cfg_.gate_up_cols();
   const size_t P = static_cast<size_t>(L * cfg_.top_k), es = dtype_size(cfg_.act_dtype);
-  w.gemm_ws = c.take<char>(gemm::CublasLtGemm::kWorkspaceBytes);
-  w.router = router_->carve(c, pass, L, L, w.gemm_ws);
-  if (pass == Pass::kForwardInference || pass == Pass::kRoute) {
-    SavedRegions r = carve_saved(cfg_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
-    c.take<char>(r.bytes);
-    w.plan = r.plan;
-  }
+  w.router = router_->carve_head(c, pass, L, L, base, w.plan);
+  w.gemm_ws = w.router.gemm_ws;
   if (pass == Pass::kRoute) {
     w.bytes = c.size();
     return w;

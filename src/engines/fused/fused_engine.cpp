@@ -163,13 +163,7 @@ FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
   const size_t es = dtype_size(cfg_.act_dtype);
   w.windows = fused_windows(cfg_, L);
   const size_t Pw = static_cast<size_t>(w.windows.tokens * k);
-  void* gemm_ws = c.take<char>(gemm::CublasLtGemm::kWorkspaceBytes);
-  w.router = router_->carve(c, pass, L, w.windows.tokens, gemm_ws);
-  if (pass == Pass::kForwardInference || pass == Pass::kRoute) {
-    SavedRegions r = carve_saved(cfg_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
-    c.take<char>(r.bytes);
-    w.plan = r.plan;
-  }
+  w.router = router_->carve_head(c, pass, L, w.windows.tokens, base, w.plan);
   if (pass == Pass::kRoute) {
     w.bytes = c.size();
     return w;

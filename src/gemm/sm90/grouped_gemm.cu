@@ -12,6 +12,7 @@ namespace cubw = CUB_NS_QUALIFIER;
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/mainloop.cuh"
 #include "gemm/sm90/tensor_map.hpp"
+#include "routing/offsets_cuda.cuh"
 #include "util/align.hpp"
 #include "util/error.hpp"
 #include "util/vec8.cuh"
@@ -24,30 +25,15 @@ namespace {
 
 constexpr int kScheduleThreads = 1024;
 
-struct MaxOp {
-  __device__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; }
-};
-
-// One block: out_off[e] = max(clamp(offsets[0..e], 0, m_total)), then the row-block prefix.
+// One block: out_off = the sanitised offsets (routing/offsets_cuda.cuh), then the row-block prefix.
 __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const int32_t* offsets, int32_t E, int32_t m_total,
                                                                     int32_t* out_off, int32_t* prefix) {
   using Scan = cubw::BlockScan<int32_t, kScheduleThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  __shared__ int32_t carry_max, carry_sum;
-  if (threadIdx.x == 0) carry_max = carry_sum = 0;
+  __shared__ int32_t carry_sum;
+  routing::sanitize_offsets_block<kScheduleThreads>(offsets, E, m_total, out_off);
+  if (threadIdx.x == 0) carry_sum = 0;
   __syncthreads();
-  for (int32_t base = 0; base <= E; base += kScheduleThreads) {
-    const int32_t e = base + threadIdx.x;
-    int32_t v = e <= E ? min(max(offsets[e], 0), m_total) : 0;
-    if (e == 0) v = 0;
-    int32_t run;
-    Scan(tmp).InclusiveScan(v, run, MaxOp());
-    run = max(run, carry_max);
-    if (e <= E) out_off[e] = run;
-    __syncthreads();
-    if (threadIdx.x == kScheduleThreads - 1) carry_max = run;
-    __syncthreads();
-  }
   for (int32_t base = 0; base < E; base += kScheduleThreads) {
     const int32_t e = base + threadIdx.x;
     const int32_t blocks = e < E ? row_blocks(out_off[e + 1] - out_off[e], kBlockM) : 0;
