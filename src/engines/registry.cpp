@@ -31,6 +31,13 @@ const char* fused_refuses(const LayerConfig& cfg, const cuda::DeviceInfo* info) 
   return fused_engine_refuses(cfg, info ? info->sm_major : 0);
 }
 
+// AUTO takes the fused engine where it was measured faster than cuBLASLt: fine-grained MoEs,
+// many small experts (H100, SwiGLU bf16 fwd+bwd: n = 256 with E = 128 1.44x and 1.57x; every
+// measured shape with n >= 512 or E <= 64 slower, 0.5-0.8x; perf/RESULTS.md). Elsewhere AUTO
+// keeps cuBLASLt until the fused backward wins there too.
+bool fused_auto(const LayerConfig& cfg) { return cfg.ffn_hidden <= 256 && cfg.num_experts >= 128; }
+bool always(const LayerConfig&) { return true; }
+
 const char* cublaslt_refuses(const LayerConfig& cfg, const cuda::DeviceInfo*) {
   if (cfg.act_dtype != cfg.weight_dtype) return "it needs activation_dtype == weight_dtype";
   return nullptr;
@@ -39,20 +46,19 @@ const char* cublaslt_refuses(const LayerConfig& cfg, const cuda::DeviceInfo*) {
 struct EngineEntry {
   EngineKind kind;
   int32_t device_type;
-  bool automatic;  // AUTO may pick it (else only an explicit ENGINE does)
+  bool (*automatic)(const LayerConfig&);  // AUTO may pick it for this configuration
   const char* name;
   const char* (*refuses)(const LayerConfig&, const cuda::DeviceInfo*);
   std::unique_ptr<Engine> (*make)(const LayerConfig&);
 };
 
-// Preference order within a device. The fused engine is explicit-only for now: it is the one
-// that captures in CUDA graphs and never syncs, and it is faster on fine-grained MoEs (n = 256:
-// 1.4-1.6x cuBLASLt), but its backward is still slower on coarse ones (conf4: 0.58x; see
-// perf/NOTES.md), so AUTO keeps cuBLASLt until the fused engine wins across the board.
+// Preference order within a device. The fused engine (the one that captures in CUDA graphs and
+// never syncs) comes first where AUTO may take it (fused_auto); an explicit ENGINE takes it
+// wherever it can serve.
 const EngineEntry kEngines[] = {
-    {EngineKind::kCpu, kDeviceCpu, true, "cpu", cpu_refuses, make_cpu_engine},
-    {EngineKind::kCudaFused, kDeviceCuda, false, "cuda_fused", fused_refuses, make_fused_engine},
-    {EngineKind::kCudaCublasLt, kDeviceCuda, true, "cuda_cublaslt", cublaslt_refuses, make_cublaslt_engine},
+    {EngineKind::kCpu, kDeviceCpu, always, "cpu", cpu_refuses, make_cpu_engine},
+    {EngineKind::kCudaFused, kDeviceCuda, fused_auto, "cuda_fused", fused_refuses, make_fused_engine},
+    {EngineKind::kCudaCublasLt, kDeviceCuda, always, "cuda_cublaslt", cublaslt_refuses, make_cublaslt_engine},
 };
 
 // Checks the device itself; returns its properties for CUDA (nullptr for the CPU).
@@ -85,7 +91,7 @@ std::unique_ptr<Engine> create_engine(LayerConfig& cfg) {
   std::string why;
   for (const EngineEntry& e : kEngines) {
     if (e.device_type != cfg.device_type) continue;
-    if (cfg.engine == EngineKind::kAuto ? !e.automatic : cfg.engine != e.kind) continue;
+    if (cfg.engine == EngineKind::kAuto ? !e.automatic(cfg) : cfg.engine != e.kind) continue;
     if (const char* reason = e.refuses(cfg, info)) {
       why += std::string(why.empty() ? "" : "; ") + e.name + ": " + reason;
       continue;

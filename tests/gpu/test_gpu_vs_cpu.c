@@ -535,18 +535,22 @@ static void bad_caller_ids_write_nothing(void** state) {
   }
 }
 
-/* AUTO picks cuBLASLt (the fused engine is explicit-only until its backward wins on coarse
- * MoEs too; src/engines/registry.cpp); an explicit fused request is served on sm_90 for
- * bf16/fp16 layers whose d and h are multiples of 8, and otherwise fails with its reason. */
+/* AUTO picks the fused engine on sm_90 for bf16/fp16 fine-grained layers (ffn_hidden <= 256,
+ * E >= 128: where it was measured faster; src/engines/registry.cpp) and cuBLASLt otherwise; an
+ * explicit fused request is served on sm_90 for bf16/fp16 layers whose d and h are multiples of
+ * 8, and otherwise fails with its reason. */
 static void auto_engine_choice(void** state) {
   (void)state;
   struct cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
   const int hopper = prop.major == 9;
-  const struct { int64_t d; moeblaze_dtype_t dt; int fused_ok; } cases[] = {
-      {64, tu_bf16, 1}, {64, tu_f16, 1}, {64, tu_f32, 0}, {36, tu_bf16, 0}};
+  const struct { int64_t E, d, h; moeblaze_dtype_t dt; int fused_ok, fused_auto; } cases[] = {
+      {8, 64, 32, tu_bf16, 1, 0},   {8, 64, 32, tu_f16, 1, 0},   {8, 64, 32, tu_f32, 0, 0},
+      {8, 36, 32, tu_bf16, 0, 0},   {128, 64, 256, tu_bf16, 1, 1}, {128, 64, 256, tu_f16, 1, 1},
+      {128, 64, 256, tu_f32, 0, 0}, {128, 64, 512, tu_bf16, 1, 0}, {64, 64, 256, tu_bf16, 1, 0},
+      {128, 36, 256, tu_bf16, 0, 0}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
-    tu_layer l = tu_layer_default(8, 2, cases[i].d, 32, 64, MOEBLAZE_ACTIVATION_SWIGLU);
+    tu_layer l = tu_layer_default(cases[i].E, 2, cases[i].d, cases[i].h, 64, MOEBLAZE_ACTIVATION_SWIGLU);
     l.act_dtype = l.weight_dtype = cases[i].dt;
     l.engine = MOEBLAZE_ENGINE_AUTO;
     moeblaze_handle_t h = NULL;
@@ -554,7 +558,7 @@ static void auto_engine_choice(void** state) {
     int64_t engine = -1;
     assert_ok(moeblaze_handle_get_i64(h, MOEBLAZE_ATTR_ENGINE, &engine));
     moeblaze_destroy(h);
-    const int64_t want = MOEBLAZE_ENGINE_CUDA_CUBLASLT;
+    const int64_t want = hopper && cases[i].fused_auto ? MOEBLAZE_ENGINE_CUDA_FUSED : MOEBLAZE_ENGINE_CUDA_CUBLASLT;
     if (engine != want) fail_msg("case %zu: AUTO chose engine %lld, expected %lld", i, (long long)engine, (long long)want);
     l.engine = MOEBLAZE_ENGINE_CUDA_FUSED;
     const moeblaze_status_t st = tu_create_on(&l, MOEBLAZE_DEVICE_CUDA, &h);
