@@ -103,9 +103,7 @@ bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const Ro
                                 plan.expert_token_offsets, dlogits, s);
   if (a.mode != RoutingMode::kRouterWeight) return false;
   // Router GEMMs in fp32: dW_g = dlogits^T x (summed over the windows in order), dx += dlogits W_g.
-  View x = a.x;
-  x.data = a.x.row(t0);
-  routing::logits_to_f32_cuda(x, rows, d, w.x_f32, s);
+  routing::logits_to_f32_cuda(a.x.rows(t0, rows), rows, d, w.x_f32, s);
   if (a.d_router_weight.present)
     gemm(E, d, rows, {dlogits, DType::kF32, E, true}, {w.x_f32, DType::kF32, d, false}, w.dwg_f32, w, s, first ? 0.f : 1.f);
   if (!needs.router_adds_dx) return false;
