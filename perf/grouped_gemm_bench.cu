@@ -3,6 +3,9 @@
 // and against one dense cuBLASLt GEMM of the same FLOPs, on the MoE layer's two forward GEMMs:
 //   up:   pre/act = SwiGLU(x[idx] W_gate_up[e])  gathered A, gated, activation epilogue (fused)
 //   down: out = act W_down[e]                    contiguous A, store epilogue
+// and on its two weight-gradient GEMMs (varlen K, gemm/sm90/weight_grad):
+//   dW_up:   x[idx]^T dpre per expert      A gathered, B in expert order
+//   dW_down: act^T dy[idx] per expert      A in expert order, B gathered
 // for uniform and skewed (Zipf s = 1.2) routings. The cuBLASLt side is timed on GEMMs alone (no
 // gather, no activation pass), which favours it. Each config also compares our output with
 // cuBLASLt's (relative error). Median of CUDA-event timings; prints a table last.
@@ -11,6 +14,7 @@
 
 #include "../tests/kernels/grouped_gemm_problem.cuh"
 #include "gemm/cublaslt.hpp"
+#include "gemm/sm90/weight_grad.hpp"
 
 using namespace ggp;
 namespace sm90 = moeblaze::gemm::sm90;
@@ -46,6 +50,8 @@ double median_ms(F&& f, int reps) {
 struct Row {
   std::string what;
   double ours_ms, lt_ms, dense_ms, flops, rel;
+  double copy_ms = 0;  // weight gradients: ours with the expert-order operand by cp.async too
+  double tma_ms = 0;   // weight gradients: ours on the pre-gathered copy, both operands by TMA
 };
 
 // A [m, k] contiguous copy of the gathered A rows, for cuBLASLt.
@@ -136,16 +142,118 @@ Row run(const Config& c, bool up, double skew, int bn, int reps, const gemm::Cub
   return r;
 }
 
+// The weight gradients: C_e = A_e^T B_e over expert e's positions. dW_up: A = x rows gathered
+// (m = d), B = dpre (n = 2h); dW_down: A = act (m = h), B = dy rows gathered (n = d). cuBLASLt
+// runs one GEMM per expert on a pre-gathered copy (its gather not timed); dense is one GEMM
+// with the same FLOPs (K = all positions). "cp.async ms" times our kernel with the expert-order
+// operand behind an identity index list, which sends it down the gathered (cp.async) path: the
+// kernel without its TMA loads, in the same run; "2xTMA ms" runs it on cuBLASLt's pre-gathered
+// copy, both operands by TMA (what a gather costs the kernel).
+Row run_wgrad(const Config& c, bool up, double skew, int reps, const gemm::CublasLtGemm& lt, void* lt_ws) {
+  const int64_t P = c.T * c.K, m = up ? c.d : c.n, n = up ? 2 * c.n : c.d;
+  std::mt19937_64 rng(17);
+  Shape rs{};
+  rs.m_total = P;
+  rs.E = static_cast<int32_t>(c.E);
+  rs.skew = skew;
+  const std::vector<int32_t> counts = make_counts(rs, rng);
+  std::vector<int32_t> off(c.E + 1, 0), idx(P);
+  for (int64_t e = 0; e < c.E; ++e) off[e + 1] = off[e] + counts[e];
+  std::uniform_int_distribution<int64_t> tok(0, c.T - 1);
+  for (auto& v : idx) v = static_cast<int32_t>(tok(rng));
+  std::vector<int32_t> iota(P);
+  for (int64_t i = 0; i < P; ++i) iota[i] = static_cast<int32_t>(i);
+  int32_t *d_off, *d_idx, *d_iota;
+  GGP_CK(cudaMalloc(&d_off, 4 * (c.E + 1)));
+  GGP_CK(cudaMalloc(&d_idx, 4 * P));
+  GGP_CK(cudaMalloc(&d_iota, 4 * P));
+  GGP_CK(cudaMemcpy(d_iota, iota.data(), 4 * P, cudaMemcpyHostToDevice));
+  GGP_CK(cudaMemcpy(d_off, off.data(), 4 * off.size(), cudaMemcpyHostToDevice));
+  GGP_CK(cudaMemcpy(d_idx, idx.data(), 4 * P, cudaMemcpyHostToDevice));
+  const int64_t gathered_cols = up ? m : n, contig_cols = up ? n : m;
+  void *tokens, *contig, *gathered, *sched;
+  GGP_CK(cudaMalloc(&tokens, 2 * c.T * gathered_cols));
+  GGP_CK(cudaMalloc(&contig, 2 * P * contig_cols));
+  GGP_CK(cudaMalloc(&gathered, 2 * P * gathered_cols));
+  GGP_CK(cudaMalloc(&sched, sm90::schedule_bytes(c.E)));
+  fill_random_device(tokens, c.T * gathered_cols, DType::kBF16, rng(), 1.f);
+  fill_random_device(contig, P * contig_cols, DType::kBF16, rng(), 0.05f);
+  gather_kernel<<<static_cast<unsigned>(P), 256>>>(static_cast<const __nv_bfloat16*>(tokens), d_idx, gathered_cols,
+                                                   static_cast<__nv_bfloat16*>(gathered));
+  void* out = alloc_poisoned(c.E * m * n);
+  void* lt_out = alloc_poisoned(c.E * m * n);
+  sm90::WeightGradParams p;
+  p.sched = sm90::make_schedule(d_off, c.E, P, sched, nullptr);
+  p.m = static_cast<int32_t>(m);
+  p.n = static_cast<int32_t>(n);
+  p.a = up ? tokens : contig;
+  p.lda = m;
+  p.a_index = up ? d_idx : nullptr;
+  p.a_rows = static_cast<int32_t>(up ? c.T : P);
+  p.b = up ? contig : tokens;
+  p.ldb = n;
+  p.b_index = up ? nullptr : d_idx;
+  p.b_rows = static_cast<int32_t>(up ? P : c.T);
+  p.c = out;
+  p.ldc = n;
+  p.c_expert_stride = m * n;
+  const void* a_lt = up ? gathered : contig;
+  const void* b_lt = up ? contig : gathered;
+  auto ours = [&] { sm90::weight_grad(DType::kBF16, p, nullptr); };
+  sm90::WeightGradParams p_copy = p;
+  (up ? p_copy.b_index : p_copy.a_index) = d_iota;
+  auto ours_copy = [&] { sm90::weight_grad(DType::kBF16, p_copy, nullptr); };
+  sm90::WeightGradParams p_tma = p;
+  p_tma.a = a_lt;
+  p_tma.b = b_lt;
+  p_tma.a_index = p_tma.b_index = nullptr;
+  p_tma.a_rows = p_tma.b_rows = static_cast<int32_t>(P);
+  auto ours_tma = [&] { sm90::weight_grad(DType::kBF16, p_tma, nullptr); };
+  auto per_expert = [&] {
+    for (int64_t x = 0; x < c.E; ++x) {
+      const int64_t r0 = off[x], rows = off[x + 1] - r0;
+      if (rows == 0) continue;
+      lt.gemm(m, n, rows, {static_cast<const char*>(a_lt) + r0 * m * 2, DType::kBF16, m, true},
+              {static_cast<const char*>(b_lt) + r0 * n * 2, DType::kBF16, n, false},
+              static_cast<char*>(lt_out) + x * m * n * 2, DType::kBF16, n, 1.f, 0.f, lt_ws,
+              gemm::CublasLtGemm::kWorkspaceBytes, nullptr);
+    }
+  };
+  auto dense = [&] {
+    lt.gemm(m, n, P, {a_lt, DType::kBF16, m, true}, {b_lt, DType::kBF16, n, false}, lt_out, DType::kBF16, n, 1.f, 0.f,
+            lt_ws, gemm::CublasLtGemm::kWorkspaceBytes, nullptr);
+  };
+  Row r;
+  r.what = std::string(c.name) + (up ? " dW_up" : " dW_down") + (skew > 0 ? " skew" : "");
+  r.flops = 2.0 * P * m * n;
+  r.copy_ms = median_ms(ours_copy, reps);
+  r.tma_ms = median_ms(ours_tma, reps);
+  r.ours_ms = median_ms(ours, reps);
+  r.dense_ms = median_ms(dense, reps);
+  r.lt_ms = median_ms(per_expert, reps);
+  for (int64_t x = 0; x < c.E; ++x)  // an expert without positions: ours writes a zero gradient
+    if (off[x + 1] == off[x]) GGP_CK(cudaMemset(static_cast<char*>(lt_out) + x * m * n * 2, 0, m * n * 2));
+  GGP_CK(cudaDeviceSynchronize());
+  r.rel = rel_diff(out, lt_out, c.E * m * n);
+  cudaFree(d_off); cudaFree(d_idx); cudaFree(d_iota); cudaFree(tokens); cudaFree(contig); cudaFree(gathered); cudaFree(sched);
+  cudaFree(out); cudaFree(lt_out);
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int bn = 0, reps = 20;
-  bool quick = false;
+  bool quick = false, fwd = true, wgrad = true;
+  const char* only = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--bn") && i + 1 < argc) bn = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--wgrad")) fwd = false;
+    else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--fwd")) wgrad = false;
     else {
-      std::fprintf(stderr, "usage: grouped-gemm-bench [--bn 128|256] [--quick]\n");
+      std::fprintf(stderr, "usage: grouped-gemm-bench [--bn 128|256] [--quick] [--fwd | --wgrad] [--only CONFIG]\n");
       return 2;
     }
   }
@@ -161,14 +269,18 @@ int main(int argc, char** argv) {
   void* lt_ws = nullptr;
   GGP_CK(cudaMalloc(&lt_ws, gemm::CublasLtGemm::kWorkspaceBytes));
   std::printf("%s, block_n %s\n", prop.name, bn ? std::to_string(bn).c_str() : "auto");
-  std::printf("%-28s %9s %9s %9s %8s %8s %8s %9s\n", "GEMM", "ours ms", "lt/exp ms", "dense ms", "ours TF", "vs lt", "vs dense",
-              "rel diff");
+  std::printf("%-28s %9s %9s %9s %8s %8s %8s %9s %10s %9s\n", "GEMM", "ours ms", "lt/exp ms", "dense ms", "ours TF", "vs lt",
+              "vs dense", "rel diff", "cp.async ms", "2xTMA ms");
   for (const Config& c : all) {
+    if (only && std::strcmp(only, c.name)) continue;
     for (double skew : {0.0, 1.2}) {
-      for (bool up : {true, false}) {
-        const Row r = run(c, up, skew, bn, reps, lt, lt_ws);
-        std::printf("%-28s %9.3f %9.3f %9.3f %8.1f %7.2fx %7.1f%% %9.2e\n", r.what.c_str(), r.ours_ms, r.lt_ms,
-                    r.dense_ms, r.flops / r.ours_ms / 1e9, r.lt_ms / r.ours_ms, 100.0 * r.dense_ms / r.ours_ms, r.rel);
+      for (int g = 0; g < 4; ++g) {
+        const bool up = g % 2 == 0, is_wgrad = g >= 2;
+        if ((is_wgrad && !wgrad) || (!is_wgrad && !fwd)) continue;
+        const Row r = is_wgrad ? run_wgrad(c, up, skew, reps, lt, lt_ws) : run(c, up, skew, bn, reps, lt, lt_ws);
+        std::printf("%-28s %9.3f %9.3f %9.3f %8.1f %7.2fx %7.1f%% %9.2e %10.3f %9.3f\n", r.what.c_str(), r.ours_ms, r.lt_ms,
+                    r.dense_ms, r.flops / r.ours_ms / 1e9, r.lt_ms / r.ours_ms, 100.0 * r.dense_ms / r.ours_ms, r.rel,
+                    r.copy_ms, r.tma_ms);
         std::fflush(stdout);
       }
       if (quick) break;

@@ -29,28 +29,41 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
+// Encodes a 2- or 3-D bf16/fp16 map with 128-byte swizzle and zero fill past the tensor.
+TmaDescriptor encode(DType dt, const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* byte_strides,
+                     const cuuint32_t* box, const char* what) {
+  static_assert(sizeof(CUtensorMap) == sizeof(TmaDescriptor), "TmaDescriptor holds a CUtensorMap");
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = encoder()(&map, dt == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                               rank, const_cast<void*>(data), dims, byte_strides, box, elem_strides,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    fail(Status::kNotSupported, "cuTensorMapEncodeTiled rejected the %s layout (error %d): strides must be "
+         "multiples of 16 bytes and below 2^40", what, static_cast<int>(r));
+  TmaDescriptor d;
+  std::memcpy(d.bytes, &map, sizeof(map));
+  return d;
+}
+
 }  // namespace
 
 TmaDescriptor weight_tensor_map(DType dt, const GroupedGemmParams& p, int box_rows) {
-  static_assert(sizeof(CUtensorMap) == sizeof(TmaDescriptor), "TmaDescriptor holds a CUtensorMap");
   const cuuint64_t ncols = static_cast<cuuint64_t>(p.gated ? 2 * p.n : p.n);
   const bool mn = p.b_major == Major::kMN;
   const cuuint64_t dims[3] = {mn ? ncols : static_cast<cuuint64_t>(p.k), mn ? static_cast<cuuint64_t>(p.k) : ncols,
                               static_cast<cuuint64_t>(p.sched.num_experts)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.ldb) * 2, static_cast<cuuint64_t>(p.b_expert_stride) * 2};
   const cuuint32_t box[3] = {64, mn ? 64u : static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  CUtensorMap map;
-  const CUresult r = encoder()(&map, dt == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                               3, const_cast<void*>(p.b), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    fail(Status::kNotSupported, "cuTensorMapEncodeTiled rejected the weight layout (error %d): strides must be "
-         "multiples of 16 bytes and below 2^40", static_cast<int>(r));
-  TmaDescriptor d;
-  std::memcpy(d.bytes, &map, sizeof(map));
-  return d;
+  return encode(dt, p.b, 3, dims, strides, box, "weight");
+}
+
+TmaDescriptor rows_tensor_map(DType dt, const void* data, int64_t rows, int64_t cols, int64_t ld) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint32_t box[2] = {64, 64};
+  return encode(dt, data, 2, dims, strides, box, "weight-gradient operand");
 }
 
 }  // namespace sm90

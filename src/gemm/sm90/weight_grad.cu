@@ -3,6 +3,7 @@
 #include "gemm/sm90/epilogue.cuh"
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/mainloop_k.cuh"
+#include "gemm/sm90/tensor_map.hpp"
 #include "gemm/sm90/weight_grad.hpp"
 #include "util/error.hpp"
 #include "util/vec8.cuh"
@@ -16,14 +17,16 @@ namespace {
 constexpr int kWeightGradBlockN = 256;
 
 template <class T, int BN>
-__global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_constant__ WeightGradParams p) {
+__global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_constant__ WeightGradParams p,
+                                                                      const __grid_constant__ WeightGradMaps maps) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const StageRing ring = init_ring<BN>(smem_raw, 128);  // every producer thread's cp.async arrival
+  // full[s]: every producer thread's cp.async arrival + thread 0's (with the TMA bytes, if any).
+  const StageRing ring = init_ring<BN>(smem_raw, 129);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dealloc<kProducerRegs>();
-    produce_weight_grad<T, BN>(p, ring);
+    produce_weight_grad<T, BN>(p, maps, ring);
   } else {
     regs_alloc<kConsumerRegs>();
     const int32_t mb = (p.m + kBlockM - 1) / kBlockM, nb = (p.n + BN - 1) / BN;
@@ -47,7 +50,13 @@ void launch(const WeightGradParams& p, cudaStream_t s) {
   auto* kernel = weight_grad_kernel<T, BN>;
   const int64_t tiles = static_cast<int64_t>(p.sched.num_experts) * ((p.m + kBlockM - 1) / kBlockM) * ((p.n + BN - 1) / BN);
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, tiles);
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p);
+  // An operand in expert order comes by TMA; a gathered one (or an empty one) by cp.async.
+  WeightGradMaps maps;
+  maps.tma_a = !p.a_index && p.a_rows > 0;
+  maps.tma_b = !p.b_index && p.b_rows > 0;
+  if (maps.tma_a) maps.a = rows_tensor_map(Elem<T>::kType, p.a, p.a_rows, p.m, p.lda);
+  if (maps.tma_b) maps.b = rows_tensor_map(Elem<T>::kType, p.b, p.b_rows, p.n, p.ldb);
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, maps);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
