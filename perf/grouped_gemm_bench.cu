@@ -142,15 +142,16 @@ Row run(const Config& c, bool up, double skew, int bn, int reps, const gemm::Cub
   return r;
 }
 
-// The weight gradients: C_e = A_e^T B_e over expert e's positions. dW_up: A = x rows gathered
-// (m = d), B = dpre (n = 2h); dW_down: A = act (m = h), B = dy rows gathered (n = d). cuBLASLt
-// runs one GEMM per expert on a pre-gathered copy (its gather not timed); dense is one GEMM
-// with the same FLOPs (K = all positions). "cp.async ms" times our kernel with the expert-order
-// operand behind an identity index list, which sends it down the gathered (cp.async) path: the
-// kernel without its TMA loads, in the same run; "2xTMA ms" runs it on cuBLASLt's pre-gathered
-// copy, both operands by TMA (what a gather costs the kernel).
+// The weight gradients: C_e = A_e^T B_e over expert e's positions, as the fused engine runs
+// them: A is the gathered operand, B the one in expert order. dW_up: A = x rows (m = d), B = dpre
+// (n = 2h); dW_down: A = dy rows (m = d), B = act (n = h), C stored transposed ([h, d] per
+// expert). cuBLASLt runs one GEMM per expert on a pre-gathered copy (its gather not timed);
+// dense is one GEMM with the same FLOPs (K = all positions). "cp.async ms" times our kernel with
+// the expert-order operand behind an identity index list, which sends it down the gathered
+// (cp.async) path, in the same run; "2xTMA ms" runs it on the pre-gathered copy, both operands
+// by TMA (what a gather costs the kernel).
 Row run_wgrad(const Config& c, bool up, double skew, int reps, const gemm::CublasLtGemm& lt, void* lt_ws) {
-  const int64_t P = c.T * c.K, m = up ? c.d : c.n, n = up ? 2 * c.n : c.d;
+  const int64_t P = c.T * c.K, m = c.d, n = up ? 2 * c.n : c.n;
   std::mt19937_64 rng(17);
   Shape rs{};
   rs.m_total = P;
@@ -170,15 +171,14 @@ Row run_wgrad(const Config& c, bool up, double skew, int reps, const gemm::Cubla
   GGP_CK(cudaMemcpy(d_iota, iota.data(), 4 * P, cudaMemcpyHostToDevice));
   GGP_CK(cudaMemcpy(d_off, off.data(), 4 * off.size(), cudaMemcpyHostToDevice));
   GGP_CK(cudaMemcpy(d_idx, idx.data(), 4 * P, cudaMemcpyHostToDevice));
-  const int64_t gathered_cols = up ? m : n, contig_cols = up ? n : m;
   void *tokens, *contig, *gathered, *sched;
-  GGP_CK(cudaMalloc(&tokens, 2 * c.T * gathered_cols));
-  GGP_CK(cudaMalloc(&contig, 2 * P * contig_cols));
-  GGP_CK(cudaMalloc(&gathered, 2 * P * gathered_cols));
+  GGP_CK(cudaMalloc(&tokens, 2 * c.T * m));
+  GGP_CK(cudaMalloc(&contig, 2 * P * n));
+  GGP_CK(cudaMalloc(&gathered, 2 * P * m));
   GGP_CK(cudaMalloc(&sched, sm90::schedule_bytes(c.E)));
-  fill_random_device(tokens, c.T * gathered_cols, DType::kBF16, rng(), 1.f);
-  fill_random_device(contig, P * contig_cols, DType::kBF16, rng(), 0.05f);
-  gather_kernel<<<static_cast<unsigned>(P), 256>>>(static_cast<const __nv_bfloat16*>(tokens), d_idx, gathered_cols,
+  fill_random_device(tokens, c.T * m, DType::kBF16, rng(), 1.f);
+  fill_random_device(contig, P * n, DType::kBF16, rng(), 0.05f);
+  gather_kernel<<<static_cast<unsigned>(P), 256>>>(static_cast<const __nv_bfloat16*>(tokens), d_idx, m,
                                                    static_cast<__nv_bfloat16*>(gathered));
   void* out = alloc_poisoned(c.E * m * n);
   void* lt_out = alloc_poisoned(c.E * m * n);
@@ -186,42 +186,43 @@ Row run_wgrad(const Config& c, bool up, double skew, int reps, const gemm::Cubla
   p.sched = sm90::make_schedule(d_off, c.E, P, sched, nullptr);
   p.m = static_cast<int32_t>(m);
   p.n = static_cast<int32_t>(n);
-  p.a = up ? tokens : contig;
+  p.a = tokens;
   p.lda = m;
-  p.a_index = up ? d_idx : nullptr;
-  p.a_rows = static_cast<int32_t>(up ? c.T : P);
-  p.b = up ? contig : tokens;
+  p.a_index = d_idx;
+  p.a_rows = static_cast<int32_t>(c.T);
+  p.b = contig;
   p.ldb = n;
-  p.b_index = up ? nullptr : d_idx;
-  p.b_rows = static_cast<int32_t>(up ? P : c.T);
+  p.b_rows = static_cast<int32_t>(P);
   p.c = out;
-  p.ldc = n;
+  p.ldc = up ? n : m;
   p.c_expert_stride = m * n;
-  const void* a_lt = up ? gathered : contig;
-  const void* b_lt = up ? contig : gathered;
+  p.c_transposed = !up;
   auto ours = [&] { sm90::weight_grad(DType::kBF16, p, nullptr); };
   sm90::WeightGradParams p_copy = p;
-  (up ? p_copy.b_index : p_copy.a_index) = d_iota;
+  p_copy.b_index = d_iota;
   auto ours_copy = [&] { sm90::weight_grad(DType::kBF16, p_copy, nullptr); };
   sm90::WeightGradParams p_tma = p;
-  p_tma.a = a_lt;
-  p_tma.b = b_lt;
-  p_tma.a_index = p_tma.b_index = nullptr;
-  p_tma.a_rows = p_tma.b_rows = static_cast<int32_t>(P);
+  p_tma.a = gathered;
+  p_tma.a_index = nullptr;
+  p_tma.a_rows = static_cast<int32_t>(P);
   auto ours_tma = [&] { sm90::weight_grad(DType::kBF16, p_tma, nullptr); };
+  // cuBLASLt in the gradient's own layout: dW_up[e] = xg^T dpre ([d, 2h]), dW_down[e] = act^T dyg ([h, d]).
+  const void* a_lt = up ? gathered : contig;
+  const void* b_lt = up ? contig : gathered;
+  const int64_t lt_m = up ? m : n, lt_n = up ? n : m;
   auto per_expert = [&] {
     for (int64_t x = 0; x < c.E; ++x) {
       const int64_t r0 = off[x], rows = off[x + 1] - r0;
       if (rows == 0) continue;
-      lt.gemm(m, n, rows, {static_cast<const char*>(a_lt) + r0 * m * 2, DType::kBF16, m, true},
-              {static_cast<const char*>(b_lt) + r0 * n * 2, DType::kBF16, n, false},
-              static_cast<char*>(lt_out) + x * m * n * 2, DType::kBF16, n, 1.f, 0.f, lt_ws,
+      lt.gemm(lt_m, lt_n, rows, {static_cast<const char*>(a_lt) + r0 * lt_m * 2, DType::kBF16, lt_m, true},
+              {static_cast<const char*>(b_lt) + r0 * lt_n * 2, DType::kBF16, lt_n, false},
+              static_cast<char*>(lt_out) + x * m * n * 2, DType::kBF16, lt_n, 1.f, 0.f, lt_ws,
               gemm::CublasLtGemm::kWorkspaceBytes, nullptr);
     }
   };
   auto dense = [&] {
-    lt.gemm(m, n, P, {a_lt, DType::kBF16, m, true}, {b_lt, DType::kBF16, n, false}, lt_out, DType::kBF16, n, 1.f, 0.f,
-            lt_ws, gemm::CublasLtGemm::kWorkspaceBytes, nullptr);
+    lt.gemm(lt_m, lt_n, P, {a_lt, DType::kBF16, lt_m, true}, {b_lt, DType::kBF16, lt_n, false}, lt_out, DType::kBF16,
+            lt_n, 1.f, 0.f, lt_ws, gemm::CublasLtGemm::kWorkspaceBytes, nullptr);
   };
   Row r;
   r.what = std::string(c.name) + (up ? " dW_up" : " dW_down") + (skew > 0 ? " skew" : "");

@@ -258,7 +258,7 @@ static void usage(FILE* f) {
           "                      [--threads N] [--quick] [--no-check] [--json FILE]\n"
           "  --configs   config file(s): paper (default; n = 4 d), modern (fine-grained MoEs, explicit n), or a path\n"
           "  --shape     one layer: T tokens, d model dim, n expert FFN dim, E experts, K top-k (repeatable)\n"
-          "  --engine    the CUDA engine (auto: the registry's choice, today cuBLASLt; fused: sm_90, bf16/fp16)\n"
+          "  --engine    the CUDA engine (auto: the registry's choice; fused: sm_90, bf16/fp16)\n"
           "  --window    the fused engine's tokens per window (MOEBLAZE_ATTR_WINDOW_TOKENS; 0: automatic)\n"
           "  --quick     a short CPU correctness check: small token counts, one rep, pass/fail per row\n");
 }

@@ -3,7 +3,7 @@
 // expert order (dW_gate_up = x^T dpre) and the reverse (dW_down = (g act)^T dy); m and n
 // multiples of 8 but not of the tile; uniform, skewed and single-expert routings with empty
 // experts (their gradient is zero, or left alone when accumulating); accumulate onto random
-// values; out-of-range indices (zero rows); an expert with thousands of positions (the stage
+// values; C stored transposed (with accumulate); out-of-range indices (zero rows); an expert with thousands of positions (the stage
 // ring wraps across tiles); bitwise determinism. Exits 77 (skipped) without an sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
 
@@ -31,6 +31,7 @@ struct WgShape {
   bool gather_a;      // else B is the gathered one
   double skew;        // as ggp::Shape
   bool accumulate, bad_indices;
+  bool transposed = false;  // C_e stored [n, m] (dW_down as the engine computes it)
 };
 
 // ref[e, i, j] = init[e, i, j] (accumulate) + sum over the expert's positions of A[ra, i] B[rb, j].
@@ -91,7 +92,12 @@ Result run(const WgShape& s, DType dt, uint64_t seed) {
     std::vector<uint16_t> h(c_elems);
     std::vector<float> f(c_elems);
     GGP_CK(cudaMemcpy(h.data(), d_c, 2 * c_elems, cudaMemcpyDeviceToHost));
-    for (int64_t i = 0; i < c_elems; ++i) f[i] = from_half_bits(h[i], dt);
+    for (int64_t e = 0; e < s.E; ++e)  // the reference's [E, m, n] view of C's starting values
+      for (int64_t i = 0; i < s.m; ++i)
+        for (int64_t j = 0; j < s.n; ++j) {
+          const int64_t at = s.transposed ? (e * s.n + j) * s.m + i : (e * s.m + i) * s.n + j;
+          f[(e * s.m + i) * s.n + j] = from_half_bits(h[at], dt);
+        }
     GGP_CK(cudaMalloc(&d_init, 4 * c_elems));
     GGP_CK(cudaMemcpy(d_init, f.data(), 4 * c_elems, cudaMemcpyHostToDevice));
   } else {
@@ -121,8 +127,9 @@ Result run(const WgShape& s, DType dt, uint64_t seed) {
   p.b_index = bi;
   p.b_rows = static_cast<int32_t>(b_rows);
   p.c = d_c;
-  p.ldc = s.n;
+  p.ldc = s.transposed ? s.m : s.n;
   p.c_expert_stride = static_cast<int64_t>(s.m) * s.n;
+  p.c_transposed = s.transposed;
   p.accumulate = s.accumulate;
   sm90::weight_grad(dt, p, nullptr);
   GGP_CK(cudaDeviceSynchronize());
@@ -133,6 +140,13 @@ Result run(const WgShape& s, DType dt, uint64_t seed) {
   GGP_CK(cudaMemcpy(r.bits.data(), d_c, 2 * c_elems, cudaMemcpyDeviceToHost));
   GGP_CK(cudaMemcpy(ref.data(), d_ref, 4 * c_elems, cudaMemcpyDeviceToHost));
   double num = 0, den = 0;
+  if (s.transposed) {  // back to [E, m, n] for the comparison
+    std::vector<uint16_t> t(c_elems);
+    for (int64_t e = 0; e < s.E; ++e)
+      for (int64_t i = 0; i < s.m; ++i)
+        for (int64_t j = 0; j < s.n; ++j) t[(e * s.m + i) * s.n + j] = r.bits[(e * s.n + j) * s.m + i];
+    r.bits.swap(t);
+  }
   for (int64_t i = 0; i < c_elems; ++i) {
     const float v = from_half_bits(r.bits[i], dt);
     if (std::isnan(v)) { ++r.unwritten; continue; }
@@ -150,8 +164,9 @@ double tolerance(DType dt) { return dt == DType::kBF16 ? 1e-2 : 2e-3; }
 void expect(const WgShape& s, DType dt, uint64_t seed) {
   const Result r = run(s, dt, seed);
   if (r.rel_err > tolerance(dt) || r.unwritten)
-    std::printf("wgrad P=%lld E=%d m=%d n=%d gather_a=%d skew=%g acc=%d %s: rel %.3g unwritten %lld\n",
-                static_cast<long long>(s.positions), s.E, s.m, s.n, s.gather_a, s.skew, s.accumulate, dtype_name(dt),
+    std::printf("wgrad P=%lld E=%d m=%d n=%d gather_a=%d skew=%g acc=%d transposed=%d %s: rel %.3g unwritten %lld\n",
+                static_cast<long long>(s.positions), s.E, s.m, s.n, s.gather_a, s.skew, s.accumulate, s.transposed,
+                dtype_name(dt),
                 r.rel_err, static_cast<long long>(r.unwritten));
   assert_true(r.rel_err <= tolerance(dt));
   assert_int_equal(r.unwritten, 0);
@@ -175,6 +190,17 @@ void accumulate_and_bad_indices(void**) {
     expect({2000, 500, 6, 136, 264, true, -1.0, true, false}, dt, seed++);  // empty experts keep their values
     expect({2000, 500, 4, 128, 256, false, 0.0, true, true}, dt, seed++);
     expect({2000, 500, 4, 200, 136, true, 0.0, false, true}, dt, seed++);
+  }
+}
+
+// dW_down as the fused engine computes it: dy gathered as A, g act in expert order as B, C
+// stored transposed; tails in both dimensions, skew, accumulate and bad indices.
+void transposed_output(void**) {
+  uint64_t seed = 301;
+  for (DType dt : kTypes) {
+    expect({2500, 600, 6, 264, 200, true, 0.0, false, false, true}, dt, seed++);
+    expect({3000, 700, 5, 136, 520, true, 1.2, true, false, true}, dt, seed++);
+    expect({2000, 500, 4, 128, 256, true, -1.0, true, true, true}, dt, seed++);
   }
 }
 
@@ -202,6 +228,7 @@ int main() {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(shapes),
       cmocka_unit_test(accumulate_and_bad_indices),
+      cmocka_unit_test(transposed_output),
       cmocka_unit_test(long_reduction_and_tiny),
       cmocka_unit_test(deterministic),
   };

@@ -55,7 +55,7 @@ struct FusedWork {
   float* dg_pos = nullptr;        // backward: [W k]
   float* dg_tok = nullptr;        // backward: [L k]
   float* dw_gate_up32 = nullptr;  // backward, several windows: [E, d, g h] fp32 partial sums
-  float* dw_down32 = nullptr;     // backward, several windows: [E, h, d]
+  float* dw_down32 = nullptr;     // backward, several windows: [E, d, h] (dW_down transposed)
   size_t bytes = 0;
 };
 
@@ -280,9 +280,13 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   dx_epi.c = w.dx_part;
   dx_epi.ldc = d;
   // dW_down[e] = (g act)^T dy and dW_gate_up[e] = x^T dpre over the expert's window rows.
+  // dW_down is computed as (dy^T (g act))^T: the gathered dy on the tile's 128-wide side halves
+  // its copies per FLOP (perf/NOTES.md, weight-gradient kernel).
   auto dwd = [&](int64_t i) {
-    return weight_grad_params(a.d_w_down, h, d, w.act, h, nullptr, W, a.dy.data, a.dy.stride[0], win.token, L,
-                              w.dw_down32, i, w.windows.count);
+    sm90::WeightGradParams p = weight_grad_params(a.d_w_down, d, h, a.dy.data, a.dy.stride[0], win.token, L, w.act, h,
+                                                  nullptr, W, w.dw_down32, i, w.windows.count);
+    p.c_transposed = 1;
+    return p;
   };
   auto dwgu = [&](int64_t i) {
     return weight_grad_params(a.d_w_gate_up, d, gh, a.x.data, a.x.stride[0], win.token, L, w.dpre, gh, nullptr, W,

@@ -84,7 +84,8 @@ __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, 
 }
 
 // A weight-gradient tile: C_e[m0 + r, n0 + c] = acc (+ the old value when accumulating), rows
-// past m and columns past n masked. An expert without positions (num_kb == 0, acc zero) leaves
+// past m and columns past n masked; stored transposed with c_transposed (2-byte stores: eight
+// lanes still write 16 contiguous bytes). An expert without positions (num_kb == 0, acc zero) leaves
 // an accumulated gradient untouched. With acc32 (a sum over several launches), the fp32 partial
 // sum is added first (acc32_load) and the result goes to acc32 (acc32_store) or, rounded once,
 // to C; the partial sums are always written, so every launch leaves acc32 defined.
@@ -109,6 +110,13 @@ __device__ __forceinline__ void epilogue_weight_grad(const WeightGradParams& p, 
     }
     if (store32) {
       if (j < p.n) *pair32 = make_float2(v0, v1);
+      return;
+    }
+    if (p.c_transposed) {  // elements (i, j) and (i, j + 1) lie in two rows of C
+      T* at0 = C + static_cast<int64_t>(j) * p.ldc + i;
+      T* at1 = at0 + p.ldc;
+      if (j < p.n) Elem<T>::store1(at0, p.accumulate ? v0 + Elem<T>::load1(at0) : v0);
+      if (j + 1 < p.n) Elem<T>::store1(at1, p.accumulate ? v1 + Elem<T>::load1(at1) : v1);
       return;
     }
     T* row = C + i * p.ldc;

@@ -73,18 +73,17 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
   uint32_t it = 0;
   for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
     const TileCoord tc = decode_tile(w, p.sched.offsets, p.sched.rb_prefix, E, kBlockM, cb);
+    // The tile's eight source rows per thread: all loads first, then the checks, so the loads
+    // overlap instead of each check waiting for its own L2 round trip.
     int32_t src_row[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int r = a_row + 16 * i;
-      int32_t q = -1;
-      if (r < tc.rows) {
-        const int32_t pos = tc.row0 + r;
-        q = p.a_index ? __ldg(p.a_index + pos) : pos;
-        if (q < 0 || q >= p.a_rows) q = -1;
-      }
-      src_row[i] = q;
+      src_row[i] = r >= tc.rows ? -1 : p.a_index ? __ldg(p.a_index + tc.row0 + r) : tc.row0 + r;
     }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (src_row[i] >= p.a_rows) src_row[i] = -1;  // negative stays negative: a zero row
     for (int kb = 0; kb < num_kb; ++kb, ++it) {
       const uint32_t s = it % Cfg::kStages;
       mbar_wait(&ring.empty[s], ((it / Cfg::kStages) & 1) ^ 1);

@@ -98,9 +98,12 @@ struct WeightGradParams {
   void* c = nullptr;
   int64_t ldc = 0;
   int64_t c_expert_stride = 0;  // elements
+  // C_e[i, j] lies at c_e[i * ldc + j], or at c_e[j * ldc + i] when transposed: dW_down [h, d]
+  // is computed as (dy^T (g act))^T so that the gathered dy is the tile's narrower side.
+  int32_t c_transposed = 0;
   int32_t accumulate = 0;
   // A sum over several launches (the fused engine's token windows) in fp32: acc32 is [E, m, n]
-  // dense. acc32_load adds acc32 to the tile's sum; acc32_store writes the sum to acc32 instead
+  // dense (never transposed). acc32_load adds acc32 to the tile's sum; acc32_store writes the sum to acc32 instead
   // of C. The last launch loads and writes C (with accumulate as above), rounding once.
   float* acc32 = nullptr;
   int32_t acc32_load = 0;
