@@ -23,29 +23,40 @@ __device__ __forceinline__ void store_pair(T* row, int32_t j, int32_t n, float v
   else if (j < n) Elem<T>::store1(row + j, v0);
 }
 
-// Calls f(row in tile, column in tile, acc index) for the fragment's valid rows.
-template <int BN, class F>
-__device__ __forceinline__ void for_each_fragment_pair(int wg, int rows, F&& f) {
+// For each of the fragment's valid rows r: row_ctx(r) once (the row's pointers and factors,
+// loaded once rather than once per column pair), then f(ctx, r, column in tile, acc index) for
+// its column pairs.
+template <int BN, class RowCtx, class F>
+__device__ __forceinline__ void for_each_fragment_row(int wg, int rows, RowCtx&& row_ctx, F&& f) {
   const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
   const int r0 = wg * 64 + warp * 16 + lane / 4;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = r0 + 8 * half;
     if (r >= rows) continue;
+    const auto ctx = row_ctx(r);
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) f(r, i * 8 + (lane & 3) * 2, 4 * i + 2 * half);
+    for (int i = 0; i < BN / 8; ++i) f(ctx, r, i * 8 + (lane & 3) * 2, 4 * i + 2 * half);
   }
 }
 
 template <class T, int BN>
 __device__ __forceinline__ void epilogue_store(const GroupedGemmParams& p, const EpilogueParams& e, const TileCoord& tc,
                                                int wg, const float (&acc)[BN / 2]) {
+  struct Row {
+    T* c;
+    float scale;
+  };
   T* C = static_cast<T*>(e.c);
-  for_each_fragment_pair<BN>(wg, tc.rows, [&](int r, int c, int q) {
-    const int32_t pos = tc.row0 + r;
-    const float s = e.row_scale ? __ldg(e.row_scale + pos) : 1.f;
-    store_pair(C + static_cast<int64_t>(pos) * e.ldc, tc.col_block * BN + c, p.n, s * acc[q], s * acc[q + 1]);
-  });
+  for_each_fragment_row<BN>(
+      wg, tc.rows,
+      [&](int r) {
+        const int32_t pos = tc.row0 + r;
+        return Row{C + static_cast<int64_t>(pos) * e.ldc, e.row_scale ? __ldg(e.row_scale + pos) : 1.f};
+      },
+      [&](const Row& row, int, int c, int q) {
+        store_pair(row.c, tc.col_block * BN + c, p.n, row.scale * acc[q], row.scale * acc[q + 1]);
+      });
 }
 
 // pre = acc rounded to T (optional); act = f(pre) (optional) (plain) or f(gate) * up (gated: the tile's first half
@@ -54,31 +65,35 @@ __device__ __forceinline__ void epilogue_store(const GroupedGemmParams& p, const
 template <class T, int BN>
 __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, const EpilogueParams& e,
                                                     const TileCoord& tc, int wg, const float (&acc)[BN / 2]) {
+  struct Row {
+    T* pre;
+    T* act;
+  };
   T* pre = static_cast<T*>(e.pre);
   T* act = static_cast<T*>(e.act);
   const Activation a = e.activation;
-  auto pre_row = [&](int64_t pos) { return pre + (e.pre_rows ? __ldg(e.pre_rows + pos) : pos) * e.ld_pre; };
-  auto act_row = [&](int64_t pos) { return act + (e.act_rows ? __ldg(e.act_rows + pos) : pos) * e.ld_act; };
+  auto rows_of = [&](int r) {
+    const int64_t pos = tc.row0 + r;
+    return Row{pre ? pre + (e.pre_rows ? __ldg(e.pre_rows + pos) : pos) * e.ld_pre : nullptr,
+               act ? act + (e.act_rows ? __ldg(e.act_rows + pos) : pos) * e.ld_act : nullptr};
+  };
   if (p.gated) {
-    for_each_fragment_pair<BN / 2>(wg, tc.rows, [&](int r, int c, int q) {
-      const int64_t pos = tc.row0 + r;
+    for_each_fragment_row<BN / 2>(wg, tc.rows, rows_of, [&](const Row& row, int, int c, int q) {
       const int32_t j = tc.col_block * (BN / 2) + c;
       const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
       const float b0 = round_as<T>(acc[q + BN / 4]), b1 = round_as<T>(acc[q + 1 + BN / 4]);
-      if (pre) {
-        T* row = pre_row(pos);
-        store_pair(row, j, p.n, u0, u1);
-        store_pair(row + p.n, j, p.n, b0, b1);
+      if (row.pre) {
+        store_pair(row.pre, j, p.n, u0, u1);
+        store_pair(row.pre + p.n, j, p.n, b0, b1);
       }
-      if (act) store_pair(act_row(pos), j, p.n, act_fn(a, u0) * b0, act_fn(a, u1) * b1);
+      if (row.act) store_pair(row.act, j, p.n, act_fn(a, u0) * b0, act_fn(a, u1) * b1);
     });
   } else {
-    for_each_fragment_pair<BN>(wg, tc.rows, [&](int r, int c, int q) {
-      const int64_t pos = tc.row0 + r;
+    for_each_fragment_row<BN>(wg, tc.rows, rows_of, [&](const Row& row, int, int c, int q) {
       const int32_t j = tc.col_block * BN + c;
       const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
-      if (pre) store_pair(pre_row(pos), j, p.n, u0, u1);
-      if (act) store_pair(act_row(pos), j, p.n, act_fn(a, u0), act_fn(a, u1));
+      if (row.pre) store_pair(row.pre, j, p.n, u0, u1);
+      if (row.act) store_pair(row.act, j, p.n, act_fn(a, u0), act_fn(a, u1));
     });
   }
 }
@@ -97,7 +112,7 @@ __device__ __forceinline__ void epilogue_weight_grad(const WeightGradParams& p, 
   T* C = static_cast<T*>(p.c) + static_cast<int64_t>(expert) * p.c_expert_stride;
   float* C32 = p.acc32 + static_cast<int64_t>(expert) * p.m * p.n;
   const int rows = p.m - m0 < kBlockM ? p.m - m0 : kBlockM;
-  for_each_fragment_pair<BN>(wg, rows, [&](int r, int c, int q) {
+  for_each_fragment_row<BN>(wg, rows, [](int r) { return r; }, [&](int, int r, int c, int q) {
     const int64_t i = m0 + r;
     const int32_t j = n0 + c;
     float v0 = acc[q], v1 = acc[q + 1];
