@@ -23,18 +23,21 @@ namespace {
 
 double tolerance(DType dt) { return dt == DType::kBF16 ? 1e-2 : 2e-3; }
 
-std::vector<uint16_t> run_store(const Problem& P, int bn, bool scaled, Check* c) {
-  void* out = alloc_poisoned(P.s.m_total * P.s.n);
+// ld_pad: extra columns per output row, which must keep their poison (8: the 16-byte store
+// path with padding; 2: an ld that is not a multiple of 8, the pair-store path).
+std::vector<uint16_t> run_store(const Problem& P, int bn, bool scaled, Check* c, int64_t ld_pad = 0) {
+  const int64_t ld = P.s.n + ld_pad;
+  void* out = alloc_poisoned(P.s.m_total * ld);
   sm90::EpilogueParams e;
   e.kind = sm90::EpilogueKind::kStore;
   e.c = out;
-  e.ldc = P.s.n;
+  e.ldc = ld;
   e.row_scale = scaled ? P.d_scale : nullptr;
   sm90::grouped_gemm(P.dt, P.params(), e, bn, nullptr);
   GGP_CK(cudaDeviceSynchronize());
-  *c = compare(out, P.s.m_total, P.s.n, P.s.n, P.dt, want_store(P, scaled));
-  std::vector<uint16_t> bits(std::max<int64_t>(P.s.m_total * P.s.n, 1));
-  GGP_CK(cudaMemcpy(bits.data(), out, P.s.m_total * P.s.n * 2, cudaMemcpyDeviceToHost));
+  *c = compare(out, P.s.m_total, P.s.n, ld, P.dt, want_store(P, scaled));
+  std::vector<uint16_t> bits(std::max<int64_t>(P.s.m_total * ld, 1));
+  GGP_CK(cudaMemcpy(bits.data(), out, P.s.m_total * ld * 2, cudaMemcpyDeviceToHost));
   cudaFree(out);
   return bits;
 }
@@ -77,6 +80,41 @@ void bad_indices(void**) {
   expect_store({1000, 300, 4, 128, 128, false, true, Major::kK, 0.0}, DType::kF16, 256, 10, true);
 }
 
+// The activation epilogue against the reference; ld_pad as run_store's, on both outputs.
+void expect_activation(Activation a, DType dt, int bn, Major mj, uint64_t seed, int64_t ld_pad) {
+  const bool gated = is_gated(a);
+  Problem P = make_problem({1200, 800, 6, 136, 200, gated, true, mj, 0.7}, dt, seed);
+  const int64_t n = P.s.n, nc = P.ncols(), ld_pre = nc + ld_pad, ld_act = n + ld_pad;
+  void* pre = alloc_poisoned(P.s.m_total * ld_pre);
+  void* act = alloc_poisoned(P.s.m_total * ld_act);
+  sm90::EpilogueParams e;
+  e.kind = sm90::EpilogueKind::kActivation;
+  e.activation = a;
+  e.pre = pre;
+  e.ld_pre = ld_pre;
+  e.act = act;
+  e.ld_act = ld_act;
+  sm90::grouped_gemm(dt, P.params(), e, bn, nullptr);
+  GGP_CK(cudaDeviceSynchronize());
+  std::vector<float> want_pre = reference(P);
+  for (auto& v : want_pre) v = round_to(v, dt);
+  const Check cp = compare(pre, P.s.m_total, nc, ld_pre, dt, want_pre);
+  const Check ca = compare(act, P.s.m_total, n, ld_act, dt, want_act(P, a));
+  if (cp.rel_err > tolerance(dt) || ca.rel_err > tolerance(dt) || cp.unwritten || ca.unwritten || cp.clobbered ||
+      ca.clobbered)
+    std::printf("act %d %s bn=%d major=%d pad=%lld: pre rel %.3g (unwritten %lld, clobbered %lld) act rel %.3g "
+                "(unwritten %lld, clobbered %lld)\n",
+                static_cast<int>(a), dtype_name(dt), bn, static_cast<int>(mj), static_cast<long long>(ld_pad),
+                cp.rel_err, static_cast<long long>(cp.unwritten), static_cast<long long>(cp.clobbered), ca.rel_err,
+                static_cast<long long>(ca.unwritten), static_cast<long long>(ca.clobbered));
+  assert_true(cp.rel_err <= tolerance(dt) && ca.rel_err <= tolerance(dt));
+  assert_int_equal(cp.unwritten + ca.unwritten, 0);
+  assert_int_equal(cp.clobbered + ca.clobbered, 0);
+  cudaFree(pre);
+  cudaFree(act);
+  free_problem(P);
+}
+
 void activations(void**) {
   const Activation acts[] = {Activation::kRelu, Activation::kGelu, Activation::kSilu, Activation::kSwiglu,
                              Activation::kGeglu};
@@ -84,35 +122,27 @@ void activations(void**) {
   for (DType dt : kTypes)
     for (Activation a : acts)
       for (int bn : {128, 256})
-        for (Major mj : kMajors) {
-          const bool gated = is_gated(a);
-          Problem P = make_problem({1200, 800, 6, 136, 200, gated, true, mj, 0.7}, dt, seed++);
-          const int64_t n = P.s.n, nc = P.ncols();
-          void* pre = alloc_poisoned(P.s.m_total * nc);
-          void* act = alloc_poisoned(P.s.m_total * n);
-          sm90::EpilogueParams e;
-          e.kind = sm90::EpilogueKind::kActivation;
-          e.activation = a;
-          e.pre = pre;
-          e.ld_pre = nc;
-          e.act = act;
-          e.ld_act = n;
-          sm90::grouped_gemm(dt, P.params(), e, bn, nullptr);
-          GGP_CK(cudaDeviceSynchronize());
-          std::vector<float> want_pre = reference(P);
-          for (auto& v : want_pre) v = round_to(v, dt);
-          const Check cp = compare(pre, P.s.m_total, nc, nc, dt, want_pre);
-          const Check ca = compare(act, P.s.m_total, n, n, dt, want_act(P, a));
-          if (cp.rel_err > tolerance(dt) || ca.rel_err > tolerance(dt) || cp.unwritten || ca.unwritten)
-            std::printf("act %d %s bn=%d major=%d: pre rel %.3g (unwritten %lld) act rel %.3g (unwritten %lld)\n",
-                        static_cast<int>(a), dtype_name(dt), bn, static_cast<int>(mj), cp.rel_err,
-                        static_cast<long long>(cp.unwritten), ca.rel_err, static_cast<long long>(ca.unwritten));
-          assert_true(cp.rel_err <= tolerance(dt) && ca.rel_err <= tolerance(dt));
-          assert_int_equal(cp.unwritten + ca.unwritten, 0);
-          cudaFree(pre);
-          cudaFree(act);
-          free_problem(P);
-        }
+        for (Major mj : kMajors) expect_activation(a, dt, bn, mj, seed++, 0);
+}
+
+// Padded output rows: the 16-byte store path (ld a multiple of 8) and the pair-store path (an
+// ld that is not), for both epilogues; the padding keeps its poison.
+void padded_outputs(void**) {
+  uint64_t seed = 500;
+  for (int64_t pad : {8, 2})
+    for (int bn : {128, 256}) {
+      expect_activation(Activation::kSwiglu, DType::kBF16, bn, Major::kMN, seed++, pad);
+      expect_activation(Activation::kGelu, DType::kF16, bn, Major::kK, seed++, pad);
+      Problem P = make_problem({1500, 600, 5, 264, 136, false, true, Major::kMN, 0.5}, DType::kBF16, seed++);
+      Check c;
+      run_store(P, bn, true, &c, pad);
+      if (c.rel_err > tolerance(DType::kBF16) || c.unwritten || c.clobbered)
+        std::printf("store pad=%lld bn=%d: rel %.3g unwritten %lld clobbered %lld\n", static_cast<long long>(pad), bn,
+                    c.rel_err, static_cast<long long>(c.unwritten), static_cast<long long>(c.clobbered));
+      assert_true(c.rel_err <= tolerance(DType::kBF16));
+      assert_int_equal(c.unwritten + c.clobbered, 0);
+      free_problem(P);
+    }
 }
 
 void deterministic(void**) {
@@ -140,9 +170,9 @@ int main() {
     std::printf("no sm_90 GPU: skipped\n");
     return 77;
   }
-  const struct CMUnitTest tests[] = {cmocka_unit_test(store_shapes), cmocka_unit_test(many_experts),
-                                     cmocka_unit_test(bad_indices),
-                                     cmocka_unit_test(activations),  cmocka_unit_test(deterministic),
-                                     cmocka_unit_test(no_rows)};
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(store_shapes),   cmocka_unit_test(many_experts),  cmocka_unit_test(bad_indices),
+      cmocka_unit_test(activations),    cmocka_unit_test(padded_outputs), cmocka_unit_test(deterministic),
+      cmocka_unit_test(no_rows)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }
