@@ -26,7 +26,8 @@ int main(void) {
   CHECK(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, 8));
   int64_t experts = 0;
   CHECK(moeblaze_config_get_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, &experts));
-  moeblaze_attr_info_t info;
+  moeblaze_attr_info_t info = {0};
+  info.struct_size = sizeof info; /* size-versioned: the caller says which fields it has */
   CHECK(moeblaze_attr_query(MOEBLAZE_ATTR_TOP_K, &info));
   CHECK(moeblaze_config_destroy(cfg));
   if (experts != 8) {
