@@ -160,6 +160,20 @@ _OUTPUT_KINDS = frozenset([ArgKind.OUTPUT, ArgKind.AUX_LOSS, ArgKind.TOKENS_PER_
                            ArgKind.GRAD_W_DOWN, ArgKind.GRAD_TOPK_WEIGHTS])
 
 
+#: Top-level modules whose arrays are immutable by contract (their DLPack capsules may still
+#: be unversioned or lack the read-only flag).
+IMMUTABLE_PRODUCER_MODULES = ("jax", "jaxlib")
+
+
+def _type_name(obj):
+    t = type(obj)
+    return "%s.%s" % (t.__module__, t.__qualname__)
+
+
+def _immutable_producer(obj):
+    return type(obj).__module__.split(".")[0] in IMMUTABLE_PRODUCER_MODULES
+
+
 class ArgBuilder:
     """Builds an :class:`~moeblaze.ArgList` from DLPack producers and releases every capsule
     at the end of the ``with`` block (after the call returned; for CUDA the caller orders the
@@ -171,10 +185,17 @@ class ArgBuilder:
         self._imports = []
 
     def add(self, kind, obj, flags=0, output=None):
+        is_output = (int(kind) in _OUTPUT_KINDS) if output is None else output
+        if is_output and _immutable_producer(obj):
+            # Checked before the capsule is taken: a JAX array is immutable whatever flags its
+            # (possibly unversioned) capsule carries, and writing into it corrupts JAX's values.
+            raise BindingError(Status.INVALID_ARGUMENT, "moeblaze.dlpack",
+                               "argument %s is an output but its producer (%s) is an immutable "
+                               "array; pass a mutable buffer (e.g. NumPy, CuPy or PyTorch) and "
+                               "convert the result" % (ArgKind.name(kind), _type_name(obj)))
         imp = obj if isinstance(obj, Imported) else Imported(obj, stream=self.stream)
         if not isinstance(obj, Imported):
             self._imports.append(imp)
-        is_output = (int(kind) in _OUTPUT_KINDS) if output is None else output
         if is_output and imp.read_only:
             raise BindingError(Status.INVALID_ARGUMENT, "moeblaze.dlpack",
                                "argument %s is an output but its DLPack tensor is read-only"

@@ -762,6 +762,25 @@ class TestDLPack(unittest.TestCase):
         self.assertEqual(len(deleted), 5)  # every capsule was consumed and its deleter called
 
 
+    def test_immutable_producer_refused_as_output(self):
+        """A JAX array is immutable: refused as an output before its capsule is taken, even
+        when its capsule would not say read-only; accepted as an input."""
+        from moeblaze import dlpack
+        deleted = []
+        buf = array("f", [0.0] * 40)
+
+        class FakeJaxArray(dlpack.HostDLPackArray):
+            pass
+        FakeJaxArray.__module__ = "jaxlib.xla_extension"
+        prod = FakeJaxArray(buf, (5, 8), on_delete=deleted.append)
+        with dlpack.ArgBuilder() as ab:
+            with self.assertRaises(moeblaze.BindingError) as ctx:
+                ab.add(ArgKind.OUTPUT, prod)
+            self.assertIn("immutable", str(ctx.exception))
+            self.assertEqual(deleted, [])  # the capsule was never taken
+            ab.add(ArgKind.INPUT, prod)     # an input is fine
+        self.assertEqual(len(deleted), 1)
+
     def test_unversioned_capsule(self):
         from moeblaze import dlpack
         deleted = []
