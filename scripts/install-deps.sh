@@ -17,6 +17,8 @@ if [ "$what" = test ]; then
   have abidiff || need+=(abigail-tools)
   have doxygen || need+=(doxygen)
   have python3 || need+=(python3)
+  # `pip install .` into a virtual environment (configuration 5).
+  python3 -c "import venv, ensurepip" >/dev/null 2>&1 || need+=(python3-venv python3-pip)
   # The fuzzer configuration: clang with libFuzzer and its sanitizer runtimes.
   have clang || need+=(clang)
   ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || need+=(libclang-rt-dev)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Quick start (b): install what is missing, build, run every test. Two configurations, each
+# Quick start (b): install what is missing, build, run every test. Five configurations, each
 # built once:
 #   build-test  RelWithDebInfo with the CUDA part when nvcc exists: all tests (host, plan,
 #               reference, ABI guard, Doxygen as part of the build, Python and Rust bindings;
@@ -10,6 +10,9 @@
 #               the test that shares one handle between 8 threads.
 #   build-fuzz  the libFuzzer target over the C API (clang, ASan + UBSan), run for a fixed
 #               number of executions from tests/fuzz/corpus (scripts/fuzz.sh).
+#   build-pip   `pip install .` (scikit-build-core, pyproject.toml) into a fresh virtual
+#               environment; the Python tests run against the installed package and its own
+#               library.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh test
@@ -38,4 +41,19 @@ TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan
 
 echo "== configuration 4: libFuzzer over the C API"
 scripts/fuzz.sh "${MOEBLAZE_FUZZ_RUNS:-20000}"
+
+echo "== configuration 5: pip install . into a fresh venv, Python tests on the installed package"
+rm -rf build-pip
+python3 -m venv build-pip/venv
+build-pip/venv/bin/python -m pip install -q . > build-pip/pip.log 2>&1 || { tail -40 build-pip/pip.log; exit 1; }
+# From outside the source tree, without MOEBLAZE_LIBRARY: the package must find its own library.
+(cd build-pip && env -u MOEBLAZE_LIBRARY venv/bin/python -c "
+import moeblaze, os
+print(moeblaze.get_build_info())
+here = os.path.dirname(moeblaze.__file__)
+assert 'site-packages' in here, here
+assert moeblaze.library_path == os.path.join(here, 'libmoeblaze.so.0'), moeblaze.library_path
+print('installed package', here, 'loads', moeblaze.library_path)")
+(cd build-pip && env -u MOEBLAZE_LIBRARY MOEBLAZE_TEST_INSTALLED=1 venv/bin/python -m unittest discover \
+   -s ../bindings/python/tests)
 echo "== all tests passed"

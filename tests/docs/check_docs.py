@@ -70,7 +70,10 @@ def check_examples(src, build):
     if readme_c is None or not py:
         print("README: no C program or no Python example found")
         return False
-    env = dict(os.environ, MOEBLAZE_LIBRARY=os.path.join(build, "src", "libmoeblaze.so.0"))
+    # As after `pip install .`, but on this build: the package from the source tree, the library
+    # from the build directory.
+    env = dict(os.environ, MOEBLAZE_LIBRARY=os.path.join(build, "src", "libmoeblaze.so.0"),
+               PYTHONPATH=os.path.join(src, "bindings", "python"))
     out = subprocess.run([sys.executable, "-c", py[0]], cwd=src, env=env, check=True, capture_output=True, text=True).stdout
     print("README Python example: %s" % out.strip())
     same = out.strip() == readme_c.strip().split("; saved")[0]

@@ -1,7 +1,9 @@
 """Loads libmoeblaze and declares the signature of every exported function.
 
-Search order: the ``MOEBLAZE_LIBRARY`` environment variable (a path or a soname), then
-``ctypes.util.find_library("moeblaze")``, then ``"libmoeblaze.so.0"`` (the SONAME of ABI 0).
+Search order: the ``MOEBLAZE_LIBRARY`` environment variable (a path or a soname), then the
+library installed inside this package (``pip install .`` puts ``libmoeblaze.so.0`` next to this
+file), then ``ctypes.util.find_library("moeblaze")``, then ``"libmoeblaze.so.0"`` (the SONAME of
+ABI 0).
 
 Every function gets explicit ``argtypes``/``restype`` (never ctypes' ``int`` defaults, which would
 truncate ``size_t``/``int64_t`` and pointers). Every status-returning function gets the same
@@ -30,8 +32,13 @@ def _candidates():
     if env:
         # An explicit choice is final: falling back silently would test the wrong library.
         return [env]
+    out = []
+    bundled = os.path.join(os.path.dirname(os.path.abspath(__file__)), DEFAULT_SONAME)
+    if os.path.exists(bundled):
+        out.append(bundled)
     found = ctypes.util.find_library("moeblaze")
-    out = [found] if found else []
+    if found:
+        out.append(found)
     out.append(DEFAULT_SONAME)
     return out
 

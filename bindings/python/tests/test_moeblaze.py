@@ -13,7 +13,10 @@ import unittest
 from array import array
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))  # bindings/python
+# bindings/python, unless the installed package is under test (MOEBLAZE_TEST_INSTALLED=1: the
+# pip-installed package with its own library, as scripts/test.sh checks it).
+if os.environ.get("MOEBLAZE_TEST_INSTALLED") != "1":
+    sys.path.insert(0, os.path.dirname(_HERE))
 
 import moeblaze  # noqa: E402
 from moeblaze import (Activation, ArgKind, Attr, MoEBlazeError, Pass, Status,  # noqa: E402
@@ -255,7 +258,9 @@ class TestLoadAndVersion(unittest.TestCase):
             "    import moeblaze\n"
             "except Exception as e:\n"
             "    print('REFUSED', e.status_name, type(e).__name__, e.message)\n")
-        env = dict(os.environ, PYTHONPATH=os.path.dirname(_HERE))
+        env = dict(os.environ)
+        if os.environ.get("MOEBLAZE_TEST_INSTALLED") != "1":
+            env["PYTHONPATH"] = os.path.dirname(_HERE)
         res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=60)
         self.assertIn("REFUSED MOEBLAZE_STATUS_VERSION_MISMATCH", res.stdout, res.stderr)
