@@ -1,0 +1,129 @@
+"""``MoELayer``: the layer as a ``torch.nn.Module`` that owns its parameters, and converters
+from the per-expert ``nn.Linear`` layout of Hugging Face's Mixtral and Qwen3-MoE blocks.
+
+Parameters, in the library's layout:
+  * ``router_weight`` [E, d] (logits = x W^T, as ``nn.Linear(d, E, bias=False)``);
+  * ``w_gate_up`` [E, d, 2h] for gated activations (gate columns first, then up), else [E, d, h];
+  * ``w_down`` [E, h, d].
+Initialised as ``nn.Linear`` does (uniform in +-1/sqrt(fan_in)).
+"""
+import math
+
+import torch
+
+from ._torch_ops import ROUTE_WEIGHT, LayerSpec, moe_forward
+
+_GATED = ("swiglu", "geglu")
+
+
+class MoELayer(torch.nn.Module):
+    """Token-choice top-k MoE layer on libmoeblaze.
+
+    ``MoELayer(hidden_size, ffn_hidden_size, num_experts, top_k, activation="swiglu",
+    max_tokens=65536, dtype=None, device=None, **attrs)``; ``attrs`` are the other attributes
+    of :class:`moeblaze.Config` (``score_function``, ``normalize_topk``, ``aux_loss_coeff``,
+    ``z_loss_coeff``, ``save_policy``, ``engine``, ...). The activation and weight dtypes follow
+    ``dtype`` (default: torch's default dtype). ``forward(x)`` takes ``[..., d]`` and returns
+    ``(y, aux_loss, z_loss)`` with ``y`` shaped like ``x``; at most ``max_tokens`` tokens a call.
+    """
+
+    def __init__(self, hidden_size, ffn_hidden_size, num_experts, top_k, activation="swiglu",
+                 max_tokens=65536, dtype=None, device=None, **attrs):
+        super().__init__()
+        dtype = dtype or torch.get_default_dtype()
+        names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+        if dtype not in names:
+            raise TypeError("MoELayer: dtype must be float32, float16 or bfloat16, not %s" % dtype)
+        self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
+        self.num_experts, self.top_k = int(num_experts), int(top_k)
+        self.activation = str(activation).lower()
+        self.max_tokens = int(max_tokens)
+        self.spec = LayerSpec(num_experts=self.num_experts, top_k=self.top_k,
+                              hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
+                              max_tokens=self.max_tokens, activation=self.activation,
+                              activation_dtype=names[dtype], weight_dtype=names[dtype], **attrs)
+        self.attrs = dict(attrs)
+        d, h, E = self.hidden_size, self.ffn_hidden_size, self.num_experts
+        g = 2 if self.activation in _GATED else 1
+        kw = dict(dtype=dtype, device=device)
+        self.router_weight = torch.nn.Parameter(torch.empty(E, d, **kw))
+        self.w_gate_up = torch.nn.Parameter(torch.empty(E, d, g * h, **kw))
+        self.w_down = torch.nn.Parameter(torch.empty(E, h, d, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            for w, fan_in in ((self.router_weight, self.hidden_size),
+                              (self.w_gate_up, self.hidden_size), (self.w_down, self.ffn_hidden_size)):
+                bound = 1.0 / math.sqrt(fan_in)
+                w.uniform_(-bound, bound)
+
+    def forward(self, x):
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError("MoELayer: x has %d features, the layer %d" % (x.shape[-1], self.hidden_size))
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.hidden_size)
+        y, aux, z = moe_forward(self.spec.id, ROUTE_WEIGHT, x2, self.router_weight, None, None,
+                                self.w_gate_up, self.w_down)[:3]
+        return y.reshape(*lead, self.hidden_size), aux, z
+
+    def extra_repr(self):
+        return "hidden_size=%d, ffn_hidden_size=%d, num_experts=%d, top_k=%d, activation=%s" % (
+            self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation)
+
+    # ---- Hugging Face per-expert nn.Linear layouts ------------------------------------------------
+
+    @torch.no_grad()
+    def load_linear_experts(self, router, experts, gate="gate_proj", up="up_proj", down="down_proj"):
+        """Copies a router ``nn.Linear(d, E)`` and E expert modules whose ``gate``/``up``
+        (``nn.Linear(d, h)``) and ``down`` (``nn.Linear(h, d)``) weights are stored
+        [out, in], into this layer's parameters (one copy, at load time)."""
+        h = self.ffn_hidden_size
+        if len(experts) != self.num_experts:
+            raise ValueError("%d experts given, the layer has %d" % (len(experts), self.num_experts))
+        self.router_weight.copy_(router.weight)
+        for e, ex in enumerate(experts):
+            self.w_gate_up[e, :, :h].copy_(getattr(ex, gate).weight.t())
+            if self.activation in _GATED:
+                self.w_gate_up[e, :, h:].copy_(getattr(ex, up).weight.t())
+            self.w_down[e].copy_(getattr(ex, down).weight.t())
+        return self
+
+    @torch.no_grad()
+    def store_linear_experts(self, router, experts, gate="gate_proj", up="up_proj", down="down_proj"):
+        """The inverse of :meth:`load_linear_experts`: writes this layer's weights back."""
+        h = self.ffn_hidden_size
+        router.weight.copy_(self.router_weight)
+        for e, ex in enumerate(experts):
+            getattr(ex, gate).weight.copy_(self.w_gate_up[e, :, :h].t())
+            if self.activation in _GATED:
+                getattr(ex, up).weight.copy_(self.w_gate_up[e, :, h:].t())
+            getattr(ex, down).weight.copy_(self.w_down[e].t())
+
+    @classmethod
+    def from_qwen3_moe(cls, block, max_tokens=65536, **attrs):
+        """From a Qwen3-MoE sparse block (``block.gate``: router; ``block.experts[i]``:
+        ``gate_proj``/``up_proj``/``down_proj``). Routing as Qwen3-MoE: softmax, top-k,
+        renormalised when ``block.norm_topk_prob`` (default True)."""
+        return cls._from_linear_block(block, block.gate, block.experts, "gate_proj", "up_proj",
+                                      "down_proj", bool(getattr(block, "norm_topk_prob", True)),
+                                      max_tokens, attrs)
+
+    @classmethod
+    def from_mixtral(cls, block, max_tokens=65536, **attrs):
+        """From a Mixtral sparse block (``block.gate``: router; ``block.experts[i]``: ``w1``
+        (gate), ``w3`` (up), ``w2`` (down)). Routing as Mixtral: softmax, top-k, renormalised."""
+        return cls._from_linear_block(block, block.gate, block.experts, "w1", "w3", "w2", True,
+                                      max_tokens, attrs)
+
+    @classmethod
+    def _from_linear_block(cls, block, router, experts, gate, up, down, renormalise, max_tokens,
+                           attrs):
+        w = getattr(experts[0], gate).weight
+        top_k = int(getattr(block, "top_k", getattr(block, "num_experts_per_tok", 2)))
+        attrs.setdefault("normalize_topk", 1 if renormalise else 0)
+        attrs.setdefault("score_function", "softmax")
+        layer = cls(hidden_size=w.shape[1], ffn_hidden_size=w.shape[0], num_experts=len(experts),
+                    top_k=top_k, activation="swiglu", max_tokens=max_tokens, dtype=w.dtype,
+                    device=w.device, **attrs)
+        return layer.load_linear_experts(router, experts, gate, up, down)

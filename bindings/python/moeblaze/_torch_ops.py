@@ -1,0 +1,336 @@
+"""The layer as PyTorch custom operators (``torch.library``), so ``torch.compile`` traces it
+without a graph break and CUDA graphs can capture it (on a sync-free engine).
+
+Two operators:
+
+* ``moeblaze::moe_forward(layer, mode, x, router?, topk_ids?, topk_weights?, w_gate_up, w_down)
+  -> (y, aux_loss, z_loss, topk_indices, topk_weights, tokens_per_expert, saved)``
+* ``moeblaze::moe_backward(layer, mode, x, router?, topk_ids?, topk_weights?, w_gate_up, w_down,
+  saved, dy, d_aux, d_z, needs) -> (dx, d_router, d_topk_weights, d_w_gate_up, d_w_down)``
+
+``layer`` is the integer id of a :class:`LayerSpec` (the configuration; a handle per device is
+made on first use inside the operators, so tracing never runs library code). ``saved`` is the
+library's saved buffer as a uint8 tensor output of the forward: autograd saves it like any
+activation, so saved-tensor hooks (checkpointing, CPU offload) see and handle it, and it lives
+exactly as long as the graph needs it. It is ``saved_size(L) + 256`` bytes: the operators start
+the library's buffer at its first 256-byte boundary, whatever alignment the allocator gave.
+Workspaces are ``torch.empty`` on the current stream (PyTorch's caching allocator).
+Each operator has a fake (meta) implementation for tracing and the pair is tied together with
+``register_autograd``; gradients not needed come back as empty tensors internally and as None
+to autograd.
+"""
+import threading
+from typing import List, Optional, Tuple
+
+import torch
+
+from ._core import ArgList, Config, Handle
+from ._types import BUFFER_ALIGNMENT, ArgKind, Attr, DeviceType, Pass, Tensor
+
+ROUTE_LOGITS = 1
+ROUTE_WEIGHT = 2
+ROUTE_CALLER = 3
+
+_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+           torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
+
+
+class LayerSpec:
+    """A layer configuration (the keyword attributes of :class:`moeblaze.Config`, without the
+    device) and its handles, one per device, made on first use. Registered under an integer id
+    that the operators take."""
+
+    _registry = {}
+    _lock = threading.Lock()
+    _next_id = 1
+
+    def __init__(self, **attrs):
+        attrs.pop("device_type", None)
+        attrs.pop("device_id", None)
+        with Config(**attrs) as cfg:  # validates the attributes now, on the caller's thread
+            self.num_experts = int(cfg.get(Attr.NUM_EXPERTS))
+            self.top_k = int(cfg.get(Attr.TOP_K))
+        self.attrs = attrs
+        self._bound = None  # a caller's Handle (for_handle): used for every device
+        self._handles = {}
+        self._handles_lock = threading.Lock()
+        self._register()
+
+    @classmethod
+    def for_handle(cls, handle):
+        """A spec over a caller's :class:`moeblaze.Handle` (the 0.1 ``MoEFunction`` API): the
+        operators use that handle, which stays the caller's to close. One spec per handle."""
+        spec = getattr(handle, "_torch_layer_spec", None)
+        if spec is None:
+            spec = cls.__new__(cls)
+            spec.num_experts = int(handle.get(Attr.NUM_EXPERTS))
+            spec.top_k = int(handle.get(Attr.TOP_K))
+            spec.attrs, spec._bound, spec._handles = {}, handle, {}
+            spec._handles_lock = threading.Lock()
+            spec._register()
+            handle._torch_layer_spec = spec
+        return spec
+
+    def _register(self):
+        with LayerSpec._lock:
+            self.id = LayerSpec._next_id
+            LayerSpec._next_id += 1
+            LayerSpec._registry[self.id] = self
+
+    @staticmethod
+    def get(layer_id):
+        spec = LayerSpec._registry.get(int(layer_id))
+        if spec is None:
+            raise ValueError("moeblaze: no layer with id %d (closed?)" % layer_id)
+        return spec
+
+    def handle(self, device):
+        if self._bound is not None:
+            return self._bound
+        if device.type == "cuda":
+            key = ("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        elif device.type in ("cpu", "meta"):
+            key = ("cpu", 0)
+        else:
+            raise ValueError("moeblaze supports CPU and CUDA tensors, not %s" % device)
+        with self._handles_lock:
+            h = self._handles.get(key)
+            if h is None:
+                with Config(**self.attrs) as cfg:
+                    if key[0] == "cuda":
+                        cfg.set(Attr.DEVICE_TYPE, DeviceType.CUDA)
+                        cfg.set(Attr.DEVICE_ID, key[1])
+                    else:
+                        cfg.set(Attr.DEVICE_TYPE, DeviceType.CPU)
+                    h = Handle(cfg)
+                self._handles[key] = h
+            return h
+
+    def close(self):
+        with LayerSpec._lock:
+            LayerSpec._registry.pop(self.id, None)
+        if self._bound is not None:  # the caller's handle: not ours to close
+            self._bound = None
+            return
+        with self._handles_lock:
+            for h in self._handles.values():
+                h.close()
+            self._handles.clear()
+
+
+def tensor_descriptor(t):
+    """A moeblaze Tensor over ``t`` (no copy); ``t`` must stay alive during the call."""
+    if t.dtype not in _DTYPES:
+        raise TypeError("moeblaze: unsupported dtype %s" % t.dtype)
+    if t.device.type == "cuda":
+        dev_type, dev_id = DeviceType.CUDA, t.device.index
+    elif t.device.type == "cpu":
+        dev_type, dev_id = DeviceType.CPU, 0
+    else:
+        raise ValueError("moeblaze supports CPU and CUDA tensors, not %s" % t.device)
+    desc = Tensor.make(t.data_ptr(), tuple(t.shape), _DTYPES[t.dtype], dev_type, dev_id,
+                       strides=tuple(t.stride()) if t.dim() else None)
+    desc._keepalive.append(t)
+    return desc
+
+
+def _rowmajor(t):
+    """The library honours strides when the innermost stride is 1; otherwise copy."""
+    if t is not None and t.dim() and t.stride(-1) != 1:
+        return t.contiguous()
+    return t
+
+
+def _aligned(raw, nbytes):
+    """The 256-byte-aligned window of ``nbytes`` inside a uint8 tensor of nbytes + 256."""
+    off = (-raw.data_ptr()) % BUFFER_ALIGNMENT
+    return raw[off:off + int(nbytes)]
+
+
+def aligned_bytes(nbytes, device):
+    """A uint8 tensor of ``nbytes`` on ``device`` starting on a 256-byte boundary (its storage
+    comes from PyTorch's allocator; the returned view keeps it alive)."""
+    return _aligned(torch.empty(int(nbytes) + BUFFER_ALIGNMENT, dtype=torch.uint8, device=device),
+                    nbytes)
+
+
+def _stream(device):
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+
+def _routing_args(args, mode, router, topk_ids, topk_weights):
+    if mode == ROUTE_LOGITS:
+        args.add(ArgKind.ROUTER_LOGITS, tensor_descriptor(router))
+    elif mode == ROUTE_WEIGHT:
+        args.add(ArgKind.ROUTER_WEIGHT, tensor_descriptor(router))
+    else:
+        args.add(ArgKind.TOPK_INDICES, tensor_descriptor(topk_ids))
+        args.add(ArgKind.TOPK_WEIGHTS, tensor_descriptor(topk_weights))
+
+
+def _check_mode(mode, router, topk_ids, topk_weights):
+    if mode in (ROUTE_LOGITS, ROUTE_WEIGHT) and router is None:
+        raise ValueError("moeblaze: routing mode %d needs the router tensor" % mode)
+    if mode == ROUTE_CALLER and (topk_ids is None or topk_weights is None):
+        raise ValueError("moeblaze: caller routing needs topk_indices and topk_weights")
+    if mode not in (ROUTE_LOGITS, ROUTE_WEIGHT, ROUTE_CALLER):
+        raise ValueError("moeblaze: unknown routing mode %d" % mode)
+
+
+@torch.library.custom_op("moeblaze::moe_forward", mutates_args=())
+def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.Tensor],
+                topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
+                w_gate_up: torch.Tensor, w_down: torch.Tensor
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor]:
+    _check_mode(mode, router, topk_ids, topk_weights)
+    spec = LayerSpec.get(layer)
+    handle = spec.handle(x.device)
+    x, router, w_gate_up, w_down = (_rowmajor(t) for t in (x, router, w_gate_up, w_down))
+    topk_ids, topk_weights = _rowmajor(topk_ids), _rowmajor(topk_weights)
+    L, d = x.shape
+    dev = x.device
+    E, k = spec.num_experts, spec.top_k
+    args = ArgList()
+    args.add(ArgKind.INPUT, tensor_descriptor(x))
+    args.add(ArgKind.W_GATE_UP, tensor_descriptor(w_gate_up))
+    args.add(ArgKind.W_DOWN, tensor_descriptor(w_down))
+    _routing_args(args, mode, router, topk_ids, topk_weights)
+    y = torch.empty((L, d), dtype=x.dtype, device=dev)
+    aux = torch.zeros((), dtype=torch.float32, device=dev)
+    z = torch.zeros((), dtype=torch.float32, device=dev)
+    args.add(ArgKind.OUTPUT, tensor_descriptor(y))
+    routed = mode != ROUTE_CALLER
+    ids = torch.empty((L, k) if routed else (0,), dtype=torch.int64, device=dev)
+    gates = torch.empty((L, k) if routed else (0,), dtype=torch.float32, device=dev)
+    counts = torch.empty((E,) if routed else (0,), dtype=torch.int64, device=dev)
+    if routed:  # every routing output at once: no second routing pass
+        args.add(ArgKind.TOPK_INDICES, tensor_descriptor(ids))
+        args.add(ArgKind.TOPK_WEIGHTS, tensor_descriptor(gates))
+        args.add(ArgKind.TOKENS_PER_EXPERT, tensor_descriptor(counts))
+        args.add(ArgKind.AUX_LOSS, tensor_descriptor(aux))
+        args.add(ArgKind.Z_LOSS, tensor_descriptor(z))
+    saved_bytes = handle.saved_size(L)
+    saved = torch.empty(saved_bytes + BUFFER_ALIGNMENT, dtype=torch.uint8, device=dev)
+    workspace = aligned_bytes(handle.workspace_size(Pass.FORWARD_TRAINING, L), dev)
+    handle.forward(Pass.FORWARD_TRAINING, args, workspace.data_ptr(),
+                   _aligned(saved, saved_bytes).data_ptr(), stream=_stream(dev),
+                   workspace_bytes=workspace.numel(), saved_bytes=saved_bytes)
+    return y, aux, z, ids, gates, counts, saved
+
+
+@moe_forward.register_fake
+def _moe_forward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down):
+    _check_mode(mode, router, topk_ids, topk_weights)
+    spec = LayerSpec.get(layer)
+    L, d = x.shape
+    E, k = spec.num_experts, spec.top_k
+    routed = mode != ROUTE_CALLER
+    f32 = dict(dtype=torch.float32, device=x.device)
+    i64 = dict(dtype=torch.int64, device=x.device)
+    if isinstance(L, int):
+        saved_len = spec.handle(x.device).saved_size(L) + BUFFER_ALIGNMENT
+    else:  # a symbolic token count: the size is the library's, known only when it runs
+        saved_len = torch.library.get_ctx().new_dynamic_size()
+    return (x.new_empty((L, d)), x.new_empty((), **f32), x.new_empty((), **f32),
+            x.new_empty((L, k) if routed else (0,), **i64),
+            x.new_empty((L, k) if routed else (0,), **f32),
+            x.new_empty((E,) if routed else (0,), **i64),
+            x.new_empty((saved_len,), dtype=torch.uint8))
+
+
+@torch.library.custom_op("moeblaze::moe_backward", mutates_args=())
+def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.Tensor],
+                 topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor,
+                 dy: torch.Tensor, d_aux: torch.Tensor, d_z: torch.Tensor, needs: List[bool]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """needs = (dx, d_router, d_topk_weights, d_w_gate_up, d_w_down); a gradient not needed is
+    an empty tensor."""
+    _check_mode(mode, router, topk_ids, topk_weights)
+    spec = LayerSpec.get(layer)
+    handle = spec.handle(x.device)
+    x, router, w_gate_up, w_down = (_rowmajor(t) for t in (x, router, w_gate_up, w_down))
+    topk_ids, topk_weights = _rowmajor(topk_ids), _rowmajor(topk_weights)
+    dy = _rowmajor(dy).to(x.dtype)
+    L = x.shape[0]
+    dev = x.device
+    saved_bytes = handle.saved_size(L)
+    if saved.dtype != torch.uint8 or saved.dim() != 1 or saved.numel() != saved_bytes + BUFFER_ALIGNMENT:
+        raise ValueError("moeblaze: saved must be the uint8 tensor of %d bytes that moe_forward "
+                         "returned for %d tokens" % (saved_bytes + BUFFER_ALIGNMENT, L))
+    args = ArgList()
+    args.add(ArgKind.INPUT, tensor_descriptor(x))
+    args.add(ArgKind.W_GATE_UP, tensor_descriptor(w_gate_up))
+    args.add(ArgKind.W_DOWN, tensor_descriptor(w_down))
+    _routing_args(args, mode, router, topk_ids, topk_weights)
+    args.add(ArgKind.GRAD_OUTPUT, tensor_descriptor(dy))
+    if mode != ROUTE_CALLER:  # the library takes absent loss gradients as 1: always pass them
+        args.add(ArgKind.GRAD_AUX_LOSS, tensor_descriptor(d_aux.to(torch.float32).reshape(())))
+        args.add(ArgKind.GRAD_Z_LOSS, tensor_descriptor(d_z.to(torch.float32).reshape(())))
+    def empty():  # one per return: outputs may not alias each other
+        return x.new_empty((0,))
+    dx = torch.empty_like(x) if needs[0] else empty()
+    d_router = torch.empty_like(router) if needs[1] and mode != ROUTE_CALLER else empty()
+    d_weights = torch.empty_like(topk_weights) if needs[2] and mode == ROUTE_CALLER else empty()
+    d_wgu = torch.empty_like(w_gate_up) if needs[3] else empty()
+    d_wd = torch.empty_like(w_down) if needs[4] else empty()
+    if needs[0]:
+        args.add(ArgKind.GRAD_INPUT, tensor_descriptor(dx))
+    if d_router.numel():
+        args.add(ArgKind.GRAD_ROUTER_LOGITS if mode == ROUTE_LOGITS else ArgKind.GRAD_ROUTER_WEIGHT,
+                 tensor_descriptor(d_router))
+    if d_weights.numel():
+        args.add(ArgKind.GRAD_TOPK_WEIGHTS, tensor_descriptor(d_weights))
+    if needs[3]:
+        args.add(ArgKind.GRAD_W_GATE_UP, tensor_descriptor(d_wgu))
+    if needs[4]:
+        args.add(ArgKind.GRAD_W_DOWN, tensor_descriptor(d_wd))
+    workspace = aligned_bytes(handle.workspace_size(Pass.BACKWARD, L), dev)
+    handle.backward(args, _aligned(saved, saved_bytes).data_ptr(), workspace.data_ptr(),
+                    stream=_stream(dev), saved_bytes=saved_bytes,
+                    workspace_bytes=workspace.numel())
+    return dx, d_router, d_weights, d_wgu, d_wd
+
+
+@moe_backward.register_fake
+def _moe_backward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, saved,
+                       dy, d_aux, d_z, needs):
+    _check_mode(mode, router, topk_ids, topk_weights)
+    def empty():
+        return x.new_empty((0,))
+    return (torch.empty_like(x) if needs[0] else empty(),
+            torch.empty_like(router) if needs[1] and mode != ROUTE_CALLER else empty(),
+            torch.empty_like(topk_weights) if needs[2] and mode == ROUTE_CALLER else empty(),
+            torch.empty_like(w_gate_up) if needs[3] else empty(),
+            torch.empty_like(w_down) if needs[4] else empty())
+
+
+def _setup_context(ctx, inputs, output):
+    layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down = inputs
+    _y, _aux, _z, ids, gates, counts, saved = output
+    ctx.layer, ctx.mode = layer, mode
+    ctx.save_for_backward(x, router, topk_ids, topk_weights, w_gate_up, w_down, saved)
+    ctx.mark_non_differentiable(ids, gates, counts, saved)
+
+
+def _backward(ctx, dy, d_aux, d_z, _d_ids, _d_gates, _d_counts, _d_saved):
+    x, router, topk_ids, topk_weights, w_gate_up, w_down, saved = ctx.saved_tensors
+    need = ctx.needs_input_grad  # (layer, mode, x, router, ids, weights, w_gate_up, w_down)
+    mode = ctx.mode
+    if dy is None:
+        dy = torch.zeros_like(x)
+    zero = x.new_zeros((), dtype=torch.float32)
+    d_aux = zero if d_aux is None else d_aux
+    d_z = zero if d_z is None else d_z
+    needs = [bool(need[2]), bool(need[3]) and mode != ROUTE_CALLER,
+             bool(need[5]) and mode == ROUTE_CALLER, bool(need[6]), bool(need[7])]
+    dx, d_router, d_weights, d_wgu, d_wd = moe_backward(
+        ctx.layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, saved, dy, d_aux,
+        d_z, needs)
+    return (None, None, dx if needs[0] else None, d_router if needs[1] else None, None,
+            d_weights if needs[2] else None, d_wgu if needs[3] else None,
+            d_wd if needs[4] else None)
+
+
+moe_forward.register_autograd(_backward, setup_context=_setup_context)
