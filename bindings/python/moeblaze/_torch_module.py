@@ -1,5 +1,6 @@
 """``MoELayer``: the layer as a ``torch.nn.Module`` that owns its parameters, and converters
-from the per-expert ``nn.Linear`` layout of Hugging Face's Mixtral and Qwen3-MoE blocks.
+from the per-expert ``nn.Linear`` layout of Hugging Face's Mixtral and Qwen3-MoE blocks and from
+torchtitan's ``GroupedExperts`` (w1, w3 [E, h, d], w2 [E, d, h]).
 
 Parameters, in the library's layout:
   * ``router_weight`` [E, d] (logits = x W^T, as ``nn.Linear(d, E, bias=False)``);
@@ -115,6 +116,57 @@ class MoELayer(torch.nn.Module):
         (gate), ``w3`` (up), ``w2`` (down)). Routing as Mixtral: softmax, top-k, renormalised."""
         return cls._from_linear_block(block, block.gate, block.experts, "w1", "w3", "w2", True,
                                       max_tokens, attrs)
+
+    # ---- torchtitan's GroupedExperts ------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_grouped_experts(self, router, w1, w2, w3):
+        """Copies a router ``nn.Linear(d, E)`` and torchtitan-style stacked expert weights:
+        ``w1`` (gate) and ``w3`` (up) [E, h, d], ``w2`` (down) [E, d, h] (one copy, at load time)."""
+        h = self.ffn_hidden_size
+        self.router_weight.copy_(router.weight)
+        self.w_gate_up[:, :, :h].copy_(w1.transpose(1, 2))
+        self.w_gate_up[:, :, h:].copy_(w3.transpose(1, 2))
+        self.w_down.copy_(w2.transpose(1, 2))
+        return self
+
+    @torch.no_grad()
+    def store_grouped_experts(self, router, w1, w2, w3):
+        """The inverse of :meth:`load_grouped_experts`."""
+        h = self.ffn_hidden_size
+        router.weight.copy_(self.router_weight)
+        w1.copy_(self.w_gate_up[:, :, :h].transpose(1, 2))
+        w3.copy_(self.w_gate_up[:, :, h:].transpose(1, 2))
+        w2.copy_(self.w_down.transpose(1, 2))
+
+    @classmethod
+    def from_torchtitan(cls, moe, max_tokens=65536, **attrs):
+        """From torchtitan's ``MoE`` (``moe.router``: ``gate``, ``top_k``, ``score_func``,
+        ``route_norm``, ``route_scale``; ``moe.experts``: ``w1``, ``w2``, ``w3``). Routing
+        follows the router (softmax or sigmoid, renormalised when ``route_norm``).
+
+        Refused, with the reason (ValueError): ``route_scale != 1`` and ``score_before_experts``
+        (torchtitan then multiplies the expert's input by the gate; this layer multiplies its
+        output, which differs for a gated MLP), and a non-zero ``expert_bias`` (aux-loss-free
+        balancing is not part of this layer). Shared experts are not part of it either: keep
+        ``moe.shared_experts`` and add its output."""
+        r, ex = moe.router, moe.experts
+        if float(getattr(r, "route_scale", 1.0)) != 1.0:
+            raise ValueError("from_torchtitan: route_scale = %g is not supported (1 only)" % r.route_scale)
+        if getattr(moe, "score_before_experts", False):
+            raise ValueError("from_torchtitan: score_before_experts=True scales the experts' input; "
+                             "this layer scales their output (set it to False)")
+        bias = getattr(moe, "expert_bias", None)
+        if bias is not None and bool((bias != 0).any()):
+            raise ValueError("from_torchtitan: a non-zero expert_bias (aux-loss-free balancing) "
+                             "is not supported")
+        attrs.setdefault("score_function", str(r.score_func))
+        attrs.setdefault("normalize_topk", 1 if r.route_norm else 0)
+        E, h, d = ex.w1.shape
+        layer = cls(hidden_size=d, ffn_hidden_size=h, num_experts=E, top_k=int(r.top_k),
+                    activation="swiglu", max_tokens=max_tokens, dtype=ex.w1.dtype,
+                    device=ex.w1.device, **attrs)
+        return layer.load_grouped_experts(r.gate, ex.w1, ex.w2, ex.w3)
 
     @classmethod
     def _from_linear_block(cls, block, router, experts, gate, up, down, renormalise, max_tokens,

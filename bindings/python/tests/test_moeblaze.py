@@ -1075,6 +1075,78 @@ class TestTorchModule(unittest.TestCase):
         x = self.torch.randn(10, 16)
         self.assertTrue(self.torch.equal(other(x), block(x)))
 
+    def _torchtitan_moe(self, d, h, E, k, score_func, route_norm):
+        """torchtitan's MoE math in plain PyTorch: router nn.Linear, fp32 softmax or sigmoid,
+        top-k, optional renormalisation, GroupedExperts w1/w3 [E, h, d] and w2 [E, d, h] run
+        expert by expert, gates applied to the experts' outputs."""
+        torch = self.torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        class Router(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate = nn.Linear(d, E, bias=False)
+                self.top_k, self.score_func, self.route_norm, self.route_scale = k, score_func, route_norm, 1.0
+
+        class Experts(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w1 = nn.Parameter(torch.randn(E, h, d) / d ** 0.5)
+                self.w2 = nn.Parameter(torch.randn(E, d, h) / h ** 0.5)
+                self.w3 = nn.Parameter(torch.randn(E, h, d) / d ** 0.5)
+
+        class TitanMoE(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.router, self.experts = Router(), Experts()
+                self.score_before_experts, self.expert_bias, self.shared_experts = False, None, None
+
+            def forward(self, x):
+                s = self.router.gate(x).float()
+                s = F.softmax(s, dim=1) if score_func == "softmax" else torch.sigmoid(s)
+                w, i = s.topk(k, dim=1)
+                if route_norm:
+                    w = w / (w.sum(-1, keepdim=True) + 1e-20)
+                y = torch.zeros_like(x)
+                ex = self.experts
+                for j in range(k):
+                    for e in range(E):
+                        m = (i[:, j] == e).nonzero()[:, 0]
+                        if m.numel():
+                            xe = x[m]
+                            o = (F.silu(xe @ ex.w1[e].t()) * (xe @ ex.w3[e].t())) @ ex.w2[e].t()
+                            y = y.index_add(0, m, w[m, j:j + 1] * o)
+                return y
+        return TitanMoE()
+
+    def test_torchtitan(self):
+        torch = self.torch
+        from moeblaze.torch import MoELayer
+        d, h, E, k = 16, 24, 6, 2
+        for score_func, route_norm in (("softmax", False), ("sigmoid", True)):
+            titan = self._torchtitan_moe(d, h, E, k, score_func, route_norm)
+            layer = MoELayer.from_torchtitan(titan, max_tokens=64)
+            x = torch.randn(30, d)
+            xr, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ref, (y, _, _) = titan(xr), layer(xl)
+            self.assertLess((y - ref).abs().max().item(), 1e-5, score_func)
+            dy = torch.randn_like(ref)
+            (ref * dy).sum().backward()
+            (y * dy).sum().backward()
+            rel = lambda a, b: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)  # noqa: E731
+            self.assertLess(rel(xl.grad, xr.grad), 1e-4)
+            self.assertLess(rel(layer.router_weight.grad, titan.router.gate.weight.grad), 1e-4)
+            self.assertLess(rel(layer.w_gate_up.grad[:, :, :h].transpose(1, 2), titan.experts.w1.grad), 1e-4)
+            self.assertLess(rel(layer.w_gate_up.grad[:, :, h:].transpose(1, 2), titan.experts.w3.grad), 1e-4)
+            self.assertLess(rel(layer.w_down.grad.transpose(1, 2), titan.experts.w2.grad), 1e-4)
+            other = self._torchtitan_moe(d, h, E, k, score_func, route_norm)
+            layer.store_grouped_experts(other.router.gate, other.experts.w1, other.experts.w2, other.experts.w3)
+            self.assertTrue(torch.equal(other(x), titan(x)))
+        titan.score_before_experts = True
+        with self.assertRaises(ValueError):
+            MoELayer.from_torchtitan(titan)
+
     def test_module_parameters_and_compile(self):
         torch = self.torch
         from moeblaze.torch import MoELayer
