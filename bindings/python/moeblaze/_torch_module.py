@@ -101,21 +101,58 @@ class MoELayer(torch.nn.Module):
                 getattr(ex, up).weight.copy_(self.w_gate_up[e, :, h:].t())
             getattr(ex, down).weight.copy_(self.w_down[e].t())
 
+    @torch.no_grad()
+    def load_fused_experts(self, router_weight, gate_up_proj, down_proj):
+        """Copies Hugging Face's fused expert tensors (transformers 5): ``gate_up_proj``
+        [E, 2h, d] (gate rows, then up rows) and ``down_proj`` [E, d, h], and a router weight
+        [E, d] (one copy, at load time)."""
+        self.router_weight.copy_(router_weight)
+        self.w_gate_up.copy_(gate_up_proj.transpose(1, 2))
+        self.w_down.copy_(down_proj.transpose(1, 2))
+        return self
+
+    @torch.no_grad()
+    def store_fused_experts(self, router_weight, gate_up_proj, down_proj):
+        """The inverse of :meth:`load_fused_experts`."""
+        router_weight.copy_(self.router_weight)
+        gate_up_proj.copy_(self.w_gate_up.transpose(1, 2))
+        down_proj.copy_(self.w_down.transpose(1, 2))
+
     @classmethod
     def from_qwen3_moe(cls, block, max_tokens=65536, **attrs):
-        """From a Qwen3-MoE sparse block (``block.gate``: router; ``block.experts[i]``:
-        ``gate_proj``/``up_proj``/``down_proj``). Routing as Qwen3-MoE: softmax, top-k,
-        renormalised when ``block.norm_topk_prob`` (default True)."""
-        return cls._from_linear_block(block, block.gate, block.experts, "gate_proj", "up_proj",
-                                      "down_proj", bool(getattr(block, "norm_topk_prob", True)),
-                                      max_tokens, attrs)
+        """From a Qwen3-MoE sparse block: ``block.gate`` (the router: a weight [E, d]) and
+        ``block.experts``, either per-expert modules with ``gate_proj``/``up_proj``/
+        ``down_proj`` or the fused ``gate_up_proj``/``down_proj`` tensors. Routing as Qwen3-MoE:
+        softmax, top-k, renormalised when ``norm_topk_prob`` (default True)."""
+        return cls._from_hf_block(block, ("gate_proj", "up_proj", "down_proj"),
+                                  bool(_find(block, "norm_topk_prob", True)), max_tokens, attrs)
 
     @classmethod
     def from_mixtral(cls, block, max_tokens=65536, **attrs):
-        """From a Mixtral sparse block (``block.gate``: router; ``block.experts[i]``: ``w1``
-        (gate), ``w3`` (up), ``w2`` (down)). Routing as Mixtral: softmax, top-k, renormalised."""
-        return cls._from_linear_block(block, block.gate, block.experts, "w1", "w3", "w2", True,
-                                      max_tokens, attrs)
+        """From a Mixtral sparse block: ``block.gate`` and ``block.experts``, per-expert ``w1``
+        (gate), ``w3`` (up), ``w2`` (down) or the fused tensors. Routing as Mixtral: softmax,
+        top-k, renormalised."""
+        return cls._from_hf_block(block, ("w1", "w3", "w2"), True, max_tokens, attrs)
+
+    @classmethod
+    def _from_hf_block(cls, block, names, renormalise, max_tokens, attrs):
+        experts = block.experts
+        fused = hasattr(experts, "gate_up_proj")
+        if fused:
+            E, two_h, d = experts.gate_up_proj.shape
+            h, w = two_h // 2, experts.gate_up_proj
+        else:
+            w = getattr(experts[0], names[0]).weight
+            (h, d), E = w.shape, len(experts)
+        top_k = int(_find(block, ("top_k", "num_experts_per_tok"), 2))
+        attrs.setdefault("normalize_topk", 1 if renormalise else 0)
+        attrs.setdefault("score_function", "softmax")
+        layer = cls(hidden_size=d, ffn_hidden_size=h, num_experts=E, top_k=top_k,
+                    activation="swiglu", max_tokens=max_tokens, dtype=w.dtype, device=w.device,
+                    **attrs)
+        if fused:
+            return layer.load_fused_experts(block.gate.weight, experts.gate_up_proj, experts.down_proj)
+        return layer.load_linear_experts(block.gate, experts, *names)
 
     # ---- torchtitan's GroupedExperts ------------------------------------------------------------
 
@@ -168,14 +205,11 @@ class MoELayer(torch.nn.Module):
                     device=ex.w1.device, **attrs)
         return layer.load_grouped_experts(r.gate, ex.w1, ex.w2, ex.w3)
 
-    @classmethod
-    def _from_linear_block(cls, block, router, experts, gate, up, down, renormalise, max_tokens,
-                           attrs):
-        w = getattr(experts[0], gate).weight
-        top_k = int(getattr(block, "top_k", getattr(block, "num_experts_per_tok", 2)))
-        attrs.setdefault("normalize_topk", 1 if renormalise else 0)
-        attrs.setdefault("score_function", "softmax")
-        layer = cls(hidden_size=w.shape[1], ffn_hidden_size=w.shape[0], num_experts=len(experts),
-                    top_k=top_k, activation="swiglu", max_tokens=max_tokens, dtype=w.dtype,
-                    device=w.device, **attrs)
-        return layer.load_linear_experts(router, experts, gate, up, down)
+
+def _find(block, names, default):
+    """The first of ``names`` found on the block or on its router (``block.gate``)."""
+    for owner in (block, getattr(block, "gate", None)):
+        for n in (names,) if isinstance(names, str) else names:
+            if owner is not None and hasattr(owner, n):
+                return getattr(owner, n)
+    return default

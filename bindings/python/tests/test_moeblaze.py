@@ -1075,6 +1075,65 @@ class TestTorchModule(unittest.TestCase):
         x = self.torch.randn(10, 16)
         self.assertTrue(self.torch.equal(other(x), block(x)))
 
+    def test_fused_hf_experts(self):
+        """transformers 5's fused expert tensors (gate_up_proj [E, 2h, d], gate rows first;
+        down_proj [E, d, h]) with a router module holding weight [E, d], top_k and
+        norm_topk_prob: outputs, gradients and the round trip."""
+        torch = self.torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+        from moeblaze.torch import MoELayer
+        d, h, E, k = 16, 24, 6, 2
+
+        class Router(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = nn.Parameter(torch.randn(E, d) / d ** 0.5)
+                self.top_k, self.norm_topk_prob = k, True
+
+        class Experts(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * h, d) / d ** 0.5)
+                self.down_proj = nn.Parameter(torch.randn(E, d, h) / h ** 0.5)
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate, self.experts = Router(), Experts()
+
+            def forward(self, x):
+                p = F.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+                w, i = p.topk(k, dim=-1)
+                w = w / w.sum(-1, keepdim=True)
+                y = torch.zeros_like(x)
+                for j in range(k):
+                    for e in range(E):
+                        m = (i[:, j] == e).nonzero()[:, 0]
+                        if m.numel():
+                            g, u = F.linear(x[m], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+                            o = F.linear(F.silu(g) * u, self.experts.down_proj[e])
+                            y = y.index_add(0, m, w[m, j:j + 1] * o)
+                return y
+
+        block = Block()
+        layer = MoELayer.from_qwen3_moe(block, max_tokens=64)
+        x = torch.randn(25, d)
+        xr, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref, (y, _, _) = block(xr), layer(xl)
+        self.assertLess((y - ref).abs().max().item(), 1e-5)
+        dy = torch.randn_like(ref)
+        (ref * dy).sum().backward()
+        (y * dy).sum().backward()
+        rel = lambda a, b: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)  # noqa: E731
+        self.assertLess(rel(xl.grad, xr.grad), 1e-4)
+        self.assertLess(rel(layer.router_weight.grad, block.gate.weight.grad), 1e-4)
+        self.assertLess(rel(layer.w_gate_up.grad.transpose(1, 2), block.experts.gate_up_proj.grad), 1e-4)
+        self.assertLess(rel(layer.w_down.grad.transpose(1, 2), block.experts.down_proj.grad), 1e-4)
+        other = Block()
+        layer.store_fused_experts(other.gate.weight, other.experts.gate_up_proj, other.experts.down_proj)
+        self.assertTrue(torch.equal(other(x), block(x)))
+
     def _torchtitan_moe(self, d, h, E, k, score_func, route_norm):
         """torchtitan's MoE math in plain PyTorch: router nn.Linear, fp32 softmax or sigmoid,
         top-k, optional renormalisation, GroupedExperts w1/w3 [E, h, d] and w2 [E, d, h] run
