@@ -168,6 +168,24 @@ def _routing_args(args, mode, router, topk_ids, topk_weights):
         args.add(ArgKind.TOPK_WEIGHTS, tensor_descriptor(topk_weights))
 
 
+def _check_tensors(x, real=True, **named):
+    """Every tensor argument on x's device, of a dtype the library takes, x 2-D: a Python
+    exception naming the argument before anything is enqueued (the library then checks shapes
+    and values and names them in its message). The fake kernels check the same, less the
+    device type (meta tensors are theirs)."""
+    if x.dim() != 2:
+        raise ValueError("moeblaze: x must be [tokens, d], not %s" % (tuple(x.shape),))
+    for name, t in dict(x=x, **named).items():
+        if t is None:
+            continue
+        if t.dtype not in _DTYPES:
+            raise TypeError("moeblaze: %s has dtype %s, which the library does not take" % (name, t.dtype))
+        if t.device != x.device:
+            raise ValueError("moeblaze: %s is on %s but x is on %s" % (name, t.device, x.device))
+        if real and t.device.type not in ("cpu", "cuda"):
+            raise ValueError("moeblaze: %s is on %s; the library takes CPU and CUDA tensors" % (name, t.device))
+
+
 def _check_mode(mode, router, topk_ids, topk_weights):
     if mode in (ROUTE_LOGITS, ROUTE_WEIGHT) and router is None:
         raise ValueError("moeblaze: routing mode %d needs the router tensor" % mode)
@@ -184,6 +202,8 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor]:
     _check_mode(mode, router, topk_ids, topk_weights)
+    _check_tensors(x, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
+                   w_gate_up=w_gate_up, w_down=w_down)
     spec = LayerSpec.get(layer)
     handle = spec.handle(x.device)
     x, router, w_gate_up, w_down = (_rowmajor(t) for t in (x, router, w_gate_up, w_down))
@@ -222,6 +242,8 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
 @moe_forward.register_fake
 def _moe_forward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down):
     _check_mode(mode, router, topk_ids, topk_weights)
+    _check_tensors(x, real=False, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
+                   w_gate_up=w_gate_up, w_down=w_down)
     spec = LayerSpec.get(layer)
     L, d = x.shape
     E, k = spec.num_experts, spec.top_k
@@ -248,6 +270,8 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
     """needs = (dx, d_router, d_topk_weights, d_w_gate_up, d_w_down); a gradient not needed is
     an empty tensor."""
     _check_mode(mode, router, topk_ids, topk_weights)
+    _check_tensors(x, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
+                   w_gate_up=w_gate_up, w_down=w_down, saved=saved, dy=dy)
     spec = LayerSpec.get(layer)
     handle = spec.handle(x.device)
     x, router, w_gate_up, w_down = (_rowmajor(t) for t in (x, router, w_gate_up, w_down))
@@ -297,6 +321,8 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
 def _moe_backward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, saved,
                        dy, d_aux, d_z, needs):
     _check_mode(mode, router, topk_ids, topk_weights)
+    _check_tensors(x, real=False, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
+                   w_gate_up=w_gate_up, w_down=w_down, saved=saved, dy=dy)
     def empty():
         return x.new_empty((0,))
     return (torch.empty_like(x) if needs[0] else empty(),

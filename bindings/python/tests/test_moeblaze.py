@@ -973,6 +973,30 @@ class TestTorchOps(unittest.TestCase):
         self.assertTrue(torch.equal(y, want[0]))
         handle.close()
 
+    def test_bad_arguments_are_named(self):
+        """Wrong dtype, wrong device, ids out of range, a closed layer: a Python exception that
+        names the argument or carries the library's message; the caller's tensors unchanged."""
+        torch = self.torch
+        from moeblaze.torch import MoE
+        wd_before = self.wd.clone()
+        with self.assertRaises(TypeError) as ctx:
+            self.moe(self.x, self.wgu, self.wd.double(), router_logits=self.logits)
+        self.assertIn("w_down", str(ctx.exception))
+        with self.assertRaises(ValueError) as ctx:
+            self.moe(self.x, self.wgu.to("meta"), self.wd, router_logits=self.logits)
+        self.assertIn("w_gate_up", str(ctx.exception))
+        ids = torch.tensor([[0, 1], [2, 4], [1, 3], [0, 2], [3, 1]], dtype=torch.int64)  # 4 >= E
+        gates = torch.full((5, 2), 0.5)
+        with self.assertRaises(MoEBlazeError) as ctx:
+            self.moe(self.x, self.wgu, self.wd, topk_indices=ids, topk_weights=gates)
+        self.assertIn("TOPK_INDICES", str(ctx.exception).upper())
+        self.assertTrue(torch.equal(self.wd, wd_before))
+        closed = MoE(**self.moe.spec.attrs)
+        closed.close()
+        with self.assertRaises(ValueError) as ctx:
+            closed(self.x, self.wgu, self.wd, router_logits=self.logits)
+        self.assertIn("closed", str(ctx.exception))
+
     def test_bad_saved_tensor_raises(self):
         torch = self.torch
         out = torch.ops.moeblaze.moe_forward(self.moe.spec.id, 1, self.x, self.logits, None, None,
