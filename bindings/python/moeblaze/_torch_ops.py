@@ -20,6 +20,7 @@ Each operator has a fake (meta) implementation for tracing and the pair is tied 
 to autograd.
 """
 import threading
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -40,7 +41,9 @@ class LayerSpec:
     device) and its handles, one per device, made on first use. Registered under an integer id
     that the operators take."""
 
-    _registry = {}
+    # Weak: a spec lives as long as its layer (or, for for_handle, its Handle) holds it; its
+    # handles close with it through their own finalizers.
+    _registry = weakref.WeakValueDictionary()
     _lock = threading.Lock()
     _next_id = 1
 
@@ -55,6 +58,13 @@ class LayerSpec:
         self._handles = {}
         self._handles_lock = threading.Lock()
         self._register()
+
+    def __reduce__(self):
+        # Pickling and copy.deepcopy (EMA copies, torch.save of a module) rebuild the spec from
+        # its attributes: a new id and its own handles. A spec over a caller's Handle cannot be.
+        if self._bound is not None:
+            raise TypeError("a LayerSpec over a caller's Handle cannot be copied or pickled")
+        return (_spec_from_attrs, (dict(self.attrs),))
 
     @classmethod
     def for_handle(cls, handle):
@@ -116,6 +126,10 @@ class LayerSpec:
             for h in self._handles.values():
                 h.close()
             self._handles.clear()
+
+
+def _spec_from_attrs(attrs):
+    return LayerSpec(**attrs)
 
 
 def tensor_descriptor(t):

@@ -1250,6 +1250,25 @@ class TestTorchModule(unittest.TestCase):
         for a, b in zip(step(compiled), eager):
             self.assertTrue(torch.equal(a, b))
 
+    def test_copy_and_lifetime(self):
+        """copy.deepcopy and pickling rebuild the layer with its own spec; a layer that is
+        garbage-collected takes its spec (and handles) with it."""
+        import copy
+        import pickle
+        torch = self.torch
+        from moeblaze.torch import LayerSpec, MoELayer
+        layer = MoELayer(hidden_size=8, ffn_hidden_size=12, num_experts=4, top_k=2, max_tokens=16)
+        x = torch.randn(6, 8)
+        want = layer(x)[0]
+        for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+            self.assertNotEqual(other.spec.id, layer.spec.id)
+            self.assertTrue(torch.equal(other(x)[0], want))
+        spec_id = layer.spec.id
+        del layer
+        gc.collect()
+        with self.assertRaises(ValueError):
+            LayerSpec.get(spec_id)
+
     def test_bad_input(self):
         torch = self.torch
         from moeblaze.torch import MoELayer
