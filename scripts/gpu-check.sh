@@ -2,7 +2,9 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|policies|maxtokens|bench|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|pytorch|policies|maxtokens|bench|all]...
+# pytorch: the Python binding's tests with torch on the GPU (CUDA autograd, MoELayer on the fused
+# engine under torch.compile and CUDA graphs).
 # gemm: the sm_90a grouped GEMMs alone: their kernel tests (varlen M and weight gradients), a
 # SASS check (HGMMA, no local memory) and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g.
 # "--bn 256"; "skip" runs no bench); GEMM_SANITIZE="memcheck racecheck synccheck" runs the
@@ -124,6 +126,12 @@ if want torch; then
     python3 perf/torch_baselines.py --json "$OUT/torch.json" > "$OUT/torch.md" 2>&1
   summary+=("torch baselines: rc=$?")
   tail -45 "$OUT/torch.md"
+fi
+if want pytorch; then  # the Python tests with torch on the GPU (CUDA autograd, fused engine + CUDA graphs)
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \
+    timeout 600 python3 -m unittest discover -s bindings/python/tests -v > "$OUT/pytorch-tests.log" 2>&1
+  summary+=("python tests with torch: rc=$?; $(tail -1 "$OUT/pytorch-tests.log"); $(grep -cE 'skipped' "$OUT/pytorch-tests.log") skipped")
+  grep -E 'Cuda|cuda|FAIL|ERROR' "$OUT/pytorch-tests.log" | head -20
 fi
 if want policies; then  # the save policies' memory/speed trade-off on two configs
   for pol in recompute all; do

@@ -1283,5 +1283,51 @@ class TestTorchModule(unittest.TestCase):
             MoELayer(hidden_size=8, ffn_hidden_size=12, num_experts=4, top_k=2, dtype=torch.int32)
 
 
+class TestTorchCuda(unittest.TestCase):
+    """On an sm_90 GPU (skipped elsewhere; scripts/gpu-check.sh pytorch runs it): MoELayer in
+    bf16 on the fused engine against the same weights on the CPU engine in fp32 (outputs and
+    gradients), then torch.compile(fullgraph=True, mode="reduce-overhead"), whose CUDA-graph
+    replays must give the eager step's bits."""
+
+    def setUp(self):
+        self.torch = _torch()
+        if self.torch is None:
+            self.skipTest("torch is not installed")
+        if not self.torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
+            self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
+        if self.torch.cuda.get_device_capability()[0] != 9:
+            self.skipTest("the fused engine needs an sm_90 GPU")
+
+    def test_fused_layer_eager_compile_graphs(self):
+        torch = self.torch
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        kw = dict(hidden_size=256, ffn_hidden_size=128, num_experts=16, top_k=4, max_tokens=512)
+        layer = MoELayer(dtype=torch.bfloat16, device="cuda", engine=moeblaze.Engine.CUDA_FUSED, **kw)
+        cpu = MoELayer(dtype=torch.float32, device="cpu", **kw)
+        cpu.load_state_dict({k: v.float().cpu() for k, v in layer.state_dict().items()})
+        x = torch.randn(2, 100, 256, device="cuda").to(torch.bfloat16)
+        dy = torch.randn_like(x)
+
+        def step(module, xx, gy):
+            for p_ in module.parameters():
+                p_.grad = None
+            xx = xx.clone().requires_grad_()
+            y, aux, z = module(xx)
+            ((y.float() * gy.float()).sum() + aux + z).backward()
+            return [y.detach(), xx.grad] + [p_.grad.clone() for p_ in module.parameters()]
+
+        eager = step(layer, x, dy)
+        ref = step(cpu, x.float().cpu(), dy.float().cpu())
+        for got, want in zip(eager, ref):
+            err = (got.float().cpu() - want).norm() / want.norm().clamp_min(1e-12)
+            self.assertLess(err.item(), 2e-2)
+        compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+        for _ in range(3):  # warm-up, recording, then replays
+            got = step(compiled, x, dy)
+        for a, b in zip(got, eager):
+            self.assertTrue(torch.equal(a, b))
+
+
 if __name__ == "__main__":
     unittest.main()
