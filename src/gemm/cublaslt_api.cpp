@@ -25,10 +25,9 @@ struct Loaded {
 };
 
 template <class Fn>
-bool resolve(void* lib, const char* name, Fn& fn, std::string& error) {
+void resolve(void* lib, const char* name, Fn& fn, std::string& error) {
   fn = reinterpret_cast<Fn>(dlsym(lib, name));
   if (!fn && error.empty()) error = std::string(MOEBLAZE_CUBLASLT_SONAME " has no ") + name;
-  return fn != nullptr;
 }
 
 Loaded load() {
@@ -44,20 +43,9 @@ Loaded load() {
                 "LD_LIBRARY_PATH): " + why;
     return out;
   }
-  CublasLtApi& a = out.api;
-  std::string& e = out.error;
-  resolve(lib, "cublasLtCreate", a.create, e);
-  resolve(lib, "cublasLtDestroy", a.destroy, e);
-  resolve(lib, "cublasLtMatmul", a.matmul, e);
-  resolve(lib, "cublasLtMatmulAlgoGetHeuristic", a.algo_get_heuristic, e);
-  resolve(lib, "cublasLtMatmulDescCreate", a.desc_create, e);
-  resolve(lib, "cublasLtMatmulDescDestroy", a.desc_destroy, e);
-  resolve(lib, "cublasLtMatmulDescSetAttribute", a.desc_set_attribute, e);
-  resolve(lib, "cublasLtMatmulPreferenceCreate", a.pref_create, e);
-  resolve(lib, "cublasLtMatmulPreferenceDestroy", a.pref_destroy, e);
-  resolve(lib, "cublasLtMatmulPreferenceSetAttribute", a.pref_set_attribute, e);
-  resolve(lib, "cublasLtMatrixLayoutCreate", a.layout_create, e);
-  resolve(lib, "cublasLtMatrixLayoutDestroy", a.layout_destroy, e);
+#define MOEBLAZE_CUBLASLT_RESOLVE(member, symbol) resolve(lib, #symbol, out.api.member, out.error);
+  MOEBLAZE_CUBLASLT_ENTRY_POINTS(MOEBLAZE_CUBLASLT_RESOLVE)
+#undef MOEBLAZE_CUBLASLT_RESOLVE
   // The handle stays open for the process's life: cuBLASLt objects may outlive any one caller.
   return out;
 }

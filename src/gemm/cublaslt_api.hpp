@@ -9,20 +9,27 @@ namespace moeblaze {
 inline namespace v0 {
 namespace gemm {
 
-// The entry points the library calls, resolved from one dlopen'ed libcublasLt.
+// The entry points the library calls: X(member, cuBLASLt symbol), one list for the struct
+// below and for the loader's dlsym calls.
+#define MOEBLAZE_CUBLASLT_ENTRY_POINTS(X)                          \
+  X(create, cublasLtCreate)                                        \
+  X(destroy, cublasLtDestroy)                                      \
+  X(matmul, cublasLtMatmul)                                        \
+  X(algo_get_heuristic, cublasLtMatmulAlgoGetHeuristic)            \
+  X(desc_create, cublasLtMatmulDescCreate)                         \
+  X(desc_destroy, cublasLtMatmulDescDestroy)                       \
+  X(desc_set_attribute, cublasLtMatmulDescSetAttribute)            \
+  X(pref_create, cublasLtMatmulPreferenceCreate)                   \
+  X(pref_destroy, cublasLtMatmulPreferenceDestroy)                 \
+  X(pref_set_attribute, cublasLtMatmulPreferenceSetAttribute)      \
+  X(layout_create, cublasLtMatrixLayoutCreate)                     \
+  X(layout_destroy, cublasLtMatrixLayoutDestroy)
+
+// The entry points, resolved from one dlopen'ed libcublasLt.
 struct CublasLtApi {
-  decltype(&cublasLtCreate) create;
-  decltype(&cublasLtDestroy) destroy;
-  decltype(&cublasLtMatmul) matmul;
-  decltype(&cublasLtMatmulAlgoGetHeuristic) algo_get_heuristic;
-  decltype(&cublasLtMatmulDescCreate) desc_create;
-  decltype(&cublasLtMatmulDescDestroy) desc_destroy;
-  decltype(&cublasLtMatmulDescSetAttribute) desc_set_attribute;
-  decltype(&cublasLtMatmulPreferenceCreate) pref_create;
-  decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy;
-  decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set_attribute;
-  decltype(&cublasLtMatrixLayoutCreate) layout_create;
-  decltype(&cublasLtMatrixLayoutDestroy) layout_destroy;
+#define MOEBLAZE_CUBLASLT_MEMBER(member, symbol) decltype(&symbol) member;
+  MOEBLAZE_CUBLASLT_ENTRY_POINTS(MOEBLAZE_CUBLASLT_MEMBER)
+#undef MOEBLAZE_CUBLASLT_MEMBER
 };
 
 // The process's cuBLASLt, opened once (thread-safe). Looked for by its soname through the
