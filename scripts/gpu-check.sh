@@ -2,9 +2,11 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|pytorch|policies|maxtokens|bench|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|pytorch|example|policies|maxtokens|bench|all]...
 # pytorch: the Python binding's tests with torch on the GPU (CUDA autograd, MoELayer on the fused
 # engine under torch.compile and CUDA graphs).
+# example: examples/moe_lm.py in bf16, on the engine AUTO picks and on the fused engine under
+# torch.compile(reduce-overhead); matplotlib from wheels carried in .whl/ when the image has none.
 # gemm: the sm_90a grouped GEMMs alone: their kernel tests (varlen M and weight gradients), a
 # SASS check (HGMMA, no local memory) and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g.
 # "--bn 256"; "skip" runs no bench); GEMM_SANITIZE="memcheck racecheck synccheck" runs the
@@ -132,6 +134,24 @@ if want pytorch; then  # the Python tests with torch on the GPU (CUDA autograd, 
     timeout 600 python3 -m unittest discover -s bindings/python/tests -v > "$OUT/pytorch-tests.log" 2>&1
   summary+=("python tests with torch: rc=$?; $(tail -1 "$OUT/pytorch-tests.log"); $(grep -cE 'skipped' "$OUT/pytorch-tests.log") skipped")
   grep -E 'Cuda|cuda|FAIL|ERROR' "$OUT/pytorch-tests.log" | head -20
+fi
+if want example; then  # the MoE language model, MoELayer vs pure PyTorch (loss curves, tokens/s, memory)
+  pyextra=""
+  if ! python3 -c "import matplotlib" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
+    for w in .whl/*.whl; do  # wheels are zip files: unpacked, they import (numpy only if missing)
+      case "$w" in *numpy-*) python3 -c "import numpy" 2>/dev/null && continue ;; esac
+      python3 -m zipfile -e "$w" /tmp/mpl-site
+    done
+    pyextra=/tmp/mpl-site
+  fi
+  for variant in "auto" "fused --compile"; do
+    tag=$(echo "$variant" | tr -d ' -')
+    MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python${pyextra:+:$pyextra} \
+      PYTHONUNBUFFERED=1 timeout 400 python3 examples/moe_lm.py --engine $variant --png "$OUT/moe_lm_$tag.png" \
+      > "$OUT/moe_lm_$tag.txt" 2>&1
+    summary+=("example ($variant): rc=$?; $(grep -E 'largest' "$OUT/moe_lm_$tag.txt")")
+    grep -vE 'Warning|warn\(' "$OUT/moe_lm_$tag.txt" | tail -30
+  done
 fi
 if want policies; then  # the save policies' memory/speed trade-off on two configs
   for pol in recompute all; do

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "util/error.hpp"
 
@@ -129,6 +130,11 @@ void check_dtype(const LayerConfig& cfg, const KindInfo& ki, DType t) {
   if (!ok) fail(Status::kInvalidArgument, "%s has dtype %s; expected %s", ki.name, dtype_name(t), want);
 }
 
+// The expert weights and their gradients may come column-major per expert (View::transposed).
+bool takes_transposed(ArgKind k) {
+  return k == ArgKind::kWGateUp || k == ArgKind::kWDown || k == ArgKind::kGradWGateUp || k == ArgKind::kGradWDown;
+}
+
 View make_view(const LayerConfig& cfg, const KindInfo& ki, const RawArg& a, int64_t L) {
   const RawTensor& t = a.tensor;
   if (t.device_type != cfg.device_type || t.device_id != cfg.device_id)
@@ -165,11 +171,25 @@ View make_view(const LayerConfig& cfg, const KindInfo& ki, const RawArg& a, int6
       }
       v.shape[i] = want[i];
     }
+    // An expert-weight matrix stored column-major (nn.Linear's [out, in] seen through swapped
+    // strides) is taken as its physical row-major array with the transposed flag (core/view.hpp).
+    int64_t strides[3] = {0, 0, 0};
+    for (int i = 0; t.strides && i < nd; ++i) strides[i] = t.strides[i];
+    if (t.strides && takes_transposed(ki.kind) && v.shape[2] > 1 && strides[2] != 1) {
+      if (v.shape[1] > 1 && strides[1] != 1)
+        fail(Status::kInvalidArgument, "%s has strides [%lld, %lld, %lld]: one of its last two dimensions must have "
+             "stride 1 (row-major, or column-major per expert as nn.Linear stores [out, in])", ki.name,
+             static_cast<long long>(strides[0]), static_cast<long long>(strides[1]), static_cast<long long>(strides[2]));
+      v.transposed = true;
+      std::swap(v.shape[1], v.shape[2]);
+      std::swap(strides[1], strides[2]);
+      strides[2] = 1;  // a unit dimension's stride is free; the physical rows are unit-stride
+    }
     // Strides: NULL means row-major contiguous. Otherwise the innermost stride must be 1 and
     // every outer stride must step over a whole inner block (no overlap, no reordering).
     int64_t contiguous = 1;
     for (int i = nd - 1; i >= 0; --i) {
-      int64_t s = t.strides ? t.strides[i] : contiguous;
+      int64_t s = t.strides ? strides[i] : contiguous;
       if (v.shape[i] > 1) {
         if (i == nd - 1 && s != 1)
           fail(Status::kInvalidArgument, "%s has innermost stride %lld; only unit-stride rows are supported", ki.name,

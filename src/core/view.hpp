@@ -11,9 +11,16 @@ namespace moeblaze {
 inline namespace v0 {
 
 // A validated strided view of up to 3 dimensions; strides in elements, innermost stride 1.
+//
+// transposed (expert weights and their gradients only): the caller's [E, R, C] tensor stores each
+// expert's matrix column-major (nn.Linear's [E, C, R], seen through swapped strides). The view
+// then describes that physical, row-major [E, C, R] array: shape[1] = C, shape[2] = R, stride[1]
+// its row pitch. Anything that treats the view as plain memory (poison, zero fill, bounds) works
+// unchanged; the GEMM stages read element (r, c) of expert e at row(e, c)[r] instead of row(e, r)[c].
 struct View {
   bool present = false;
   bool accumulate = false;
+  bool transposed = false;
   char* data = nullptr;
   DType dtype = DType::kInvalid;
   int ndim = 0;

@@ -45,6 +45,13 @@ void gemm_nt(int64_t R, int64_t N, int64_t K, const float* A, int64_t lda, const
   }
 }
 
+void gemm_weight(int64_t R, int64_t N, int64_t K, const float* A, int64_t lda, const View& w, int64_t e,
+                 bool transpose_w, float* C, int64_t ldc, float* scratch_row) {
+  // Physically, W_e is row-major with pitch stride[1]: [K x N] for gemm_nn, [N x K] for gemm_nt.
+  const bool nt = transpose_w != w.transposed;
+  (nt ? gemm_nt : gemm_nn)(R, N, K, A, lda, w.row(e, 0), w.dtype, w.stride[1], C, ldc, scratch_row);
+}
+
 void accumulate_outer(int64_t P, int64_t ib, int64_t N, const std::function<void(int64_t, float*, float*)>& fetch,
                       float* acc, float* a, float* g) {
   std::fill(acc, acc + ib * N, 0.f);

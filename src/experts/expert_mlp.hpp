@@ -7,6 +7,7 @@
 #include <functional>
 
 #include "core/config.hpp"
+#include "core/view.hpp"
 #include "util/dtype.hpp"
 
 namespace moeblaze {
@@ -23,6 +24,12 @@ void gemm_nn(int64_t R, int64_t N, int64_t K, const float* A, int64_t lda, const
 // C[R x N] = A[R x K] * B^T with B [N x K] of dtype bt, row stride ldb.
 void gemm_nt(int64_t R, int64_t N, int64_t K, const float* A, int64_t lda, const void* B, DType bt, int64_t ldb,
              float* C, int64_t ldc, float* scratch_row);
+
+// C[R x N] = A[R x K] * op(W_e), W_e the matrix of expert e of an expert-weight view: op = identity
+// for a weight of logical shape [K x N], transpose for one of [N x K]. Row-major and column-major
+// (View::transposed) weights alike; the two layouts meet in gemm_nn or gemm_nt.
+void gemm_weight(int64_t R, int64_t N, int64_t K, const float* A, int64_t lda, const View& w, int64_t e,
+                 bool transpose_w, float* C, int64_t ldc, float* scratch_row);
 
 // Dot product with eight interleaved partial sums (vectorisable, fixed order).
 float dot(const float* a, const float* b, int64_t n);

@@ -50,11 +50,11 @@ void load_row(const void* src, DType t, int64_t n, float* dst) {
   }
 }
 
-void store_row(void* dst, DType t, int64_t n, const float* src, bool accumulate) {
+void store_strided(void* dst, DType t, int64_t n, int64_t stride, const float* src, bool accumulate) {
   for (int64_t i = 0; i < n; ++i) {
     float v = src[i];
-    if (accumulate) v += load_f32(dst, t, i);
-    store_f32(dst, t, i, v);
+    if (accumulate) v += load_f32(dst, t, i * stride);
+    store_f32(dst, t, i * stride, v);
   }
 }
 

@@ -140,6 +140,29 @@ void tu_to_f64(const void* buf, moeblaze_dtype_t t, size_t n, double* out) {
   for (size_t i = 0; i < n; ++i) out[i] = tu_load(buf, t, i);
 }
 
+void* tu_transposed_copy(const void* src, moeblaze_dtype_t t, int64_t E, int64_t R, int64_t C, int64_t pitch) {
+  const size_t n = (size_t)(E * C * pitch);
+  void* phys = tu_alloc(t, n + 1);
+  tu_poison(phys, t, n);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c)
+        tu_store(phys, t, (size_t)((e * C + c) * pitch + r), tu_load(src, t, (size_t)((e * R + r) * C + c)));
+  return phys;
+}
+void tu_from_transposed(const void* phys, moeblaze_dtype_t t, int64_t E, int64_t R, int64_t C, int64_t pitch, void* dst) {
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c)
+        tu_store(dst, t, (size_t)((e * R + r) * C + c), tu_load(phys, t, (size_t)((e * C + c) * pitch + r)));
+}
+void tu_transposed_strides(int64_t R, int64_t C, int64_t pitch, int64_t* strides) {
+  (void)R;
+  strides[0] = C * pitch;
+  strides[1] = 1;
+  strides[2] = pitch;
+}
+
 moeblaze_tensor_t tu_tensor(void* data, moeblaze_dtype_t t, int32_t ndim, const int64_t* shape) {
   moeblaze_tensor_t x;
   memset(&x, 0, sizeof x);

@@ -59,6 +59,15 @@ void tu_fill_normal(tu_rng* r, void* buf, moeblaze_dtype_t t, size_t n, double s
 void tu_poison(void* buf, moeblaze_dtype_t t, size_t n); /* NaN for floats, INT_MIN for ints */
 void tu_to_f64(const void* buf, moeblaze_dtype_t t, size_t n, double* out);
 
+/* Expert weights stored column-major per expert, as nn.Linear keeps [out, in]: the logical
+ * [E, R, C] tensor lies in a physical [E, C, pitch] array (pitch >= R) and is passed with
+ * strides {C * pitch, 1, pitch}. tu_transposed_copy returns that array for a logical row-major
+ * src (padding poisoned; E * C * pitch elements); tu_from_transposed writes the logical
+ * row-major tensor of such an array into dst; tu_transposed_strides fills the 3 strides. */
+void* tu_transposed_copy(const void* src, moeblaze_dtype_t t, int64_t E, int64_t R, int64_t C, int64_t pitch);
+void tu_from_transposed(const void* phys, moeblaze_dtype_t t, int64_t E, int64_t R, int64_t C, int64_t pitch, void* dst);
+void tu_transposed_strides(int64_t R, int64_t C, int64_t pitch, int64_t* strides);
+
 /* A contiguous CPU tensor descriptor; `shape` must outlive the descriptor. */
 moeblaze_tensor_t tu_tensor(void* data, moeblaze_dtype_t t, int32_t ndim, const int64_t* shape);
 moeblaze_arg_t tu_arg(int32_t kind, moeblaze_tensor_t t);

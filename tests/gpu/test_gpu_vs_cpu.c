@@ -38,6 +38,9 @@ typedef struct gcase {
   int mode;
   int caller_experts; /* caller routing: route into the first n experts only (0 = all) */
   int accumulate;
+  int weights_transposed; /* GPU: W_gate_up, W_down and their gradients column-major per expert
+                             (nn.Linear's [out, in], through strides), rows padded by
+                             8 (weights_transposed - 1) elements */
 } gcase;
 
 /* All tensors of one step, host side. */
@@ -133,12 +136,48 @@ typedef struct runner {
   int cuda;
   void* dev[T_COUNT];
   cudaStream_t stream;
+  int64_t weight_pad; /* > 0 (transposed weights): the physical row pitch is R + weight_pad - 1 */
 } runner;
 
-static moeblaze_tensor_t tens(const runner* r, const slotinfo* t, int slot, int32_t nd, const int64_t* shape) {
+/* With transposed weights, slot i's logical [E, R, C] when it is an expert weight or its
+ * gradient (returns 1), and the pitch of its column-major rows. */
+static int transposed_slot(const runner* r, const step* s, int i, int64_t* R, int64_t* C, int64_t* pitch) {
+  if (!r->cuda || !r->weight_pad) return 0;
+  if (i == T_WGU || i == T_DWGU) { *R = s->d; *C = s->gh; }
+  else if (i == T_WD || i == T_DWD) { *R = s->h; *C = s->d; }
+  else return 0;
+  *pitch = *R + r->weight_pad - 1;
+  return 1;
+}
+
+/* Elements of slot i's device buffer. */
+static size_t dev_count(const runner* r, const step* s, const slotinfo* t, int i) {
+  int64_t R, C, pitch;
+  return transposed_slot(r, s, i, &R, &C, &pitch) ? (size_t)(s->E * C * pitch) : t[i].n;
+}
+
+/* Host (logical, row-major) -> device slot i, in the runner's layout. */
+static void upload(const runner* r, const step* s, const slotinfo* t, int i, const void* host) {
+  int64_t R, C, pitch;
+  if (transposed_slot(r, s, i, &R, &C, &pitch)) {
+    void* phys = tu_transposed_copy(host, t[i].dt, s->E, R, C, pitch);
+    CUDA_OK(cudaMemcpy(r->dev[i], phys, (size_t)(s->E * C * pitch) * tu_dtype_size(t[i].dt), cudaMemcpyHostToDevice));
+    tu_free(phys);
+  } else {
+    CUDA_OK(cudaMemcpy(r->dev[i], host, t[i].n * tu_dtype_size(t[i].dt), cudaMemcpyHostToDevice));
+  }
+}
+
+/* strides: NULL, or the column-major strides of a transposed weight slot */
+static moeblaze_tensor_t tens_s(const runner* r, const slotinfo* t, int slot, int32_t nd, const int64_t* shape,
+                                const int64_t* strides) {
   moeblaze_tensor_t x = tu_tensor(r->cuda ? r->dev[slot] : *t[slot].host, t[slot].dt, nd, shape);
   if (r->cuda) x.device.device_type = MOEBLAZE_DEVICE_CUDA;
+  x.strides = strides;
   return x;
+}
+static moeblaze_tensor_t tens(const runner* r, const slotinfo* t, int slot, int32_t nd, const int64_t* shape) {
+  return tens_s(r, t, slot, nd, shape, NULL);
 }
 
 /* When set, a device int32 that every forward and backward of run_step reports into (STATUS). */
@@ -155,6 +194,7 @@ typedef struct step_args {
   moeblaze_arg_t f[13], b[15];
   size_t nf, nb;
   int64_t sx[2], swg[2], sl[2], swgu[3], swd[3], sk[2], se[1]; /* shapes the descriptors point at */
+  int64_t stgu[3], stwd[3]; /* transposed weights: their strides */
 } step_args;
 
 static void make_args(runner* r, step* s, const gcase* c, step_args* A) {
@@ -165,11 +205,22 @@ static void make_args(runner* r, step* s, const gcase* c, step_args* A) {
   sx[0] = s->L; sx[1] = s->d; swg[0] = s->E; swg[1] = s->d; sl[0] = s->L; sl[1] = s->E;
   swgu[0] = s->E; swgu[1] = s->d; swgu[2] = s->gh; swd[0] = s->E; swd[1] = s->h; swd[2] = s->d;
   sk[0] = s->L; sk[1] = s->k; se[0] = s->E;
+  int64_t R, C, pitch;
+  const int64_t* stgu = NULL;
+  const int64_t* stwd = NULL;
+  if (transposed_slot(r, s, T_WGU, &R, &C, &pitch)) {
+    tu_transposed_strides(R, C, pitch, A->stgu);
+    stgu = A->stgu;
+  }
+  if (transposed_slot(r, s, T_WD, &R, &C, &pitch)) {
+    tu_transposed_strides(R, C, pitch, A->stwd);
+    stwd = A->stwd;
+  }
   moeblaze_arg_t* f = A->f;
   size_t nf = 0;
   f[nf++] = tu_arg(MOEBLAZE_ARG_INPUT, tens(r, t, T_X, 2, sx));
-  f[nf++] = tu_arg(MOEBLAZE_ARG_W_GATE_UP, tens(r, t, T_WGU, 3, swgu));
-  f[nf++] = tu_arg(MOEBLAZE_ARG_W_DOWN, tens(r, t, T_WD, 3, swd));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_W_GATE_UP, tens_s(r, t, T_WGU, 3, swgu, stgu));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_W_DOWN, tens_s(r, t, T_WD, 3, swd, stwd));
   f[nf++] = tu_arg(MOEBLAZE_ARG_OUTPUT, tens(r, t, T_Y, 2, sx));
   f[nf++] = tu_arg(MOEBLAZE_ARG_TOKENS_PER_EXPERT, tens(r, t, T_TPE, 1, se));
   if (c->mode == MODE_CALLER) {
@@ -189,8 +240,8 @@ static void make_args(runner* r, step* s, const gcase* c, step_args* A) {
   b[nb++] = f[0]; b[nb++] = f[1]; b[nb++] = f[2];
   b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_OUTPUT, tens(r, t, T_DY, 2, sx));
   b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_INPUT, tens(r, t, T_DX, 2, sx));
-  b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_W_GATE_UP, tens(r, t, T_DWGU, 3, swgu));
-  b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_W_DOWN, tens(r, t, T_DWD, 3, swd));
+  b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_W_GATE_UP, tens_s(r, t, T_DWGU, 3, swgu, stgu));
+  b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_W_DOWN, tens_s(r, t, T_DWD, 3, swd, stwd));
   b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, tens(r, t, T_DGW, 2, sk));
   if (c->mode == MODE_LOGITS) {
     b[nb++] = tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tens(r, t, T_LOG, 2, sl));
@@ -244,18 +295,18 @@ static void to_device(runner* r, step* s, const step* prior) {
   slotinfo t[T_COUNT];
   slots(s, t);
   for (int i = 0; i < T_COUNT; ++i) {
-    size_t bytes = t[i].n * tu_dtype_size(t[i].dt);
+    const size_t count = dev_count(r, s, t, i), bytes = count * tu_dtype_size(t[i].dt);
     CUDA_OK(cudaMalloc(&r->dev[i], bytes + GUARD));
     CUDA_OK(cudaMemset((char*)r->dev[i] + bytes, 0xA5, GUARD));
     if (!t[i].output) {
-      CUDA_OK(cudaMemcpy(r->dev[i], *t[i].host, bytes, cudaMemcpyHostToDevice));
+      upload(r, s, t, i, *t[i].host);
     } else if (prior) {
       slotinfo pt[T_COUNT];
       slots((step*)prior, pt);
-      CUDA_OK(cudaMemcpy(r->dev[i], *pt[i].host, bytes, cudaMemcpyHostToDevice));
+      upload(r, s, t, i, *pt[i].host);
     } else {
-      void* tmp = tu_alloc(t[i].dt, t[i].n + 1);
-      tu_poison(tmp, t[i].dt, t[i].n);
+      void* tmp = tu_alloc(t[i].dt, count + 1);
+      tu_poison(tmp, t[i].dt, count);
       CUDA_OK(cudaMemcpy(r->dev[i], tmp, bytes, cudaMemcpyHostToDevice));
       tu_free(tmp);
     }
@@ -267,7 +318,7 @@ static int guards_intact(runner* r, step* s) {
   slots(s, t);
   unsigned char buf[GUARD];
   for (int i = 0; i < T_COUNT; ++i) {
-    size_t bytes = t[i].n * tu_dtype_size(t[i].dt);
+    size_t bytes = dev_count(r, s, t, i) * tu_dtype_size(t[i].dt);
     if (cudaMemcpy(buf, (char*)r->dev[i] + bytes, GUARD, cudaMemcpyDeviceToHost) != cudaSuccess) return 0;
     for (int b = 0; b < GUARD; ++b)
       if (buf[b] != 0xA5) return 0;
@@ -275,11 +326,28 @@ static int guards_intact(runner* r, step* s) {
   return 1;
 }
 
+/* Device outputs -> host (logical, row-major). A transposed gradient's row padding must still
+ * hold its poison: the library writes only the elements of the view. */
 static void from_device(runner* r, step* s) {
   slotinfo t[T_COUNT];
   slots(s, t);
-  for (int i = 0; i < T_COUNT; ++i)
-    if (t[i].output) CUDA_OK(cudaMemcpy(*t[i].host, r->dev[i], t[i].n * tu_dtype_size(t[i].dt), cudaMemcpyDeviceToHost));
+  for (int i = 0; i < T_COUNT; ++i) {
+    if (!t[i].output) continue;
+    int64_t R, C, pitch;
+    if (!transposed_slot(r, s, i, &R, &C, &pitch)) {
+      CUDA_OK(cudaMemcpy(*t[i].host, r->dev[i], t[i].n * tu_dtype_size(t[i].dt), cudaMemcpyDeviceToHost));
+      continue;
+    }
+    const size_t count = dev_count(r, s, t, i);
+    void* phys = tu_alloc(t[i].dt, count + 1);
+    CUDA_OK(cudaMemcpy(phys, r->dev[i], count * tu_dtype_size(t[i].dt), cudaMemcpyDeviceToHost));
+    tu_from_transposed(phys, t[i].dt, s->E, R, C, pitch, *t[i].host);
+    for (int64_t row = 0; row < s->E * C; ++row)
+      for (int64_t q = R; q < pitch; ++q)
+        if (!isnan(tu_load(phys, t[i].dt, (size_t)(row * pitch + q))))
+          fail_msg("slot %d: row padding (%lld, %lld) of a transposed gradient was written", i, (long long)row, (long long)q);
+    tu_free(phys);
+  }
 }
 
 static void free_device(runner* r) {
@@ -337,9 +405,10 @@ static void describe(char* buf, size_t n, const gcase* c) {
   static const char* acts[] = {"relu", "gelu", "silu", "swiglu", "geglu"};
   static const char* modes[] = {"logits", "W_g", "caller"};
   static const char* pol[] = {"preact", "recompute", "all"};
-  snprintf(buf, n, "%s/%s/%s/%s L=%lld E=%lld k=%lld d=%lld h=%lld%s", acts[c->layer.activation], tu_dtype_name(c->layer.act_dtype),
+  snprintf(buf, n, "%s/%s/%s/%s L=%lld E=%lld k=%lld d=%lld h=%lld%s%s", acts[c->layer.activation], tu_dtype_name(c->layer.act_dtype),
            pol[c->layer.save_policy], modes[c->mode], (long long)c->L, (long long)c->layer.experts, (long long)c->layer.top_k,
-           (long long)c->layer.d, (long long)c->layer.h, c->accumulate ? " accumulate" : "");
+           (long long)c->layer.d, (long long)c->layer.h, c->accumulate ? " accumulate" : "",
+           c->weights_transposed == 1 ? " weights [out, in]" : c->weights_transposed > 1 ? " weights [out, in] padded" : "");
 }
 
 /* One case: CPU vs GPU (poisoned outputs), then determinism (three GPU runs, same bits). */
@@ -364,6 +433,7 @@ static void run_case(const gcase* c, tu_rng* rng, int determinism) {
   assert_ok(create(&c->layer, 0, &rc.h));
   assert_ok(create(&c->layer, 1, &rg.h));
   rg.cuda = 1;
+  rg.weight_pad = c->weights_transposed ? 1 + 8 * (c->weights_transposed - 1) : 0;
   CUDA_OK(cudaStreamCreate(&rg.stream));
   moeblaze_status_t st = run_step(&rc, &cpu, c);
   if (st) fail_msg("%s: CPU step: %s: %s", what, moeblaze_status_name(st), moeblaze_get_last_error_message());
@@ -378,7 +448,7 @@ static void run_case(const gcase* c, tu_rng* rng, int determinism) {
     alloc_outputs(&again);
     for (int rep = 0; rep < 2; ++rep) {
       runner r2 = {0};
-      r2.h = rg.h; r2.cuda = 1; r2.stream = rg.stream;
+      r2.h = rg.h; r2.cuda = 1; r2.stream = rg.stream; r2.weight_pad = rg.weight_pad;
       to_device(&r2, &again, c->accumulate ? &prior : NULL);
       assert_ok(run_step(&r2, &again, c));
       from_device(&r2, &again);
@@ -470,6 +540,30 @@ static void routing_modes_and_edges(void** state) {
                           MODE_LOGITS);
     run_case(&big, &rng, 0);
   }
+}
+
+/* nn.Linear-style expert weights ([E, out, in] storage seen through swapped strides) and their
+ * gradients in the same layout, with and without padded rows: no copy, every GEMM reads and
+ * writes them in place (cuBLASLt: the other operand op; fused: the other B major and the
+ * transposed weight-gradient store), against the CPU engine on row-major weights. */
+static void transposed_weights(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_transposed"));
+  gcase a = base_case(8, 2, 64, 128, 333, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  a.weights_transposed = 1;
+  run_case(&a, &rng, 1);
+  gcase b = base_case(6, 2, 48, 96, 250, MOEBLAZE_ACTIVATION_GELU, tu_f16, MOEBLAZE_SAVE_RECOMPUTE_UP, MODE_WG);
+  b.weights_transposed = 2;
+  b.accumulate = 1;
+  run_case(&b, &rng, 0);
+  gcase c = base_case(16, 4, 64, 64, 700, MOEBLAZE_ACTIVATION_GEGLU, tu_f32, MOEBLAZE_SAVE_ALL, MODE_CALLER);
+  c.weights_transposed = 2;
+  c.caller_experts = 10; /* experts 10..15 get no tokens: their gradients are zero */
+  run_case(&c, &rng, 0);
+  gcase d = base_case(8, 2, 32, 40, 120, MOEBLAZE_ACTIVATION_SILU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  d.weights_transposed = 1;
+  run_case(&d, &rng, 0);
 }
 
 /* Bad caller ids. cuBLASLt: INVALID_ARGUMENT returned at its host sync, y untouched. Fused (no
@@ -701,12 +795,12 @@ static void refill(runner* r, step* s) {
   slotinfo t[T_COUNT];
   slots(s, t);
   for (int i = 0; i < T_COUNT; ++i) {
-    const size_t bytes = t[i].n * tu_dtype_size(t[i].dt);
+    const size_t count = dev_count(r, s, t, i), bytes = count * tu_dtype_size(t[i].dt);
     if (!t[i].output) {
-      CUDA_OK(cudaMemcpy(r->dev[i], *t[i].host, bytes, cudaMemcpyHostToDevice));
+      upload(r, s, t, i, *t[i].host);
     } else {
-      void* tmp = tu_alloc(t[i].dt, t[i].n + 1);
-      tu_poison(tmp, t[i].dt, t[i].n);
+      void* tmp = tu_alloc(t[i].dt, count + 1);
+      tu_poison(tmp, t[i].dt, count);
       CUDA_OK(cudaMemcpy(r->dev[i], tmp, bytes, cudaMemcpyHostToDevice));
       tu_free(tmp);
     }
@@ -932,6 +1026,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(every_activation_dtype_policy),
       cmocka_unit_test(routing_modes_and_edges),
+      cmocka_unit_test(transposed_weights),
       cmocka_unit_test(bad_caller_ids_write_nothing),
       cmocka_unit_test(route_only),
       cmocka_unit_test(two_handles_two_streams),

@@ -79,6 +79,7 @@ hx_case hx_case_random(uint64_t seed) {
   c.grad_aux = 2.0 * tu_rng_uniform(&r) - 0.5;
   c.grad_z = 2.0 * tu_rng_uniform(&r) - 0.5;
   c.inference_too = (int)tu_rng_below(&r, 2);
+  c.weights_transposed = tu_rng_below(&r, 3) ? 0 : 1 + (int)tu_rng_below(&r, 3);
   c.grad_mask = tu_rng_below(&r, 2) ? 0u : (unsigned)tu_rng_below(&r, 32);
   /* With k = 1 and renormalisation the gates are constant; if only the aux loss then reaches
    * the router and the experts happen to be equally loaded, the exact d logits is 0 and a
@@ -94,7 +95,7 @@ const char* hx_describe(const hx_case* c) {
   static char buf[512];
   snprintf(buf, sizeof buf,
            "[act=%s policy=%s act_dtype=%s w_dtype=%s route=%s router=%s ids=%s L=%lld E=%lld "
-           "k=%lld d=%lld h=%lld score=%s norm=%lld aux=%g z=%g pattern=%d acc=%d scalars=%d "
+           "k=%lld d=%lld h=%lld score=%s norm=%lld aux=%g z=%g pattern=%d wT=%d acc=%d scalars=%d "
            "(%g, %g) grad_mask=0x%x threads=%lld case_seed=%llu (replay: MOEBLAZE_TEST_SEED printed at start)]",
            hx_act_name(c->lay.activation), hx_policy_name(c->lay.save_policy),
            tu_dtype_name(c->lay.act_dtype), tu_dtype_name(c->lay.weight_dtype),
@@ -103,7 +104,7 @@ const char* hx_describe(const hx_case* c) {
            (long long)c->lay.d, (long long)c->lay.h,
            c->lay.score_fn == MOEBLAZE_SCORE_SIGMOID ? "sigmoid" : "softmax",
            (long long)c->lay.normalize, c->lay.aux_coeff, c->lay.z_coeff, c->pattern,
-           c->accumulate, c->explicit_scalars, c->grad_aux, c->grad_z, c->grad_mask,
+           c->weights_transposed, c->accumulate, c->explicit_scalars, c->grad_aux, c->grad_z, c->grad_mask,
            (long long)c->lay.num_threads,
            (unsigned long long)c->seed);
   return buf;
@@ -119,6 +120,9 @@ typedef struct hx_data {
   double *x64, *wgu64, *wd64, *wg64, *logits64, *gates64, *dy64;
   int64_t* ids64;
   int64_t sh_x[2], sh_wgu[3], sh_wd[3], sh_wg[2], sh_lg[2], sh_k[2], sh_E[1], sh_1[1];
+  /* weights_transposed: the column-major copies the library reads, their pitches and strides */
+  void *wgu_t, *wd_t;
+  int64_t pitch_wgu, pitch_wd, st_wgu[3], st_wd[3];
 } hx_data;
 
 static double* f64_of(const void* buf, moeblaze_dtype_t t, size_t n) {
@@ -157,6 +161,15 @@ static void hx_make(const hx_case* c, hx_data* D) {
   tu_fill_normal(&r, D->wd, D->wt, zn(E * h * d), 1.0 / sqrt((double)h));
   D->dy = tu_alloc(D->at, zn(L * d));
   tu_fill_normal(&r, D->dy, D->at, zn(L * d), 1.0);
+  if (c->weights_transposed) {
+    const int64_t pad = c->weights_transposed - 1;
+    D->pitch_wgu = d + pad;
+    D->pitch_wd = h + pad;
+    D->wgu_t = tu_transposed_copy(D->wgu, D->wt, E, d, gh, D->pitch_wgu);
+    D->wd_t = tu_transposed_copy(D->wd, D->wt, E, h, d, D->pitch_wd);
+    tu_transposed_strides(d, gh, D->pitch_wgu, D->st_wgu);
+    tu_transposed_strides(h, d, D->pitch_wd, D->st_wd);
+  }
 
   if (c->route == HX_ROUTE_LOGITS) {
     D->logits = tu_alloc(D->rt, zn(L * E));
@@ -223,7 +236,7 @@ static void hx_make(const hx_case* c, hx_data* D) {
 
 static void hx_free(hx_data* D) {
   tu_free(D->x); tu_free(D->wgu); tu_free(D->wd); tu_free(D->wg); tu_free(D->logits);
-  tu_free(D->ids); tu_free(D->gates); tu_free(D->dy);
+  tu_free(D->ids); tu_free(D->gates); tu_free(D->dy); tu_free(D->wgu_t); tu_free(D->wd_t);
   free(D->x64); free(D->wgu64); free(D->wd64); free(D->wg64); free(D->logits64);
   free(D->gates64); free(D->dy64); free(D->ids64);
 }
@@ -254,8 +267,16 @@ static ref_layer hx_ref_layer(const hx_case* c) {
 static size_t hx_input_args(const hx_case* c, hx_data* D, moeblaze_arg_t* a, int backward) {
   size_t n = 0;
   a[n++] = tu_arg(MOEBLAZE_ARG_INPUT, tu_tensor(D->x, D->at, 2, D->sh_x));
-  a[n++] = tu_arg(MOEBLAZE_ARG_W_GATE_UP, tu_tensor(D->wgu, D->wt, 3, D->sh_wgu));
-  a[n++] = tu_arg(MOEBLAZE_ARG_W_DOWN, tu_tensor(D->wd, D->wt, 3, D->sh_wd));
+  if (c->weights_transposed) {
+    moeblaze_tensor_t wgu = tu_tensor(D->wgu_t, D->wt, 3, D->sh_wgu), wd = tu_tensor(D->wd_t, D->wt, 3, D->sh_wd);
+    wgu.strides = D->st_wgu;
+    wd.strides = D->st_wd;
+    a[n++] = tu_arg(MOEBLAZE_ARG_W_GATE_UP, wgu);
+    a[n++] = tu_arg(MOEBLAZE_ARG_W_DOWN, wd);
+  } else {
+    a[n++] = tu_arg(MOEBLAZE_ARG_W_GATE_UP, tu_tensor(D->wgu, D->wt, 3, D->sh_wgu));
+    a[n++] = tu_arg(MOEBLAZE_ARG_W_DOWN, tu_tensor(D->wd, D->wt, 3, D->sh_wd));
+  }
   if (c->route == HX_ROUTE_LOGITS) {
     a[n++] = tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tu_tensor(D->logits, D->rt, 2, D->sh_lg));
   } else if (c->route == HX_ROUTE_WEIGHT) {
@@ -485,9 +506,32 @@ typedef struct hx_grad {
   size_t n;
   double* ref;   /* reference gradient */
   void* buf;     /* library output */
-  double* prior; /* accumulate: prior content (as stored) */
+  double* prior; /* accumulate: prior content (as stored, logical order) */
   double tol;
+  /* a weight gradient passed column-major (weights_transposed): logical [E, R, C] in a
+     physical [E, C, pitch] buffer of phys_n elements with these strides; pitch 0 otherwise */
+  int64_t E, R, C, pitch;
+  const int64_t* strides;
+  size_t phys_n;
 } hx_grad;
+
+static hx_grad hx_grad_make(const char* name, int kind, moeblaze_dtype_t t, int ndim, const int64_t* shape, size_t n,
+                            double tol) {
+  hx_grad g;
+  memset(&g, 0, sizeof g);
+  g.name = name; g.kind = kind; g.t = t; g.ndim = ndim; g.shape = shape; g.n = n; g.tol = tol;
+  return g;
+}
+
+/* The logical, row-major values of a gradient as the library stored it. */
+static double* hx_grad_values(const hx_grad* g) {
+  if (!g->pitch) return f64_of(g->buf, g->t, g->n);
+  void* logical = tu_alloc(g->t, g->n + 1);
+  tu_from_transposed(g->buf, g->t, g->E, g->R, g->C, g->pitch, logical);
+  double* out = f64_of(logical, g->t, g->n);
+  tu_free(logical);
+  return out;
+}
 
 static double rms(const double* v, size_t n) {
   double s = 0;
@@ -559,17 +603,22 @@ void hx_check_backward(const hx_case* c) {
   int ng = 0;
   const double wtol = tol_of(D.at, D.wt);
   const double rtol = dmax(wtol, tu_tol(D.rt));
-  G[ng++] = (hx_grad){"dx", MOEBLAZE_ARG_GRAD_INPUT, D.at, 2, D.sh_x, zn(L * d), NULL, NULL, NULL, wtol};
-  G[ng++] = (hx_grad){"dW_gate_up", MOEBLAZE_ARG_GRAD_W_GATE_UP, D.wt, 3, D.sh_wgu, zn(E * d * gh), NULL, NULL, NULL, wtol};
-  G[ng++] = (hx_grad){"dW_down", MOEBLAZE_ARG_GRAD_W_DOWN, D.wt, 3, D.sh_wd, zn(E * h * d), NULL, NULL, NULL, wtol};
-  G[ng++] = (hx_grad){"d_topk_weights", MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, D.rt, 2, D.sh_k, zn(L * k), NULL, NULL, NULL, rtol};
+  G[ng++] = hx_grad_make("dx", MOEBLAZE_ARG_GRAD_INPUT, D.at, 2, D.sh_x, zn(L * d), wtol);
+  G[ng++] = hx_grad_make("dW_gate_up", MOEBLAZE_ARG_GRAD_W_GATE_UP, D.wt, 3, D.sh_wgu, zn(E * d * gh), wtol);
+  G[ng++] = hx_grad_make("dW_down", MOEBLAZE_ARG_GRAD_W_DOWN, D.wt, 3, D.sh_wd, zn(E * h * d), wtol);
+  G[ng++] = hx_grad_make("d_topk_weights", MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, D.rt, 2, D.sh_k, zn(L * k), rtol);
   if (c->route == HX_ROUTE_LOGITS)
-    G[ng++] = (hx_grad){"d_logits", MOEBLAZE_ARG_GRAD_ROUTER_LOGITS, D.rt, 2, D.sh_lg, zn(L * E), NULL, NULL, NULL, rtol};
+    G[ng++] = hx_grad_make("d_logits", MOEBLAZE_ARG_GRAD_ROUTER_LOGITS, D.rt, 2, D.sh_lg, zn(L * E), rtol);
   if (c->route == HX_ROUTE_WEIGHT)
-    G[ng++] = (hx_grad){"dW_g", MOEBLAZE_ARG_GRAD_ROUTER_WEIGHT, D.wt, 2, D.sh_wg, zn(E * d), NULL, NULL, NULL, rtol};
+    G[ng++] = hx_grad_make("dW_g", MOEBLAZE_ARG_GRAD_ROUTER_WEIGHT, D.wt, 2, D.sh_wg, zn(E * d), rtol);
+  if (c->weights_transposed) {
+    G[1].E = E; G[1].R = d; G[1].C = gh; G[1].pitch = D.pitch_wgu; G[1].strides = D.st_wgu;
+    G[2].E = E; G[2].R = h; G[2].C = d; G[2].pitch = D.pitch_wd; G[2].strides = D.st_wd;
+  }
   for (int i = 0; i < ng; ++i) {
     G[i].ref = (double*)calloc(G[i].n + 1, sizeof(double));
     assert_non_null(G[i].ref);
+    G[i].phys_n = G[i].pitch ? zn(G[i].E * G[i].C * G[i].pitch) : G[i].n;
   }
   ref_grads rg;
   memset(&rg, 0, sizeof rg);
@@ -591,15 +640,24 @@ void hx_check_backward(const hx_case* c) {
   for (int i = 0; i < ng; ++i) {
     G[i].buf = NULL;
     if (c->grad_mask && !(c->grad_mask & (1u << i))) continue; /* not requested */
-    G[i].buf = tu_alloc(G[i].t, G[i].n);
+    G[i].buf = tu_alloc(G[i].t, G[i].phys_n);
+    tu_poison(G[i].buf, G[i].t, G[i].phys_n);
     if (c->accumulate) {
       double s = rms(G[i].ref, G[i].n);
-      tu_fill_normal(&r, G[i].buf, G[i].t, G[i].n, s > 0 ? s : 1.0);
-      G[i].prior = f64_of(G[i].buf, G[i].t, G[i].n);
-    } else {
-      tu_poison(G[i].buf, G[i].t, G[i].n);
+      void* prior = tu_alloc(G[i].t, G[i].n);
+      tu_fill_normal(&r, prior, G[i].t, G[i].n, s > 0 ? s : 1.0);
+      G[i].prior = f64_of(prior, G[i].t, G[i].n);
+      if (G[i].pitch) {  /* the same values, stored column-major (padding stays poisoned) */
+        void* phys = tu_transposed_copy(prior, G[i].t, G[i].E, G[i].R, G[i].C, G[i].pitch);
+        memcpy(G[i].buf, phys, G[i].phys_n * tu_dtype_size(G[i].t));
+        tu_free(phys);
+      } else {
+        memcpy(G[i].buf, prior, G[i].n * tu_dtype_size(G[i].t));
+      }
+      tu_free(prior);
     }
     args[n] = tu_arg(G[i].kind, tu_tensor(G[i].buf, G[i].t, G[i].ndim, G[i].shape));
+    args[n].tensor.strides = G[i].strides;
     if (c->accumulate) args[n].flags = MOEBLAZE_ARG_FLAG_ACCUMULATE;
     n++;
   }
@@ -608,7 +666,14 @@ void hx_check_backward(const hx_case* c) {
 
   for (int i = 0; i < ng; ++i) {
     if (!G[i].buf) { free(G[i].ref); continue; }
-    double* got = f64_of(G[i].buf, G[i].t, G[i].n);
+    double* got = hx_grad_values(&G[i]);
+    if (G[i].pitch)  /* padding between the physical rows is never written */
+      for (int64_t e = 0; e < G[i].E; ++e)
+        for (int64_t cc = 0; cc < G[i].C; ++cc)
+          for (int64_t q = G[i].R; q < G[i].pitch; ++q)
+            if (!isnan(tu_load(G[i].buf, G[i].t, (size_t)((e * G[i].C + cc) * G[i].pitch + q))))
+              fail_msg("%s: padding element (%lld, %lld, %lld) was written %s", G[i].name, (long long)e, (long long)cc,
+                       (long long)q, hx_describe(c));
     if (G[i].prior)
       for (size_t q = 0; q < G[i].n; ++q) got[q] -= G[i].prior[q];
     char what[64];

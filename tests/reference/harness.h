@@ -31,6 +31,10 @@ typedef struct hx_case {
   moeblaze_dtype_t router_dtype; /* logits, top-k weights and their gradients: F32 or act dtype */
   moeblaze_dtype_t ids_dtype;    /* top-k ids and token counts: I32 or I64 */
   int pattern;                   /* HX_PAT_* */
+  int weights_transposed;        /* W_gate_up, W_down and their gradients go to the library
+                                    column-major per expert (nn.Linear's [out, in], through
+                                    strides), with weights_transposed - 1 padding elements
+                                    per physical row */
   uint64_t seed;
   /* backward only */
   int accumulate;                /* MOEBLAZE_ARG_FLAG_ACCUMULATE on every gradient output */
@@ -48,7 +52,7 @@ hx_case hx_case_make(int64_t E, int64_t k, int64_t d, int64_t h, int64_t L, int6
 
 /* A random case: shapes (L 0..89, E 1..10, k 1..min(E, 4), d 1..40, h 1..48), activation,
  * policy, activation/weight/router/id dtypes, score function, renormalisation, coefficients,
- * thread count, routing input and (backward) accumulation / explicit scalars. */
+ * thread count, routing input, weight layout and (backward) accumulation / explicit scalars. */
 hx_case hx_case_random(uint64_t seed);
 
 /* Short text describing a case, for failure messages (static buffer per thread-less use). */

@@ -102,6 +102,22 @@ static void test_accumulate(void** state) {
   }
 }
 
+/* nn.Linear-style weights and gradients (column-major per expert, through strides, with and
+ * without row padding): every activation and dtype, accumulation, zero tokens, an empty expert */
+static void test_transposed_weights(void** state) {
+  (void)state;
+  for (int act = 0; act < 5; ++act)
+    for (int dt = 0; dt < 3; ++dt) {
+      hx_case c = hx_case_make(M_E, M_K, M_D, M_H, act == 4 ? 0 : M_L, act, (act + dt) % 3, *k_dtypes[dt],
+                               HX_ROUTE_LOGITS + (act + dt) % 3, case_seed(6400 + (uint64_t)(act * 3 + dt)));
+      c.weights_transposed = 1 + (act + dt) % 2;
+      c.accumulate = dt == 1;
+      c.pattern = act == 3 ? HX_PAT_EMPTY_EXPERT : HX_PAT_RANDOM;
+      c.lay.aux_coeff = 0.05;
+      hx_check_backward(&c);
+    }
+}
+
 /* an expert with no tokens */
 static void test_empty_expert(void** state) {
   (void)state;
@@ -241,6 +257,7 @@ int main(void) {
   hx_tests_add(&T, "backward_loss_scalars", test_loss_scalars, NULL);
   hx_tests_add(&T, "backward_accumulate", test_accumulate, NULL);
   hx_tests_add(&T, "backward_empty_expert", test_empty_expert, NULL);
+  hx_tests_add(&T, "backward_transposed_weights", test_transposed_weights, NULL);
   hx_tests_add(&T, "backward_one_expert", test_one_expert, NULL);
   hx_tests_add(&T, "backward_k_equals_E", test_k_equals_e, NULL);
   hx_tests_add(&T, "backward_single_token", test_single_token, NULL);

@@ -59,6 +59,20 @@ static void run_all_routes(hx_case base, uint64_t salt) {
   }
 }
 
+/* nn.Linear-style weights (column-major per expert, through strides, with and without row
+ * padding): every activation and dtype; inference gives the training bits */
+static void test_transposed_weights(void** state) {
+  (void)state;
+  for (int act = 0; act < 5; ++act)
+    for (int dt = 0; dt < 3; ++dt) {
+      hx_case c = hx_case_make(M_E, M_K, M_D, M_H, M_L, act, (act + dt) % 3, *k_dtypes[dt],
+                               HX_ROUTE_LOGITS + (act + dt) % 3, case_seed(5400 + (uint64_t)(act * 3 + dt)));
+      c.weights_transposed = 1 + (act + dt) % 2;
+      c.inference_too = 1;
+      hx_check_forward(&c);
+    }
+}
+
 static void test_empty_expert(void** state) {
   (void)state;
   for (int dt = 0; dt < 3; dt += 2) {
@@ -217,6 +231,7 @@ int main(void) {
         hx_tests_add(&T, name, test_matrix, &ms[i]);
       }
   hx_tests_add(&T, "forward_empty_expert", test_empty_expert, NULL);
+  hx_tests_add(&T, "forward_transposed_weights", test_transposed_weights, NULL);
   hx_tests_add(&T, "forward_one_expert", test_one_expert, NULL);
   hx_tests_add(&T, "forward_k_equals_E", test_k_equals_e, NULL);
   hx_tests_add(&T, "forward_single_token", test_single_token, NULL);

@@ -271,6 +271,27 @@ static void wrong_dtype_shape_stride_device(void** state) {
   a[0].tensor.strides = pad_stride;
   assert_ok(fwd(f, a, n));
   tu_free(padded);
+  /* Expert weights may be column-major per expert (nn.Linear's [out, in] through strides);
+   * nothing else may, and the column-major layout gets the same overlap checks. */
+  const int64_t gu_cols = 2 * H0;
+  const int64_t neither[3] = {D0 * gu_cols * 2, 2, 2 * D0};  /* no unit stride in the last two */
+  n = fwd_args(f, a);
+  a[2].tensor.strides = neither;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "one of its last two dimensions must have stride 1"));
+  const int64_t cols_overlap[3] = {D0 * gu_cols, 1, D0 - 1}; /* column pitch below its length */
+  n = fwd_args(f, a);
+  a[2].tensor.strides = cols_overlap;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  const int64_t x_cols[2] = {1, L0}; /* x column-major: not accepted */
+  n = fwd_args(f, a);
+  a[0].tensor.strides = x_cols;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  const int64_t wgu_t[3] = {D0 * gu_cols, 1, D0}, wd_t[3] = {H0 * D0, 1, H0};
+  n = fwd_args(f, a);
+  a[2].tensor.strides = wgu_t;
+  a[3].tensor.strides = wd_t;
+  assert_ok(fwd(f, a, n));
 }
 
 static void tokens_and_buffers(void** state) {

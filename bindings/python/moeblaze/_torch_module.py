@@ -2,10 +2,14 @@
 from the per-expert ``nn.Linear`` layout of Hugging Face's Mixtral and Qwen3-MoE blocks and from
 torchtitan's ``GroupedExperts`` (w1, w3 [E, h, d], w2 [E, d, h]).
 
-Parameters, in the library's layout:
+Parameters:
   * ``router_weight`` [E, d] (logits = x W^T, as ``nn.Linear(d, E, bias=False)``);
-  * ``w_gate_up`` [E, d, 2h] for gated activations (gate columns first, then up), else [E, d, h];
-  * ``w_down`` [E, h, d].
+  * ``weight_layout="in_out"`` (default, the library's layout): ``w_gate_up`` [E, d, 2h] for gated
+    activations (gate columns first, then up), else [E, d, h]; ``w_down`` [E, h, d];
+  * ``weight_layout="out_in"`` (nn.Linear's and Hugging Face's fused experts' layout):
+    ``w_gate_up`` [E, 2h, d] (gate rows first), ``w_down`` [E, d, h]. The layer hands the library
+    ``transpose(1, 2)`` views, which it reads and whose gradients it writes in place, on every
+    engine: no copy per call.
 Initialised as ``nn.Linear`` does (uniform in +-1/sqrt(fan_in)).
 """
 import math
@@ -24,13 +28,17 @@ class MoELayer(torch.nn.Module):
     max_tokens=65536, dtype=None, device=None, **attrs)``; ``attrs`` are the other attributes
     of :class:`moeblaze.Config` (``score_function``, ``normalize_topk``, ``aux_loss_coeff``,
     ``z_loss_coeff``, ``save_policy``, ``engine``, ...). The activation and weight dtypes follow
-    ``dtype`` (default: torch's default dtype). ``forward(x)`` takes ``[..., d]`` and returns
-    ``(y, aux_loss, z_loss)`` with ``y`` shaped like ``x``; at most ``max_tokens`` tokens a call.
+    ``dtype`` (default: torch's default dtype). ``weight_layout`` is ``"in_out"`` or ``"out_in"``
+    (module docstring). ``forward(x)`` takes ``[..., d]`` and returns ``(y, aux_loss, z_loss)``
+    with ``y`` shaped like ``x``; at most ``max_tokens`` tokens a call.
     """
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, top_k, activation="swiglu",
-                 max_tokens=65536, dtype=None, device=None, **attrs):
+                 max_tokens=65536, dtype=None, device=None, weight_layout="in_out", **attrs):
         super().__init__()
+        if weight_layout not in ("in_out", "out_in"):
+            raise ValueError("MoELayer: weight_layout must be 'in_out' or 'out_in', not %r" % (weight_layout,))
+        self.weight_layout = weight_layout
         dtype = dtype or torch.get_default_dtype()
         names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
         if dtype not in names:
@@ -48,9 +56,17 @@ class MoELayer(torch.nn.Module):
         g = 2 if self.activation in _GATED else 1
         kw = dict(dtype=dtype, device=device)
         self.router_weight = torch.nn.Parameter(torch.empty(E, d, **kw))
-        self.w_gate_up = torch.nn.Parameter(torch.empty(E, d, g * h, **kw))
-        self.w_down = torch.nn.Parameter(torch.empty(E, h, d, **kw))
+        out_in = weight_layout == "out_in"
+        self.w_gate_up = torch.nn.Parameter(torch.empty((E, g * h, d) if out_in else (E, d, g * h), **kw))
+        self.w_down = torch.nn.Parameter(torch.empty((E, d, h) if out_in else (E, h, d), **kw))
         self.reset_parameters()
+
+    def expert_weights(self):
+        """``(w_gate_up [E, d, g h], w_down [E, h, d])`` as the library reads them: the parameters
+        themselves, or their ``transpose(1, 2)`` views (``weight_layout="out_in"``)."""
+        if self.weight_layout == "out_in":
+            return self.w_gate_up.transpose(1, 2), self.w_down.transpose(1, 2)
+        return self.w_gate_up, self.w_down
 
     def reset_parameters(self):
         with torch.no_grad():
@@ -64,13 +80,15 @@ class MoELayer(torch.nn.Module):
             raise ValueError("MoELayer: x has %d features, the layer %d" % (x.shape[-1], self.hidden_size))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)
+        w_gate_up, w_down = self.expert_weights()
         y, aux, z = moe_forward(self.spec.id, ROUTE_WEIGHT, x2, self.router_weight, None, None,
-                                self.w_gate_up, self.w_down)[:3]
+                                w_gate_up, w_down)[:3]
         return y.reshape(*lead, self.hidden_size), aux, z
 
     def extra_repr(self):
-        return "hidden_size=%d, ffn_hidden_size=%d, num_experts=%d, top_k=%d, activation=%s" % (
-            self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation)
+        return "hidden_size=%d, ffn_hidden_size=%d, num_experts=%d, top_k=%d, activation=%s, weight_layout=%s" % (
+            self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation,
+            self.weight_layout)
 
     # ---- Hugging Face per-expert nn.Linear layouts ------------------------------------------------
 
@@ -79,44 +97,48 @@ class MoELayer(torch.nn.Module):
         """Copies a router ``nn.Linear(d, E)`` and E expert modules whose ``gate``/``up``
         (``nn.Linear(d, h)``) and ``down`` (``nn.Linear(h, d)``) weights are stored
         [out, in], into this layer's parameters (one copy, at load time)."""
+        wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         h = self.ffn_hidden_size
         if len(experts) != self.num_experts:
             raise ValueError("%d experts given, the layer has %d" % (len(experts), self.num_experts))
         self.router_weight.copy_(router.weight)
         for e, ex in enumerate(experts):
-            self.w_gate_up[e, :, :h].copy_(getattr(ex, gate).weight.t())
+            wgu[e, :, :h].copy_(getattr(ex, gate).weight.t())
             if self.activation in _GATED:
-                self.w_gate_up[e, :, h:].copy_(getattr(ex, up).weight.t())
-            self.w_down[e].copy_(getattr(ex, down).weight.t())
+                wgu[e, :, h:].copy_(getattr(ex, up).weight.t())
+            wd[e].copy_(getattr(ex, down).weight.t())
         return self
 
     @torch.no_grad()
     def store_linear_experts(self, router, experts, gate="gate_proj", up="up_proj", down="down_proj"):
         """The inverse of :meth:`load_linear_experts`: writes this layer's weights back."""
+        wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         h = self.ffn_hidden_size
         router.weight.copy_(self.router_weight)
         for e, ex in enumerate(experts):
-            getattr(ex, gate).weight.copy_(self.w_gate_up[e, :, :h].t())
+            getattr(ex, gate).weight.copy_(wgu[e, :, :h].t())
             if self.activation in _GATED:
-                getattr(ex, up).weight.copy_(self.w_gate_up[e, :, h:].t())
-            getattr(ex, down).weight.copy_(self.w_down[e].t())
+                getattr(ex, up).weight.copy_(wgu[e, :, h:].t())
+            getattr(ex, down).weight.copy_(wd[e].t())
 
     @torch.no_grad()
     def load_fused_experts(self, router_weight, gate_up_proj, down_proj):
         """Copies Hugging Face's fused expert tensors (transformers 5): ``gate_up_proj``
         [E, 2h, d] (gate rows, then up rows) and ``down_proj`` [E, d, h], and a router weight
         [E, d] (one copy, at load time)."""
+        wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         self.router_weight.copy_(router_weight)
-        self.w_gate_up.copy_(gate_up_proj.transpose(1, 2))
-        self.w_down.copy_(down_proj.transpose(1, 2))
+        wgu.copy_(gate_up_proj.transpose(1, 2))
+        wd.copy_(down_proj.transpose(1, 2))
         return self
 
     @torch.no_grad()
     def store_fused_experts(self, router_weight, gate_up_proj, down_proj):
         """The inverse of :meth:`load_fused_experts`."""
+        wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         router_weight.copy_(self.router_weight)
-        gate_up_proj.copy_(self.w_gate_up.transpose(1, 2))
-        down_proj.copy_(self.w_down.transpose(1, 2))
+        gate_up_proj.copy_(wgu.transpose(1, 2))
+        down_proj.copy_(wd.transpose(1, 2))
 
     @classmethod
     def from_qwen3_moe(cls, block, max_tokens=65536, **attrs):
@@ -160,21 +182,23 @@ class MoELayer(torch.nn.Module):
     def load_grouped_experts(self, router, w1, w2, w3):
         """Copies a router ``nn.Linear(d, E)`` and torchtitan-style stacked expert weights:
         ``w1`` (gate) and ``w3`` (up) [E, h, d], ``w2`` (down) [E, d, h] (one copy, at load time)."""
+        wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         h = self.ffn_hidden_size
         self.router_weight.copy_(router.weight)
-        self.w_gate_up[:, :, :h].copy_(w1.transpose(1, 2))
-        self.w_gate_up[:, :, h:].copy_(w3.transpose(1, 2))
-        self.w_down.copy_(w2.transpose(1, 2))
+        wgu[:, :, :h].copy_(w1.transpose(1, 2))
+        wgu[:, :, h:].copy_(w3.transpose(1, 2))
+        wd.copy_(w2.transpose(1, 2))
         return self
 
     @torch.no_grad()
     def store_grouped_experts(self, router, w1, w2, w3):
         """The inverse of :meth:`load_grouped_experts`."""
+        wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         h = self.ffn_hidden_size
         router.weight.copy_(self.router_weight)
-        w1.copy_(self.w_gate_up[:, :, :h].transpose(1, 2))
-        w3.copy_(self.w_gate_up[:, :, h:].transpose(1, 2))
-        w2.copy_(self.w_down.transpose(1, 2))
+        w1.copy_(wgu[:, :, :h].transpose(1, 2))
+        w3.copy_(wgu[:, :, h:].transpose(1, 2))
+        w2.copy_(wd.transpose(1, 2))
 
     @classmethod
     def from_torchtitan(cls, moe, max_tokens=65536, **attrs):

@@ -155,6 +155,16 @@ def _rowmajor(t):
     return t
 
 
+def _weight_layout(w):
+    """Expert weights as the library reads them without a copy: rows of unit stride, or each
+    expert's matrix column-major (nn.Linear's [out, in] seen through ``transpose(1, 2)``);
+    anything else is copied to row-major. The gradients are allocated like the result, so they
+    come back in the weights' own layout."""
+    if w.dim() == 3 and w.shape[-1] > 1 and w.stride(-1) != 1 and (w.shape[-2] <= 1 or w.stride(-2) == 1):
+        return w
+    return _rowmajor(w)
+
+
 def _aligned(raw, nbytes):
     """The 256-byte-aligned window of ``nbytes`` inside a uint8 tensor of nbytes + 256."""
     off = (-raw.data_ptr()) % BUFFER_ALIGNMENT
@@ -220,7 +230,8 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
                    w_gate_up=w_gate_up, w_down=w_down)
     spec = LayerSpec.get(layer)
     handle = spec.handle(x.device)
-    x, router, w_gate_up, w_down = (_rowmajor(t) for t in (x, router, w_gate_up, w_down))
+    x, router = _rowmajor(x), _rowmajor(router)
+    w_gate_up, w_down = _weight_layout(w_gate_up), _weight_layout(w_down)
     topk_ids, topk_weights = _rowmajor(topk_ids), _rowmajor(topk_weights)
     L, d = x.shape
     dev = x.device
@@ -288,7 +299,8 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
                    w_gate_up=w_gate_up, w_down=w_down, saved=saved, dy=dy)
     spec = LayerSpec.get(layer)
     handle = spec.handle(x.device)
-    x, router, w_gate_up, w_down = (_rowmajor(t) for t in (x, router, w_gate_up, w_down))
+    x, router = _rowmajor(x), _rowmajor(router)
+    w_gate_up, w_down = _weight_layout(w_gate_up), _weight_layout(w_down)
     topk_ids, topk_weights = _rowmajor(topk_ids), _rowmajor(topk_weights)
     dy = _rowmajor(dy).to(x.dtype)
     L = x.shape[0]
@@ -339,6 +351,7 @@ def _moe_backward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up
                    w_gate_up=w_gate_up, w_down=w_down, saved=saved, dy=dy)
     def empty():
         return x.new_empty((0,))
+    w_gate_up, w_down = _weight_layout(w_gate_up), _weight_layout(w_down)  # as the real kernel
     return (torch.empty_like(x) if needs[0] else empty(),
             torch.empty_like(router) if needs[1] and mode != ROUTE_CALLER else empty(),
             torch.empty_like(topk_weights) if needs[2] and mode == ROUTE_CALLER else empty(),

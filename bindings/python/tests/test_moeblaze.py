@@ -909,6 +909,38 @@ class TestTorchOps(unittest.TestCase):
         y, aux, z = self.moe(x, wgu, wd, router_logits=logits, return_all=True)[:3]
         return y, aux, z
 
+    def test_linear_layout_weights_without_copy(self):
+        """Weights stored nn.Linear-style ([E, 2h, d], [E, d, h]) and passed as their
+        transpose(1, 2) views: the op reads them in place and writes their gradients in the
+        same layout (the library reads strides; nothing is copied), matching the reference."""
+        torch = self.torch
+        from moeblaze._torch_ops import _weight_layout
+        wgu_t = self.wgu.transpose(1, 2).contiguous().transpose(1, 2)  # [E, d, 2h] view of [E, 2h, d]
+        wd_t = self.wd.transpose(1, 2).contiguous().transpose(1, 2)
+        self.assertIs(_weight_layout(wgu_t), wgu_t)
+        self.assertIs(_weight_layout(wd_t), wd_t)
+        odd = torch.randn(4, 24, 16)[:, :, ::2]  # no unit stride: copied to row-major
+        self.assertTrue(_weight_layout(odd).is_contiguous())
+        leaves = [v.clone().requires_grad_() for v in (self.x, self.logits)]
+        wgu = wgu_t.detach().requires_grad_()
+        wd = wd_t.detach().requires_grad_()
+        y, aux, z = self._layer(leaves[0], leaves[1], wgu, wd)
+        ((y * self.dy).sum() + aux + z).backward()
+        self.assertEqual(wgu.grad.stride(), wgu.stride())
+        self.assertEqual(wd.grad.stride(), wd.stride())
+        got = [y.detach(), aux.detach(), z.detach(), leaves[0].grad, leaves[1].grad, wgu.grad, wd.grad]
+        want = self._step(self._layer)
+        for a, b in zip(got, want):
+            self.assertLess((a - b).abs().max().item(), 1e-5 * max(1.0, b.abs().max().item()))
+        # with torch.compile (fullgraph): the fake kernels give the gradients the same strides
+        compiled = torch.compile(self._layer, fullgraph=True, backend="aot_eager")
+        wgu2, wd2 = wgu_t.detach().requires_grad_(), wd_t.detach().requires_grad_()
+        y2, aux2, z2 = compiled(self.x, self.logits, wgu2, wd2)
+        ((y2 * self.dy).sum() + aux2 + z2).backward()
+        self.assertTrue(torch.equal(y2, got[0]))
+        self.assertTrue(torch.equal(wgu2.grad, wgu.grad))
+        self.assertEqual(wgu2.grad.stride(), wgu.stride())
+
     def test_compile_fullgraph_matches_eager(self):
         torch = self.torch
         eager = self._step(self._layer)
@@ -1250,6 +1282,54 @@ class TestTorchModule(unittest.TestCase):
         for a, b in zip(step(compiled), eager):
             self.assertTrue(torch.equal(a, b))
 
+    def test_weight_layout_out_in(self):
+        """weight_layout="out_in" keeps w_gate_up [E, 2h, d] and w_down [E, d, h] (nn.Linear's
+        layout) and hands the library transposed views: the same outputs and gradients (as
+        transposes) as the default layout, converters included, and compile fullgraph."""
+        torch = self.torch
+        from moeblaze.torch import MoELayer
+        kw = dict(hidden_size=8, ffn_hidden_size=12, num_experts=4, top_k=2, max_tokens=32)
+        a = MoELayer(**kw)
+        b = MoELayer(weight_layout="out_in", **kw)
+        self.assertEqual(tuple(b.w_gate_up.shape), (4, 24, 8))
+        self.assertEqual(tuple(b.w_down.shape), (4, 8, 12))
+        self.assertIn("weight_layout=out_in", repr(b))
+        with torch.no_grad():
+            b.router_weight.copy_(a.router_weight)
+            b.w_gate_up.copy_(a.w_gate_up.transpose(1, 2))
+            b.w_down.copy_(a.w_down.transpose(1, 2))
+        x = torch.randn(2, 9, 8)
+
+        def step(module):
+            for p_ in module.parameters():
+                p_.grad = None
+            y, aux, z = module(x)
+            ((y * y).sum() + aux + z).backward()
+            return y.detach(), [p_.grad.clone() for p_ in module.parameters()]
+        ya, ga = step(a)
+        yb, gb = step(b)
+        close = lambda u, v: (u - v).abs().max().item() <= 1e-5 * max(1.0, v.abs().max().item())  # noqa: E731
+        self.assertTrue(close(yb, ya))
+        self.assertTrue(close(gb[0], ga[0]))
+        self.assertTrue(close(gb[1], ga[1].transpose(1, 2)))
+        self.assertTrue(close(gb[2], ga[2].transpose(1, 2)))
+        self.assertTrue(gb[1].is_contiguous() and gb[2].is_contiguous())
+        compiled = torch.compile(b, fullgraph=True, backend="aot_eager")
+        yc, gc_ = step(compiled)
+        self.assertTrue(torch.equal(yc, yb))
+        for u, v in zip(gc_, gb):
+            self.assertTrue(torch.equal(u, v))
+        # converters and store_* work through the views
+        c = MoELayer(weight_layout="out_in", **kw)
+        tw = [torch.empty(4, 12, 8), torch.empty(4, 8, 12), torch.empty(4, 12, 8)]
+        router = torch.nn.Linear(8, 4, bias=False)
+        a.store_grouped_experts(router, *tw)
+        c.load_grouped_experts(router, *tw)
+        self.assertTrue(torch.equal(c.w_gate_up, b.w_gate_up))
+        self.assertTrue(torch.equal(c.w_down, b.w_down))
+        with self.assertRaises(ValueError):
+            MoELayer(weight_layout="columns", **kw)
+
     def test_copy_and_lifetime(self):
         """copy.deepcopy and pickling rebuild the layer with its own spec; a layer that is
         garbage-collected takes its spec (and handles) with it."""
@@ -1302,7 +1382,13 @@ class TestTorchCuda(unittest.TestCase):
         torch = self.torch
         from moeblaze.torch import MoELayer
         torch.manual_seed(0)
-        kw = dict(hidden_size=256, ffn_hidden_size=128, num_experts=16, top_k=4, max_tokens=512)
+        for layout in ("in_out", "out_in"):
+            with self.subTest(weight_layout=layout):
+                self._fused_layer(torch, MoELayer, layout)
+
+    def _fused_layer(self, torch, MoELayer, layout):
+        kw = dict(hidden_size=256, ffn_hidden_size=128, num_experts=16, top_k=4, max_tokens=512,
+                  weight_layout=layout)
         layer = MoELayer(dtype=torch.bfloat16, device="cuda", engine=moeblaze.Engine.CUDA_FUSED, **kw)
         cpu = MoELayer(dtype=torch.float32, device="cpu", **kw)
         cpu.load_state_dict({k: v.float().cpu() for k, v in layer.state_dict().items()})

@@ -247,14 +247,14 @@ void CpuEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, voi
     float* out = act + kTileRows * h;
     float* row = out + kTileRows * d;
     for (int64_t r = 0; r < rows; ++r) load_row(a.x.row(plan.expert_token_indices[p0 + r]), a.x.dtype, d, xf + r * d);
-    experts::gemm_nn(rows, gh, d, xf, d, a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], pre, gh, row);
+    experts::gemm_weight(rows, gh, d, xf, d, a.w_gate_up, e, false, pre, gh, row);
     for (int64_t i = 0; i < rows * gh; ++i) pre[i] = round_to(adt, pre[i]);
     if (sv.preact)
       for (int64_t r = 0; r < rows; ++r) store_row(static_cast<char*>(sv.preact) + (p0 + r) * gh * es, adt, gh, pre + r * gh, false);
     experts::activation_forward(cfg_.activation, rows, h, pre, act, adt);
     if (sv.act)
       for (int64_t r = 0; r < rows; ++r) store_row(static_cast<char*>(sv.act) + (p0 + r) * h * es, adt, h, act + r * h, false);
-    experts::gemm_nn(rows, d, h, act, h, a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], out, d, row);
+    experts::gemm_weight(rows, d, h, act, h, a.w_down, e, false, out, d, row);
     for (int64_t r = 0; r < rows; ++r) store_row(static_cast<char*>(w.expert_out) + (p0 + r) * d * es, adt, d, out + r * d, false);
   });
 
@@ -309,7 +309,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
           load_row(static_cast<const char*>(sv.preact) + (p0 + r) * gh * es, adt, gh, pre + r * gh);
       } else {
         for (int64_t r = 0; r < rows; ++r) load_row(a.x.row(plan.expert_token_indices[p0 + r]), a.x.dtype, d, xf + r * d);
-        experts::gemm_nn(rows, gh, d, xf, d, a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], pre, gh, row);
+        experts::gemm_weight(rows, gh, d, xf, d, a.w_gate_up, e, false, pre, gh, row);
         for (int64_t i = 0; i < rows * gh; ++i) pre[i] = round_to(adt, pre[i]);
       }
     }
@@ -320,7 +320,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
       for (int64_t r = 0; r < rows; ++r) store_row(static_cast<char*>(w.act) + (p0 + r) * h * es, adt, h, act + r * h, false);
     }
     for (int64_t r = 0; r < rows; ++r) load_row(a.dy.row(plan.expert_token_indices[p0 + r]), a.dy.dtype, d, dyf + r * d);
-    experts::gemm_nt(rows, h, d, dyf, d, a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], dact, h, row);
+    experts::gemm_weight(rows, h, d, dyf, d, a.w_down, e, true, dact, h, row);
     for (int64_t r = 0; r < rows; ++r) w.dg_pos[p0 + r] = experts::dot(dact + r * h, act + r * h, h);
     if (!needs.dpre) return;
     for (int64_t r = 0; r < rows; ++r)
@@ -328,7 +328,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
     experts::activation_backward(cfg_.activation, rows, h, pre, dact, dpre, adt);
     for (int64_t r = 0; r < rows; ++r) store_row(static_cast<char*>(w.dpre) + (p0 + r) * gh * es, adt, gh, dpre + r * gh, false);
     if (a.dx.present) {
-      experts::gemm_nt(rows, d, gh, dpre, gh, a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], dxf, d, row);
+      experts::gemm_weight(rows, d, gh, dpre, gh, a.w_gate_up, e, true, dxf, d, row);
       std::memcpy(w.dx_part + p0 * d, dxf, static_cast<size_t>(rows * d) * sizeof(float));
     }
   });
@@ -348,7 +348,14 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
       const int64_t p0 = plan.expert_token_offsets[e], n = plan.expert_token_offsets[e + 1] - p0;
       experts::accumulate_outer(n, ib, ncols, [&](int64_t p, float* aa, float* gg) { fetch(e, p0 + p, i0, ib, aa, gg); },
                                 acc, av, gv);
-      for (int64_t i = 0; i < ib; ++i) store_row(out.row(e, i0 + i), out.dtype, ncols, acc + i * ncols, out.accumulate);
+      // Row i of the gradient; a column of the caller's array when it is stored transposed.
+      for (int64_t i = 0; i < ib; ++i) {
+        if (out.transposed)
+          store_strided(out.row(e, 0) + (i0 + i) * static_cast<int64_t>(out.elem()), out.dtype, ncols, out.stride[1],
+                        acc + i * ncols, out.accumulate);
+        else
+          store_row(out.row(e, i0 + i), out.dtype, ncols, acc + i * ncols, out.accumulate);
+      }
     });
   };
   if (a.d_w_down.present) {  // dW_down[e] = act^T (g dy)

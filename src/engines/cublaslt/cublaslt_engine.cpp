@@ -42,6 +42,13 @@ void refuse_capture(cudaStream_t s, const char* what) {
          "in a CUDA graph; nothing was enqueued and the capture is intact (the fused engine is capturable)", what);
 }
 
+// Expert e's weight as a GEMM operand of logical shape [K x N] (transpose = false) or its
+// transpose; a weight stored column-major (View::transposed) flips cuBLASLt's op instead of being
+// copied.
+GemmOperand weight_operand(const View& w, int64_t e, bool transpose) {
+  return {w.row(e, 0), w.dtype, w.stride[1], transpose != w.transposed};
+}
+
 // STATUS: this engine checks on the host at its sync, so a call that returns reports 0,
 // written in stream order after its work.
 void report_ok(const CallArgs& a, cudaStream_t s) {
@@ -160,7 +167,7 @@ void CublasLtEngine::up_projection(const CallArgs& a, const std::vector<int32_t>
   const int64_t d = cfg_.hidden, gh = cfg_.gate_up_cols(), es = static_cast<int64_t>(dtype_size(cfg_.act_dtype));
   for_each_expert(off, cfg_.num_experts, [&](int64_t e, int64_t p0, int64_t n) {
     gemm(n, gh, d, {xg + p0 * d * es, cfg_.act_dtype, d, false},
-         {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], false}, pre + p0 * gh * es, cfg_.act_dtype, gh,
+         weight_operand(a.w_gate_up, e, false), pre + p0 * gh * es, cfg_.act_dtype, gh,
          0.f, w, s);
   });
 }
@@ -173,13 +180,19 @@ void CublasLtEngine::weight_gradient(const View& out, const std::vector<int32_t>
   for (int64_t e = 0; e < cfg_.num_experts; ++e) {
     const int64_t p0 = off[e], n = off[e + 1] - p0;
     if (n == 0) {
-      if (!out.accumulate)
+      if (!out.accumulate)  // the view's physical rows (row-major or transposed alike)
         MOEBLAZE_CUDA_CHECK(cudaMemset2DAsync(out.row(e, 0), static_cast<size_t>(out.stride[1]) * out.elem(), 0,
-                                              static_cast<size_t>(cols) * out.elem(), static_cast<size_t>(rows), s));
+                                              static_cast<size_t>(out.shape[2]) * out.elem(),
+                                              static_cast<size_t>(out.shape[1]), s));
       continue;
     }
-    gemm(rows, cols, n, {a_rows + p0 * a_ld * es, dt, a_ld, true}, {b_rows + p0 * b_ld * es, dt, b_ld, false}, out.row(e, 0),
-         out.dtype, out.stride[1], out.accumulate ? 1.f : 0.f, w, s);
+    const GemmOperand A{a_rows + p0 * a_ld * es, dt, a_ld, true}, B{b_rows + p0 * b_ld * es, dt, b_ld, false};
+    const float beta = out.accumulate ? 1.f : 0.f;
+    if (out.transposed)  // the caller stores out[e]^T = B^T A: swap the operands
+      gemm(cols, rows, n, {B.data, dt, b_ld, true}, {A.data, dt, a_ld, false}, out.row(e, 0), out.dtype, out.stride[1], beta,
+           w, s);
+    else
+      gemm(rows, cols, n, A, B, out.row(e, 0), out.dtype, out.stride[1], beta, w, s);
   }
 }
 
@@ -225,7 +238,7 @@ void CublasLtEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved
   up_projection(a, off, xg, pre, w, s);
   experts::activation_forward_cuda(cfg_.activation, dt, P, h, pre, gh, act, s);
   for_each_expert(off, E, [&](int64_t e, int64_t p0, int64_t n) {  // O = act W_down[e]
-    gemm(n, d, h, {act + p0 * h * es, dt, h, false}, {a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], false},
+    gemm(n, d, h, {act + p0 * h * es, dt, h, false}, weight_operand(a.w_down, e, false),
          out + p0 * d * es, dt, d, 0.f, w, s);
   });
   combine::combine_rows_cuda(plan.token_index_map, plan.gates, L, k, d, out, nullptr, a.y, s);
@@ -273,7 +286,7 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
   // dg, dpre (in place) and g * act (recomputed from pre, so no saved act is needed).
   experts::gather_rows_cuda(a.dy, plan.expert_token_indices, P, d, dyg, s);
   for_each_expert(off, E, [&](int64_t e, int64_t p0, int64_t n) {
-    gemm(n, h, d, {dyg + p0 * d * es, dt, d, false}, {a.w_down.row(e, 0), a.w_down.dtype, a.w_down.stride[1], true},
+    gemm(n, h, d, {dyg + p0 * d * es, dt, d, false}, weight_operand(a.w_down, e, true),
          dpre + p0 * gh * es, dt, gh, 0.f, w, s);
   });
   experts::activation_backward_cuda(cfg_.activation, dt, P, h, pre, nullptr, w.gate_pos, dpre, gact, w.dg_pos, s);
@@ -282,7 +295,7 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
   if (a.d_w_gate_up.present) weight_gradient(a.d_w_gate_up, off, d, gh, xg, d, dpre, gh, w, s);     // x^T dpre
   if (a.dx.present)  // per-slot dx contributions
     for_each_expert(off, E, [&](int64_t e, int64_t p0, int64_t n) {
-      gemm(n, d, gh, {dpre + p0 * gh * es, dt, gh, false}, {a.w_gate_up.row(e, 0), a.w_gate_up.dtype, a.w_gate_up.stride[1], true},
+      gemm(n, d, gh, {dpre + p0 * gh * es, dt, gh, false}, weight_operand(a.w_gate_up, e, true),
            dx_part + p0 * d * es, dt, d, 0.f, w, s);
     });
 

@@ -68,13 +68,14 @@ void require(const char* why, const char* gemm) {
 }
 
 // A grouped GEMM whose A rows are a[index[p]] (index given) or a[p], times the expert weights w
-// read as `major`, with N = n and K = k.
+// read as `major` (kMN: w's logical [K, N]; kK: its transpose), with N = n and K = k. A weight
+// stored column-major (View::transposed) is the other major of the same kernel, not a copy.
 sm90::GroupedGemmParams expert_gemm(const void* a, int64_t lda, const int32_t* index, int64_t a_rows, const View& w,
                                     sm90::Major major, int64_t n, int64_t k) {
   sm90::GroupedGemmParams p;
   p.n = static_cast<int32_t>(n);
   p.k = static_cast<int32_t>(k);
-  p.b_major = major;
+  p.b_major = !w.transposed ? major : major == sm90::Major::kMN ? sm90::Major::kK : sm90::Major::kMN;
   p.a = a;
   p.lda = lda;
   p.a_index = index;
@@ -85,12 +86,14 @@ sm90::GroupedGemmParams expert_gemm(const void* a, int64_t lda, const int32_t* i
   return p;
 }
 
-// dW[e] = A^T B over the expert's rows, into the caller's gradient view (or the fp32 sums).
+// dW[e] = A^T B over the expert's rows, into the caller's gradient view (or the fp32 sums);
+// c_transposed: the kernel's [m, n] result is dW[e]^T (then a column-major dW is stored as is).
 sm90::WeightGradParams weight_grad_params(const View& dw, int64_t m, int64_t n, const void* a, int64_t lda,
                                           const int32_t* a_index, int64_t a_rows, const void* b, int64_t ldb,
                                           const int32_t* b_index, int64_t b_rows, float* acc32, int64_t window,
-                                          int64_t windows) {
+                                          int64_t windows, bool c_transposed) {
   sm90::WeightGradParams p;
+  p.c_transposed = c_transposed != dw.transposed;
   p.m = static_cast<int32_t>(m);
   p.n = static_cast<int32_t>(n);
   p.a = a;
@@ -283,14 +286,12 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   // dW_down is computed as (dy^T (g act))^T: the gathered dy on the tile's 128-wide side halves
   // its copies per FLOP (perf/NOTES.md, weight-gradient kernel).
   auto dwd = [&](int64_t i) {
-    sm90::WeightGradParams p = weight_grad_params(a.d_w_down, d, h, a.dy.data, a.dy.stride[0], win.token, L, w.act, h,
-                                                  nullptr, W, w.dw_down32, i, w.windows.count);
-    p.c_transposed = 1;
-    return p;
+    return weight_grad_params(a.d_w_down, d, h, a.dy.data, a.dy.stride[0], win.token, L, w.act, h, nullptr, W,
+                              w.dw_down32, i, w.windows.count, true);
   };
   auto dwgu = [&](int64_t i) {
     return weight_grad_params(a.d_w_gate_up, d, gh, a.x.data, a.x.stride[0], win.token, L, w.dpre, gh, nullptr, W,
-                              w.dw_gate_up32, i, w.windows.count);
+                              w.dw_gate_up32, i, w.windows.count, false);
   };
   if (needs.recompute_up) require(sm90::unsupported_reason(dt, up, up_epi), "recomputed up GEMM");
   require(sm90::unsupported_reason(dt, dact, dact_epi), "dact GEMM");
