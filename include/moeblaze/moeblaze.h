@@ -642,7 +642,11 @@ MOEBLAZE_API moeblaze_status_t moeblaze_get_saved_size(moeblaze_handle_t handle,
  * WEIGHT_DTYPE (weights and their gradients); router tensors (logits, top-k weights and
  * their gradients) may be F32 or ACTIVATION_DTYPE; top-k ids and token counts are I32 or I64.
  * Strides are honoured when the innermost stride is 1 and outer strides do not make rows
- * overlap; anything else is rejected, never misread. L = 0 is valid and writes only the
+ * overlap; anything else is rejected, never misread. The expert weights and their gradients
+ * (W_GATE_UP, W_DOWN, GRAD_W_GATE_UP, GRAD_W_DOWN) may instead store each expert's matrix
+ * column-major: stride 1 in dimension 1 and a column pitch >= its extent in dimension 2, as
+ * nn.Linear's [E, out, in] seen through transpose(1, 2). Every engine reads them, and writes
+ * the gradients, in place (0.1.0 rejected these strides). L = 0 is valid and writes only the
  * scalar and per-expert outputs (and zero weight gradients unless accumulating).
  *
  * Routing input, in this order of precedence:
