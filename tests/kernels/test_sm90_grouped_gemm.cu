@@ -1,5 +1,6 @@
 // The sm_90a grouped GEMM (gemm/sm90) against a naive fp32 reference kernel on fresh random
-// operands, outputs poisoned: both B layouts, block_n 128 and 256, bf16 and fp16, gathered and
+// operands, outputs poisoned: both B layouts, block_n 128 and 256 and the ping-pong schedule,
+// bf16 and fp16, gathered and
 // contiguous A, uniform, skewed and single-expert routings with empty experts, n and K multiples
 // of 8 but not of 64, one row, E = 256, every activation in the fused epilogue, out-of-range
 // gather indices (zero rows, no stray reads), bitwise determinism. Exits 77 (skipped) without an
@@ -23,6 +24,15 @@ namespace {
 
 double tolerance(DType dt) { return dt == DType::kBF16 ? 1e-2 : 2e-3; }
 
+// The kernels under test, as bn codes in the messages: 128 and 256 cooperative, -128 ping-pong.
+const int kBlockNs[] = {128, 256, -128};
+sm90::KernelChoice kernel_choice(int bn) {
+  sm90::KernelChoice kc;
+  kc.block_n = bn < 0 ? -bn : bn;
+  kc.schedule = bn < 0 ? sm90::ConsumerSchedule::kPingPong : sm90::ConsumerSchedule::kCooperative;
+  return kc;
+}
+
 // ld_pad: extra columns per output row, which must keep their poison (8: the 16-byte store
 // path with padding; 2: an ld that is not a multiple of 8, the pair-store path).
 std::vector<uint16_t> run_store(const Problem& P, int bn, bool scaled, Check* c, int64_t ld_pad = 0) {
@@ -33,7 +43,7 @@ std::vector<uint16_t> run_store(const Problem& P, int bn, bool scaled, Check* c,
   e.c = out;
   e.ldc = ld;
   e.row_scale = scaled ? P.d_scale : nullptr;
-  sm90::grouped_gemm(P.dt, P.params(), e, bn, nullptr);
+  sm90::grouped_gemm(P.dt, P.params(), e, kernel_choice(bn), nullptr);
   GGP_CK(cudaDeviceSynchronize());
   *c = compare(out, P.s.m_total, P.s.n, ld, P.dt, want_store(P, scaled));
   std::vector<uint16_t> bits(std::max<int64_t>(P.s.m_total * ld, 1));
@@ -62,7 +72,7 @@ void store_shapes(void**) {
   uint64_t seed = 1;
   for (DType dt : kTypes)
     for (Major mj : kMajors)
-      for (int bn : {128, 256}) {
+      for (int bn : kBlockNs) {
         expect_store({1000, 700, 8, 200, 136, false, true, mj, 0.0}, dt, bn, seed++);       // n, K not multiples of 64
         expect_store({3000, 3000, 16, 264, 520, false, false, mj, 1.2}, dt, bn, seed++);    // skewed, contiguous A
         expect_store({1, 1, 1, 8, 8, false, true, mj, 0.0}, dt, bn, seed++);                // one row, E = 1
@@ -73,11 +83,13 @@ void store_shapes(void**) {
 void many_experts(void**) {
   expect_store({8192, 1024, 256, 256, 192, false, true, Major::kMN, 0.0}, DType::kBF16, 256, 77);
   expect_store({8192, 1024, 256, 96, 256, false, true, Major::kK, 0.5}, DType::kBF16, 128, 78);
+  expect_store({8192, 1024, 256, 136, 200, false, true, Major::kMN, 0.8}, DType::kBF16, -128, 79);
 }
 
 void bad_indices(void**) {
   expect_store({1000, 300, 4, 128, 128, false, true, Major::kMN, 0.0}, DType::kBF16, 128, 9, true);
   expect_store({1000, 300, 4, 128, 128, false, true, Major::kK, 0.0}, DType::kF16, 256, 10, true);
+  expect_store({1000, 300, 4, 128, 128, false, true, Major::kMN, 0.0}, DType::kBF16, -128, 11, true);
 }
 
 // The activation epilogue against the reference; ld_pad as run_store's, on both outputs.
@@ -94,7 +106,7 @@ void expect_activation(Activation a, DType dt, int bn, Major mj, uint64_t seed, 
   e.ld_pre = ld_pre;
   e.act = act;
   e.ld_act = ld_act;
-  sm90::grouped_gemm(dt, P.params(), e, bn, nullptr);
+  sm90::grouped_gemm(dt, P.params(), e, kernel_choice(bn), nullptr);
   GGP_CK(cudaDeviceSynchronize());
   std::vector<float> want_pre = reference(P);
   for (auto& v : want_pre) v = round_to(v, dt);
@@ -121,7 +133,7 @@ void activations(void**) {
   uint64_t seed = 100;
   for (DType dt : kTypes)
     for (Activation a : acts)
-      for (int bn : {128, 256})
+      for (int bn : kBlockNs)
         for (Major mj : kMajors) expect_activation(a, dt, bn, mj, seed++, 0);
 }
 
@@ -130,7 +142,7 @@ void activations(void**) {
 void padded_outputs(void**) {
   uint64_t seed = 500;
   for (int64_t pad : {8, 2})
-    for (int bn : {128, 256}) {
+    for (int bn : kBlockNs) {
       expect_activation(Activation::kSwiglu, DType::kBF16, bn, Major::kMN, seed++, pad);
       expect_activation(Activation::kGelu, DType::kF16, bn, Major::kK, seed++, pad);
       Problem P = make_problem({1500, 600, 5, 264, 136, false, true, Major::kMN, 0.5}, DType::kBF16, seed++);
@@ -148,16 +160,18 @@ void padded_outputs(void**) {
 void deterministic(void**) {
   Problem P = make_problem({5000, 2000, 16, 256, 512, false, true, Major::kMN, 0.9}, DType::kBF16, 42);
   Check c;
-  const std::vector<uint16_t> a = run_store(P, 256, true, &c), b = run_store(P, 256, true, &c),
-                              d = run_store(P, 256, true, &c);
-  assert_true(a == b && b == d);
+  for (int bn : kBlockNs) {
+    const std::vector<uint16_t> a = run_store(P, bn, true, &c), b = run_store(P, bn, true, &c),
+                                d = run_store(P, bn, true, &c);
+    assert_true(a == b && b == d);
+  }
   free_problem(P);
 }
 
 void no_rows(void**) {  // m_total = 0: no tiles, nothing launched past the schedule, no error
   Problem P = make_problem({0, 10, 4, 64, 64, false, true, Major::kMN, 0.0}, DType::kBF16, 3);
   Check c;
-  run_store(P, 128, false, &c);
+  for (int bn : kBlockNs) run_store(P, bn, false, &c);
   assert_int_equal(cudaGetLastError(), cudaSuccess);
   free_problem(P);
 }

@@ -244,8 +244,8 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
   for (int64_t i = 0; i < w.windows.count; ++i) {
     int64_t t0, rows;
     up.sched = down.sched = begin_window(w, plan, L, i, t0, rows, s);
-    sm90::grouped_gemm(dt, up, up_epi, 0, s);
-    sm90::grouped_gemm(dt, down, down_epi, 0, s);
+    sm90::grouped_gemm(dt, up, up_epi, {}, s);
+    sm90::grouped_gemm(dt, down, down_epi, {}, s);
     combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.out, nullptr, a.y.rows(t0, rows), s);
   }
   if (sv.header) cuda::store_saved_header(make_saved_header(cfg_, L), sv.header, s, w.router.error_flag);
@@ -310,8 +310,8 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     int64_t t0, rows;
     const sm90::Schedule sched = begin_window(w, plan, L, i, t0, rows, s);
     up.sched = dact.sched = dxg.sched = sched;
-    if (needs.recompute_up) sm90::grouped_gemm(dt, up, up_epi, 0, s);
-    sm90::grouped_gemm(dt, dact, dact_epi, 0, s);
+    if (needs.recompute_up) sm90::grouped_gemm(dt, up, up_epi, {}, s);
+    sm90::grouped_gemm(dt, dact, dact_epi, {}, s);
     // dg, dpre (in place) and g * act (recomputed from pre) in one pass.
     experts::activation_backward_cuda(cfg_.activation, dt, rows * k, h, pre, pre_rows, win.gate, w.dpre, w.act,
                                       w.dg_pos, s);
@@ -325,7 +325,7 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
       p.sched = sched;
       sm90::weight_grad(dt, p, s);
     }
-    if (a.dx.present) sm90::grouped_gemm(dt, dxg, dx_epi, 0, s);
+    if (a.dx.present) sm90::grouped_gemm(dt, dxg, dx_epi, {}, s);
     float* dg_tok = w.dg_tok + t0 * k;
     combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s);
     const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);

@@ -47,14 +47,28 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const int32_
   if (threadIdx.x == 0) prefix[E] = carry_sum;
 }
 
-template <class T, int BN, Major BMajor, EpilogueKind Epi>
+template <class T, int BN, EpilogueKind Epi>
+__device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const EpilogueParams& e, const TileCoord& tc,
+                                         int frag, const float (&acc)[BN / 2]) {
+  if constexpr (Epi == EpilogueKind::kStore) epilogue_store<T, BN>(p, e, tc, frag, acc);
+  else epilogue_activation<T, BN>(p, e, tc, frag, acc);
+}
+
+// Two schedules for the consumer warpgroups (the producer is the same):
+// - cooperative: both take every tile, rows [0, 64) and [64, 128); their epilogues run while
+//   no MMA does;
+// - ping-pong: warpgroup w takes the CTA's tiles w, w + 2, ... whole (two m64 fragments each).
+//   turn[] alternates their MMAs: a warpgroup starts a tile's MMAs once the other has finished
+//   its previous tile's, so one's epilogue overlaps the other's MMAs. Its ring position is
+//   its tile's index times the K blocks per tile (the same for every tile).
+template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ TmaDescriptor bmap,
                         const __grid_constant__ EpilogueParams e) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // full[s]: every producer thread's cp.async arrival + the TMA expect_tx.
-  const StageRing ring = init_ring<BN>(smem_raw, 129);
+  const StageRing ring = init_ring<BN>(smem_raw, 129, PingPong ? 4 : 8);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dealloc<kProducerRegs>();
@@ -64,22 +78,37 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int32_t E = p.sched.num_experts, cb = column_blocks(p.n, p.gated, BN);
     const int num_kb = (p.k + kBlockK - 1) / kBlockK;
     const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
-    uint32_t it = 0;
-    float acc[BN / 2];
-    for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-      const TileCoord tc = decode_tile(w, p.sched.offsets, p.sched.rb_prefix, E, kBlockM, cb);
-      consume_tile<T, BN, BMajor>(ring, wg - 1, num_kb, it, acc);
-      if constexpr (Epi == EpilogueKind::kStore) epilogue_store<T, BN>(p, e, tc, wg - 1, acc);
-      else epilogue_activation<T, BN>(p, e, tc, wg - 1, acc);
+    if constexpr (PingPong) {
+      const int me = wg - 1;
+      float acc[2][BN / 2];
+      uint32_t round = 0;
+      for (int64_t j = me; blockIdx.x + j * gridDim.x < total; j += 2, ++round) {
+        const TileCoord tc = decode_tile(blockIdx.x + j * gridDim.x, p.sched.offsets, p.sched.rb_prefix, E, kBlockM, cb);
+        // Tile j's MMAs wait for tile j - 1's (the other warpgroup's) to finish.
+        if (j > 0) mbar_wait(&ring.turn[me], (me == 0 ? round - 1 : round) & 1);
+        uint32_t it = static_cast<uint32_t>(j * num_kb);
+        consume_tile<T, BN, BMajor, Major::kK, 2>(ring, 0, num_kb, it, acc);
+        if (threadIdx.x % 128 == 0) cuda::ptx::mbarrier_arrive(&ring.turn[me ^ 1]);
+        epilogue<T, BN, Epi>(p, e, tc, 0, acc[0]);
+        epilogue<T, BN, Epi>(p, e, tc, 1, acc[1]);
+      }
+    } else {
+      uint32_t it = 0;
+      float acc[1][BN / 2];
+      for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
+        const TileCoord tc = decode_tile(w, p.sched.offsets, p.sched.rb_prefix, E, kBlockM, cb);
+        consume_tile<T, BN, BMajor>(ring, wg - 1, num_kb, it, acc);
+        epilogue<T, BN, Epi>(p, e, tc, wg - 1, acc[0]);
+      }
     }
   }
 #endif
 }
 
-template <class T, int BN, Major BMajor, EpilogueKind Epi>
+template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
   using Cfg = TileConfig<BN>;
-  auto* kernel = grouped_gemm_kernel<T, BN, BMajor, Epi>;
+  auto* kernel = grouped_gemm_kernel<T, BN, BMajor, Epi, PingPong>;
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound);
   const TmaDescriptor bmap = weight_tensor_map(Elem<T>::kType, p, tile_columns(p.gated, BN));
@@ -87,19 +116,22 @@ void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s)
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
-template <class T, int BN>
+template <class T, int BN, bool PingPong>
 void dispatch_major(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
   const bool mn = p.b_major == Major::kMN, store = e.kind == EpilogueKind::kStore;
-  if (mn && store) launch<T, BN, Major::kMN, EpilogueKind::kStore>(p, e, s);
-  else if (mn) launch<T, BN, Major::kMN, EpilogueKind::kActivation>(p, e, s);
-  else if (store) launch<T, BN, Major::kK, EpilogueKind::kStore>(p, e, s);
-  else launch<T, BN, Major::kK, EpilogueKind::kActivation>(p, e, s);
+  if (mn && store) launch<T, BN, Major::kMN, EpilogueKind::kStore, PingPong>(p, e, s);
+  else if (mn) launch<T, BN, Major::kMN, EpilogueKind::kActivation, PingPong>(p, e, s);
+  else if (store) launch<T, BN, Major::kK, EpilogueKind::kStore, PingPong>(p, e, s);
+  else launch<T, BN, Major::kK, EpilogueKind::kActivation, PingPong>(p, e, s);
 }
 
+// Ping-pong tiles are 128 x 128 per warpgroup: its two m64n128 fragments hold as many
+// accumulators as one m64n256 fragment of a cooperative 128 x 256 tile.
 template <class T>
-void dispatch_bn(int bn, const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
-  if (bn == 256) dispatch_major<T, 256>(p, e, s);
-  else dispatch_major<T, 128>(p, e, s);
+void dispatch(const KernelChoice& kc, const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
+  if (kc.schedule == ConsumerSchedule::kPingPong) dispatch_major<T, 128, true>(p, e, s);
+  else if (kc.block_n == 256) dispatch_major<T, 256, false>(p, e, s);
+  else dispatch_major<T, 128, false>(p, e, s);
 }
 
 }  // namespace
@@ -135,11 +167,18 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
   return nullptr;
 }
 
-void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, int block_n, cudaStream_t s) {
+KernelChoice choose_kernel(const GroupedGemmParams& p, KernelChoice kc) {
+  if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;
+  if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = ConsumerSchedule::kCooperative;
+  if (kc.block_n == 0) kc.block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
+  return kc;
+}
+
+void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s) {
   if (const char* why = unsupported_reason(dt, p, e)) fail(Status::kNotSupported, "%s", why);
-  if (block_n == 0) block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
-  if (dt == DType::kBF16) dispatch_bn<__nv_bfloat16>(block_n, p, e, s);
-  else dispatch_bn<__half>(block_n, p, e, s);
+  kc = choose_kernel(p, kc);
+  if (dt == DType::kBF16) dispatch<__nv_bfloat16>(kc, p, e, s);
+  else dispatch<__half>(kc, p, e, s);
 }
 
 }  // namespace sm90

@@ -26,8 +26,21 @@ Schedule make_schedule(const int32_t* offsets, int64_t num_experts, int64_t m_to
 // ldb (and the epilogue's leading dimensions) multiples of 8 elements; 16-byte aligned a, b.
 const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const EpilogueParams& e);
 
-// block_n: 128 or 256 (0: choose). Launches one persistent grid on the current device.
-void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, int block_n, cudaStream_t s);
+// How the two consumer warpgroups share the work (grouped_gemm.cu): both on every 128 x BN tile
+// (cooperative), or each on its own 128 x 128 tiles, alternating their MMAs so that one's
+// epilogue overlaps the other's MMAs (ping-pong).
+enum class ConsumerSchedule : int32_t { kAuto = 0, kCooperative = 1, kPingPong = 2 };
+
+struct KernelChoice {
+  int block_n = 0;  // cooperative: 128 or 256 (0: choose from n); ping-pong: 128
+  ConsumerSchedule schedule = ConsumerSchedule::kAuto;
+};
+
+// The kernel a choice resolves to for these parameters (every field set).
+KernelChoice choose_kernel(const GroupedGemmParams& p, KernelChoice kc);
+
+// Launches one persistent grid on the current device.
+void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s);
 
 }  // namespace sm90
 }  // namespace gemm

@@ -4,7 +4,8 @@
 // B comes by TMA (one elected producer thread, 64-wide boxes of the weights' tensor map). full[s]
 // completes when all 128 producer threads' A copies into stage s have landed
 // (cp.async.mbarrier.arrive.noinc) and the B bytes have arrived (expect_tx by the elected thread,
-// its 129th arrival); empty[s] when all 8 consumer warps are done reading it.
+// its 129th arrival); empty[s] when the consumer warps that read it are done (all 8 when the
+// two warpgroups share a tile, the 4 of its warpgroup under ping-pong).
 // Producer and consumers walk the same persistent tile sequence, so they never exchange tiles.
 #pragma once
 
@@ -26,13 +27,15 @@ struct StageRing {
   uint32_t base;    // the same, shared address
   uint64_t* full;   // [stages]
   uint64_t* empty;  // [stages]
+  uint64_t* turn;   // [2] ping-pong: warpgroup w may start its next tile's MMAs when turn[w] completes
 };
 
 // Carves the ring from the dynamic shared memory (TileConfig<BN>::kSmemBytes) and initialises
-// its barriers: full[s] expects full_arrivals arrivals, empty[s] one per consumer warp. Every
-// thread of the block calls it (it ends with a block barrier).
+// its barriers: full[s] expects full_arrivals arrivals, empty[s] empty_arrivals (lane 0 of each
+// consumer warp that reads a stage), turn[w] one. Every thread of the block calls it (it ends
+// with a block barrier).
 template <int BN>
-__device__ __forceinline__ StageRing init_ring(uint8_t* smem_raw, uint32_t full_arrivals) {
+__device__ __forceinline__ StageRing init_ring(uint8_t* smem_raw, uint32_t full_arrivals, uint32_t empty_arrivals = 8) {
   using Cfg = TileConfig<BN>;
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   StageRing ring;
@@ -40,11 +43,14 @@ __device__ __forceinline__ StageRing init_ring(uint8_t* smem_raw, uint32_t full_
   ring.base = smem_addr(smem);
   ring.full = reinterpret_cast<uint64_t*>(smem + Cfg::kStages * Cfg::kStageBytes);
   ring.empty = ring.full + Cfg::kStages;
+  ring.turn = ring.empty + Cfg::kStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       cuda::ptx::mbarrier_init(&ring.full[s], full_arrivals);
-      cuda::ptx::mbarrier_init(&ring.empty[s], 8);  // lane 0 of each consumer warp
+      cuda::ptx::mbarrier_init(&ring.empty[s], empty_arrivals);
     }
+    cuda::ptx::mbarrier_init(&ring.turn[0], 1);
+    cuda::ptx::mbarrier_init(&ring.turn[1], 1);
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
   __syncthreads();
@@ -121,14 +127,16 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
   }
 }
 
-// One consumer warpgroup's share of a tile: rows [64 wg, 64 wg + 64) x BN columns, accumulated
-// over K into acc (the wgmma m64nBN fragment). `it` is the ring position, carried across tiles.
-// A's stage is [128 rows][64 k] K-major (the varlen-M gathers), or [2][64 k][64 rows] MN-major
-// (the weight gradients, whose reduction runs over positions); either way the warpgroup's
-// 64 rows start 8 KB into the stage.
-template <class T, int BN, Major BMajor, Major AMajor = Major::kK>
-__device__ __forceinline__ void consume_tile(const StageRing& ring, int wg, int num_kb,
-                                             uint32_t& it, float (&acc)[BN / 2]) {
+// One consumer warpgroup's share of a tile: Frags fragments of 64 rows, rows [64 (frag0 + f),
+// 64 (frag0 + f) + 64) x BN columns, accumulated over K into acc[f] (wgmma m64nBN fragments).
+// Cooperative: Frags = 1, frag0 = the warpgroup (two warpgroups share a tile); ping-pong:
+// Frags = 2, frag0 = 0 (a warpgroup owns a whole tile). `it` is the ring position, carried
+// across tiles. A's stage is [128 rows][64 k] K-major (the varlen-M gathers), or
+// [2][64 k][64 rows] MN-major (the weight gradients, whose reduction runs over positions);
+// either way a fragment's 64 rows start 8 KB after the previous one's.
+template <class T, int BN, Major BMajor, Major AMajor = Major::kK, int Frags = 1>
+__device__ __forceinline__ void consume_tile(const StageRing& ring, int frag0, int num_kb,
+                                             uint32_t& it, float (&acc)[Frags][BN / 2]) {
   using Cfg = TileConfig<BN>;
   constexpr int kTransA = AMajor == Major::kMN ? 1 : 0;
   using Mma = Wgmma<T, BN, kTransA, 0>;   // B K-major
@@ -136,25 +144,35 @@ __device__ __forceinline__ void consume_tile(const StageRing& ring, int wg, int 
   const bool lane0 = (threadIdx.x & 31) == 0;
   if (num_kb == 0) {  // K = 0: the product is zero
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int f = 0; f < Frags; ++f)
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[f][i] = 0.f;
   }
   uint32_t prev = 0;
   for (int kb = 0; kb < num_kb; ++kb, ++it) {
     const uint32_t s = it % Cfg::kStages;
     mbar_wait(&ring.full[s], (it / Cfg::kStages) & 1);
-    const uint32_t a = ring.base + s * Cfg::kStageBytes + wg * (64 * 128), b = ring.base + s * Cfg::kStageBytes + Cfg::kABytes;
-    fence_accumulators(acc);
+    const uint32_t a0 = ring.base + s * Cfg::kStageBytes + frag0 * (64 * 128), b = ring.base + s * Cfg::kStageBytes + Cfg::kABytes;
+#pragma unroll
+    for (int f = 0; f < Frags; ++f) fence_accumulators(acc[f]);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      const uint64_t da = AMajor == Major::kMN ? sw128_desc(a + kk * 16 * 128, kBlockK * 128, 1024)
-                                               : sw128_desc(a + kk * 32, 16, 1024);
       const int accumulate = (kb | kk) != 0;
-      if constexpr (BMajor == Major::kMN) MmaT::mma(acc, da, sw128_desc(b + kk * 16 * 128, kBlockK * 128, 1024), accumulate);
-      else Mma::mma(acc, da, sw128_desc(b + kk * 32, 16, 1024), accumulate);
+      const uint64_t db = BMajor == Major::kMN ? sw128_desc(b + kk * 16 * 128, kBlockK * 128, 1024)
+                                               : sw128_desc(b + kk * 32, 16, 1024);
+#pragma unroll
+      for (int f = 0; f < Frags; ++f) {
+        const uint32_t a = a0 + f * (64 * 128);
+        const uint64_t da = AMajor == Major::kMN ? sw128_desc(a + kk * 16 * 128, kBlockK * 128, 1024)
+                                                 : sw128_desc(a + kk * 32, 16, 1024);
+        if constexpr (BMajor == Major::kMN) MmaT::mma(acc[f], da, db, accumulate);
+        else Mma::mma(acc[f], da, db, accumulate);
+      }
     }
     wgmma_commit();
-    fence_accumulators(acc);
+#pragma unroll
+    for (int f = 0; f < Frags; ++f) fence_accumulators(acc[f]);
     if (kb > 0) {  // the previous stage's MMAs are done: hand it back
       wgmma_wait<1>();
       if (lane0) cuda::ptx::mbarrier_arrive(&ring.empty[prev]);
@@ -163,7 +181,8 @@ __device__ __forceinline__ void consume_tile(const StageRing& ring, int wg, int 
   }
   wgmma_wait<0>();
   if (num_kb > 0 && lane0) cuda::ptx::mbarrier_arrive(&ring.empty[prev]);
-  fence_accumulators(acc);
+#pragma unroll
+  for (int f = 0; f < Frags; ++f) fence_accumulators(acc[f]);
 }
 
 }  // namespace sm90

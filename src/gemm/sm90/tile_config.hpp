@@ -32,8 +32,9 @@ struct TileConfig {
   static constexpr int kBBytes = BN * kBlockK * 2;       // 16 or 32 KB
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = BN == 256 ? 4 : 6;      // 192 KB of operands either way
-  // + 1 KB to align the stages to the 1024-byte swizzle atom, + the stage barriers.
-  static constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8;
+  // + 1 KB to align the stages to the 1024-byte swizzle atom, + the stage barriers and the two
+  // ping-pong turn barriers.
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8 + 2 * 8;
 };
 
 }  // namespace sm90

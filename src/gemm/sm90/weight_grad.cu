@@ -32,12 +32,12 @@ __global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_c
     const int32_t mb = (p.m + kBlockM - 1) / kBlockM, nb = (p.n + BN - 1) / BN;
     const int64_t total = static_cast<int64_t>(p.sched.num_experts) * mb * nb;
     uint32_t it = 0;
-    float acc[BN / 2];
+    float acc[1][BN / 2];
     for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
       const WeightGradTile tile = decode_weight_grad_tile<BN>(p, w);
       const int num_kb = weight_grad_k_blocks(tile);
       consume_tile<T, BN, Major::kMN, Major::kMN>(ring, wg - 1, num_kb, it, acc);
-      epilogue_weight_grad<T, BN>(p, tile.expert, tile.m0, tile.n0, num_kb, wg - 1, acc);
+      epilogue_weight_grad<T, BN>(p, tile.expert, tile.m0, tile.n0, num_kb, wg - 1, acc[0]);
     }
   }
 #endif
