@@ -5,6 +5,8 @@
 namespace cubw = CUB_NS_QUALIFIER;
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/cuda_check.hpp"
 #include "gemm/sm90/epilogue.cuh"
@@ -167,16 +169,35 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
   return nullptr;
 }
 
-KernelChoice choose_kernel(const GroupedGemmParams& p, KernelChoice kc) {
+// MOEBLAZE_SM90_SCHEDULE=cooperative|pingpong overrides the automatic choice: a tuning and
+// measurement knob (perf/NOTES.md), not part of the API.
+ConsumerSchedule schedule_override() {
+  static const ConsumerSchedule forced = [] {
+    const char* v = std::getenv("MOEBLAZE_SM90_SCHEDULE");
+    if (v && !std::strcmp(v, "cooperative")) return ConsumerSchedule::kCooperative;
+    if (v && !std::strcmp(v, "pingpong")) return ConsumerSchedule::kPingPong;
+    return ConsumerSchedule::kAuto;
+  }();
+  return forced;
+}
+
+KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc) {
+  if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
+  // Measured (perf/NOTES.md, ping-pong): ping-pong wins on store epilogues with short K (the
+  // fine-grained down GEMMs, 2-18%), where the epilogue is a large share of a tile; with long K
+  // (conf4's down GEMM, 27% slower) and on the activation epilogue (the up GEMMs, 5-40%
+  // slower) the cooperative 128 x 256 tile's higher reuse wins.
+  if (kc.schedule == ConsumerSchedule::kAuto)
+    kc.schedule = epilogue == EpilogueKind::kStore && p.k <= 1024 ? ConsumerSchedule::kPingPong
+                                                                  : ConsumerSchedule::kCooperative;
   if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;
-  if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = ConsumerSchedule::kCooperative;
   if (kc.block_n == 0) kc.block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
   return kc;
 }
 
 void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s) {
   if (const char* why = unsupported_reason(dt, p, e)) fail(Status::kNotSupported, "%s", why);
-  kc = choose_kernel(p, kc);
+  kc = choose_kernel(p, e.kind, kc);
   if (dt == DType::kBF16) dispatch<__nv_bfloat16>(kc, p, e, s);
   else dispatch<__half>(kc, p, e, s);
 }

@@ -36,8 +36,8 @@ struct KernelChoice {
   ConsumerSchedule schedule = ConsumerSchedule::kAuto;
 };
 
-// The kernel a choice resolves to for these parameters (every field set).
-KernelChoice choose_kernel(const GroupedGemmParams& p, KernelChoice kc);
+// The kernel a choice resolves to for these parameters and epilogue (every field set).
+KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc);
 
 // Launches one persistent grid on the current device.
 void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s);
