@@ -184,12 +184,13 @@ ConsumerSchedule schedule_override() {
 KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc) {
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
   // Measured (perf/NOTES.md, ping-pong): ping-pong wins on store epilogues with short K (the
-  // fine-grained down GEMMs, 2-18%), where the epilogue is a large share of a tile; with long K
-  // (conf4's down GEMM, 27% slower) and on the activation epilogue (the up GEMMs, 5-40%
-  // slower) the cooperative 128 x 256 tile's higher reuse wins.
+  // fine-grained down GEMMs at K = 256..768, 2-18%), where the epilogue is a large share of a
+  // tile; from K = 1024 (sonic_30B's dx GEMM, its backward 3% slower), with long K (conf4's down
+  // GEMM, 27% slower) and on the activation epilogue (the up GEMMs, 5-40% slower) the
+  // cooperative 128 x 256 tile's higher reuse wins.
   if (kc.schedule == ConsumerSchedule::kAuto)
-    kc.schedule = epilogue == EpilogueKind::kStore && p.k <= 1024 ? ConsumerSchedule::kPingPong
-                                                                  : ConsumerSchedule::kCooperative;
+    kc.schedule = epilogue == EpilogueKind::kStore && p.k <= 768 ? ConsumerSchedule::kPingPong
+                                                                 : ConsumerSchedule::kCooperative;
   if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;
   if (kc.block_n == 0) kc.block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
   return kc;
