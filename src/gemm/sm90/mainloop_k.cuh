@@ -46,22 +46,34 @@ __device__ __forceinline__ int32_t weight_grad_row(int32_t pos, int32_t p1, int3
   return pos < p1 && q >= 0 && q < rows ? q : -1;
 }
 
-// One 16-byte chunk per thread and row: columns [col0 + 8 chunk, + 8) of source row `row` into
-// row r of a swizzled 64-column block.
-template <class T>
-__device__ __forceinline__ void copy_chunk(uint32_t dst_block, int r, int chunk, const T* base, int64_t ld, int32_t row,
-                                           int32_t col0, int32_t cols) {
-  const int32_t col = col0 + chunk * 8;
-  const bool ok = row >= 0 && col < cols;
-  const T* src = ok ? base + static_cast<int64_t>(row) * ld + col : base;
-  cp_async_16(dst_block + sw128_offset(r, chunk), src, ok ? 16u : 0u);
+// Copies a thread's chunk of one position row into every 64-column block of an operand's
+// stage: `row` points at the chunk's first element in block 0 (nullptr: a zero row), and bit
+// blk of cols_ok says whether the chunk's columns in block blk lie inside the operand (m and n
+// are multiples of 8, so a chunk is wholly inside or wholly past). One 64-bit row address per
+// position row and stage; the blocks' addresses are constant offsets from it.
+template <int Blocks, class T>
+__device__ __forceinline__ void copy_row_chunks(uint32_t dst, int r, int chunk, const T* row, uint32_t cols_ok, const T* any) {
+#pragma unroll
+  for (int blk = 0; blk < Blocks; ++blk) {
+    const bool ok = row != nullptr && ((cols_ok >> blk) & 1u);
+    cp_async_16(dst + blk * (kBlockK * 128) + sw128_offset(r, chunk), ok ? row + blk * 64 : any, ok ? 16u : 0u);
+  }
+}
+
+// Bit blk: columns [col0 + 64 blk + 8 chunk, + 8) lie inside [0, cols).
+template <int Blocks>
+__device__ __forceinline__ uint32_t chunk_columns_ok(int32_t col0, int chunk, int32_t cols) {
+  uint32_t ok = 0;
+#pragma unroll
+  for (int blk = 0; blk < Blocks; ++blk) ok |= (col0 + blk * 64 + chunk * 8 < cols ? 1u : 0u) << blk;
+  return ok;
 }
 
 // The weight-gradient operands' TMA descriptors: an operand read in expert order (no index)
-// comes by TMA in whole k-blocks, 64 x 64 boxes of its rows_tensor_map; `tma` says which do.
+// comes by TMA in whole k-blocks, 64 x 64 boxes of its rows_tensor_map (set only for such an
+// operand: the kernel's TmaA / TmaB say which).
 struct WeightGradMaps {
   TmaDescriptor a, b;
-  int32_t tma_a = 0, tma_b = 0;
 };
 
 // Issues the TMA boxes of one operand's k-block: `blocks` 64-column boxes from column col0 of
@@ -75,52 +87,90 @@ __device__ __forceinline__ void tma_k_block(const TmaDescriptor& map, uint8_t* d
   }
 }
 
-// Thread t (of 128) copies chunk t % 8 of position rows t / 8 + 16 i (i < 4) of every block, so
+// One operand of the weight-gradient stages, as one producer thread copies it: thread t (of
+// 128) copies chunk t % 8 of position rows t / 8 + 16 i (i < 4) of every 64-column block, so
 // eight neighbouring lanes read one 128-byte row segment (coalesced) and a warp four rows.
-// A k-block that lies wholly inside the expert takes its expert-order operand by TMA (thread 0,
-// expect_tx on full[s], the barrier's 129th arrival); the expert's last, partial k-block copies
-// both operands with cp.async, whose zero fill masks the positions past the expert.
-template <class T, int BN>
+// Tma: the operand is read in expert order (no index) and comes by TMA in every k-block that
+// lies wholly inside the expert; the expert's last, partial block, and every block of a
+// gathered operand, come by cp.async, whose zero fill masks the positions past the expert.
+template <class T, int Blocks, bool Tma>
+struct GradOperand {
+  static constexpr int kRowPasses = kBlockK / 16;
+  const T* base;
+  int64_t ld;
+  const int32_t* index;  // nullptr: position p is row p
+  int32_t rows;
+  int32_t chunk_col = 0;  // the thread's first column in block 0 (this tile)
+  uint32_t cols_ok = 0;   // chunk_columns_ok of this tile
+  // The raw indices of the next k-block's rows, loaded while this block's copies go out and
+  // checked only when used: a check right after its load made each of the four loads a
+  // dependent L2 round trip (ncu: the producer stalled on them and starved the consumers).
+  int32_t next[kRowPasses];
+
+  __device__ __forceinline__ void start_tile(int32_t col0, int chunk, int32_t cols) {
+    chunk_col = col0 + chunk * 8;
+    cols_ok = chunk_columns_ok<Blocks>(col0, chunk, cols);
+  }
+  __device__ __forceinline__ void fetch(int32_t pos0, int32_t p1, int r0) {
+    if constexpr (!Tma) {
+#pragma unroll
+      for (int i = 0; i < kRowPasses; ++i) {
+        const int32_t pos = pos0 + r0 + 16 * i;
+        next[i] = index && pos < p1 ? __ldg(index + pos) : pos;
+      }
+    }
+  }
+  // The checked source rows of k-block [pos0, pos0 + 64): -1 past the expert or out of range.
+  __device__ __forceinline__ void resolve(int32_t pos0, int32_t p1, int r0, int32_t (&q)[kRowPasses]) const {
+#pragma unroll
+    for (int i = 0; i < kRowPasses; ++i) {
+      const int32_t pos = pos0 + r0 + 16 * i;
+      q[i] = weight_grad_row(pos, p1, Tma ? pos : next[i], rows);
+    }
+  }
+  __device__ __forceinline__ void copy(uint32_t dst, int r0, int chunk, const int32_t (&q)[kRowPasses]) const {
+#pragma unroll
+    for (int i = 0; i < kRowPasses; ++i)
+      copy_row_chunks<Blocks>(dst, r0 + 16 * i, chunk, q[i] >= 0 ? base + q[i] * ld + chunk_col : nullptr, cols_ok, base);
+  }
+};
+
+// The producer warpgroup. TmaA / TmaB: that operand is read in expert order and has a tensor
+// map (GradOperand). Thread 0 issues the TMA boxes with expect_tx on full[s] (the barrier's
+// 129th arrival). Specialised per operand kind at compile time: the production case (A
+// gathered, B by TMA) keeps one operand's copies and no run-time branches per stage.
+template <class T, int BN, bool TmaA, bool TmaB>
 __device__ void produce_weight_grad(const WeightGradParams& p, const WeightGradMaps& maps, const StageRing& ring) {
   using Cfg = TileConfig<BN>;
   constexpr int kRowPasses = kBlockK / 16;
   const int t = threadIdx.x, chunk = t & 7, r0 = t >> 3;
-  const T* A = static_cast<const T*>(p.a);
-  const T* B = static_cast<const T*>(p.b);
+  GradOperand<T, kBlockM / 64, TmaA> a{static_cast<const T*>(p.a), p.lda, p.a_index, p.a_rows};
+  GradOperand<T, BN / 64, TmaB> b{static_cast<const T*>(p.b), p.ldb, p.b_index, p.b_rows};
   const int32_t mb = (p.m + kBlockM - 1) / kBlockM, nb = (p.n + BN - 1) / BN;
   const int64_t total = static_cast<int64_t>(p.sched.num_experts) * mb * nb;
   uint32_t it = 0;
   for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
     const WeightGradTile tile = decode_weight_grad_tile<BN>(p, w);
     const int num_kb = weight_grad_k_blocks(tile);
-    // The source rows change with every k-block. The raw indices of the next block are loaded
-    // while this block's copies go out and checked only when used: a check right after its
-    // load made each of the four loads a dependent L2 round trip (ncu: the producer stalled on
-    // them and starved the consumers).
-    int32_t next_a[kRowPasses], next_b[kRowPasses];
-    auto fetch = [&](int kb) {
-#pragma unroll
-      for (int i = 0; i < kRowPasses; ++i) {
-        const int32_t pos = tile.p0 + kb * kBlockK + r0 + 16 * i;
-        next_a[i] = p.a_index && pos < tile.p1 ? __ldg(p.a_index + pos) : pos;
-        next_b[i] = p.b_index && pos < tile.p1 ? __ldg(p.b_index + pos) : pos;
-      }
-    };
-    if (num_kb > 0) fetch(0);
+    a.start_tile(tile.m0, chunk, p.m);
+    b.start_tile(tile.n0, chunk, p.n);
+    if (num_kb > 0) {
+      a.fetch(tile.p0, tile.p1, r0);
+      b.fetch(tile.p0, tile.p1, r0);
+    }
     for (int kb = 0; kb < num_kb; ++kb, ++it) {
       const uint32_t s = it % Cfg::kStages;
       const int32_t pos0 = tile.p0 + kb * kBlockK;
       const bool whole = pos0 + kBlockK <= tile.p1;
-      const bool tma_a = whole && maps.tma_a, tma_b = whole && maps.tma_b;
+      const bool tma_a = TmaA && whole, tma_b = TmaB && whole;
       mbar_wait(&ring.empty[s], ((it / Cfg::kStages) & 1) ^ 1);
       int32_t qa[kRowPasses], qb[kRowPasses];
-#pragma unroll
-      for (int i = 0; i < kRowPasses; ++i) {
-        const int32_t pos = pos0 + r0 + 16 * i;
-        qa[i] = weight_grad_row(pos, tile.p1, next_a[i], p.a_rows);
-        qb[i] = weight_grad_row(pos, tile.p1, next_b[i], p.b_rows);
+      if (!tma_a) a.resolve(pos0, tile.p1, r0, qa);
+      if (!tma_b) b.resolve(pos0, tile.p1, r0, qb);
+      if (kb + 1 < num_kb) {
+        a.fetch(pos0 + kBlockK, tile.p1, r0);
+        b.fetch(pos0 + kBlockK, tile.p1, r0);
       }
-      if (kb + 1 < num_kb) fetch(kb + 1);
       const uint32_t a_dst = ring.base + s * Cfg::kStageBytes, b_dst = a_dst + Cfg::kABytes;
       if (t == 0) {
         using namespace cuda::ptx;
@@ -134,20 +184,8 @@ __device__ void produce_weight_grad(const WeightGradParams& p, const WeightGradM
           if (tma_b) tma_k_block(maps.b, stage + Cfg::kABytes, BN / 64, tile.n0, pos0, &ring.full[s]);
         }
       }
-#pragma unroll
-      for (int i = 0; i < kRowPasses; ++i) {
-        const int r = r0 + 16 * i;
-        if (!tma_a) {
-#pragma unroll
-          for (int blk = 0; blk < kBlockM / 64; ++blk)
-            copy_chunk(a_dst + blk * (kBlockK * 128), r, chunk, A, p.lda, qa[i], tile.m0 + blk * 64, p.m);
-        }
-        if (!tma_b) {
-#pragma unroll
-          for (int blk = 0; blk < BN / 64; ++blk)
-            copy_chunk(b_dst + blk * (kBlockK * 128), r, chunk, B, p.ldb, qb[i], tile.n0 + blk * 64, p.n);
-        }
-      }
+      if (!tma_a) a.copy(a_dst, r0, chunk, qa);
+      if (!tma_b) b.copy(b_dst, r0, chunk, qb);
       cuda::ptx::cp_async_mbarrier_arrive_noinc(&ring.full[s]);
     }
   }

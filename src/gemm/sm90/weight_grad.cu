@@ -16,7 +16,7 @@ namespace {
 
 constexpr int kWeightGradBlockN = 256;
 
-template <class T, int BN>
+template <class T, int BN, bool TmaA, bool TmaB>
 __global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_constant__ WeightGradParams p,
                                                                       const __grid_constant__ WeightGradMaps maps) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_c
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dealloc<kProducerRegs>();
-    produce_weight_grad<T, BN>(p, maps, ring);
+    produce_weight_grad<T, BN, TmaA, TmaB>(p, maps, ring);
   } else {
     regs_alloc<kConsumerRegs>();
     const int32_t mb = (p.m + kBlockM - 1) / kBlockM, nb = (p.n + BN - 1) / BN;
@@ -43,21 +43,28 @@ __global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_c
 #endif
 }
 
-template <class T>
-void launch(const WeightGradParams& p, cudaStream_t s) {
+template <class T, bool TmaA, bool TmaB>
+void launch(const WeightGradParams& p, const WeightGradMaps& maps, cudaStream_t s) {
   constexpr int BN = kWeightGradBlockN;
   using Cfg = TileConfig<BN>;
-  auto* kernel = weight_grad_kernel<T, BN>;
+  auto* kernel = weight_grad_kernel<T, BN, TmaA, TmaB>;
   const int64_t tiles = static_cast<int64_t>(p.sched.num_experts) * ((p.m + kBlockM - 1) / kBlockM) * ((p.n + BN - 1) / BN);
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, tiles);
-  // An operand in expert order comes by TMA; a gathered one (or an empty one) by cp.async.
-  WeightGradMaps maps;
-  maps.tma_a = !p.a_index && p.a_rows > 0;
-  maps.tma_b = !p.b_index && p.b_rows > 0;
-  if (maps.tma_a) maps.a = rows_tensor_map(Elem<T>::kType, p.a, p.a_rows, p.m, p.lda);
-  if (maps.tma_b) maps.b = rows_tensor_map(Elem<T>::kType, p.b, p.b_rows, p.n, p.ldb);
   kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, maps);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
+}
+
+// An operand in expert order comes by TMA; a gathered one (or an empty one) by cp.async.
+template <class T>
+void dispatch(const WeightGradParams& p, cudaStream_t s) {
+  WeightGradMaps maps;
+  const bool tma_a = !p.a_index && p.a_rows > 0, tma_b = !p.b_index && p.b_rows > 0;
+  if (tma_a) maps.a = rows_tensor_map(Elem<T>::kType, p.a, p.a_rows, p.m, p.lda);
+  if (tma_b) maps.b = rows_tensor_map(Elem<T>::kType, p.b, p.b_rows, p.n, p.ldb);
+  if (!tma_a && tma_b) launch<T, false, true>(p, maps, s);  // the layer's case: x or dy gathered
+  else if (!tma_a) launch<T, false, false>(p, maps, s);
+  else if (tma_b) launch<T, true, true>(p, maps, s);
+  else launch<T, true, false>(p, maps, s);
 }
 
 }  // namespace
@@ -76,8 +83,8 @@ const char* weight_grad_unsupported_reason(DType dt, const WeightGradParams& p) 
 void weight_grad(DType dt, const WeightGradParams& p, cudaStream_t s) {
   if (const char* why = weight_grad_unsupported_reason(dt, p)) fail(Status::kNotSupported, "%s", why);
   if (p.sched.num_experts == 0) return;
-  if (dt == DType::kBF16) launch<__nv_bfloat16>(p, s);
-  else launch<__half>(p, s);
+  if (dt == DType::kBF16) dispatch<__nv_bfloat16>(p, s);
+  else dispatch<__half>(p, s);
 }
 
 }  // namespace sm90
