@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
 """MoEBlaze against PyTorch baselines on one GPU, all in one run.
 
-For the paper's configs x {SiLU, SwiGLU} in bf16 (routing from logits, softmax, no
-renormalisation, h = 4 d), times forward and forward+backward of
+For the paper's configs x {SiLU, SwiGLU} (h = 4 d), or the modern fine-grained configs
+(--configs modern: explicit n, SwiGLU), in bf16 (routing from logits, softmax, no
+renormalisation), times forward and forward+backward of
   (a) naive PyTorch: loop over experts, index_select, index_add_;
   (b) torch._grouped_mm with tokens sorted by expert (torchtitan style);
-  (c) MoEBlaze through its Python binding (moeblaze.torch.MoE) on the same torch tensors;
+  (c) MoEBlaze through its Python binding (moeblaze.torch.MoE) on the same torch tensors, on the
+      engine --engine names (auto: the library's choice, reported in the "impl" column);
 next to a dense bf16 matmul of the same FLOPs (the ceiling). Activation memory: the unique
 storages saved for backward (torch.autograd.graph.saved_tensors_hooks), excluding x, the
 logits and the parameters; for MoEBlaze that is its saved buffer (an autograd-invisible byte
 buffer, counted by its size). Writes JSON (--json) and prints a markdown table.
 
 Usage: MOEBLAZE_LIBRARY=build/src/libmoeblaze.so.0 python3 perf/torch_baselines.py [--only conf1,conf3]
+       [--configs paper|modern|FILE] [--engine auto|fused|cublaslt] [--skip-naive] [--json FILE]
 """
 import argparse
 import json
@@ -121,15 +124,31 @@ def dense_ms(flops, reps):
     return time_ms(run, reps) * flops / (2.0 * n ** 3 * count)
 
 
+ENGINES = {"auto": moeblaze.Engine.AUTO, "fused": moeblaze.Engine.CUDA_FUSED,
+           "cublaslt": moeblaze.Engine.CUDA_CUBLASLT}
+ENGINE_NAMES = {int(moeblaze.Engine.CUDA_FUSED): "fused", int(moeblaze.Engine.CUDA_CUBLASLT): "cublaslt"}
+
+
+def layer_shape(c):
+    """One config of either file: the paper's (h = 4 d, SiLU and SwiGLU) or the modern ones."""
+    if "experts" in c:
+        return dict(name=c["name"], d=c["d"], E=c["experts"], k=c["k"], L=c["batch"] * c["seq"], h=4 * c["d"],
+                    activations=("silu", "swiglu"))
+    return dict(name=c["name"], d=c["d"], E=c["E"], k=c["K"], L=c["T"], h=c["n"], activations=("swiglu",))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default=os.path.join(HERE, "configs", "paper-configs.json"))
+    ap.add_argument("--configs", default="paper", help="paper, modern or a JSON file of either kind")
+    ap.add_argument("--engine", default="auto", choices=sorted(ENGINES))
     ap.add_argument("--only", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-naive", action="store_true")
     args = ap.parse_args()
-    cfgs = json.load(open(args.configs))["configs"]
+    path = {"paper": "paper-configs.json", "modern": "modern-configs.json"}.get(args.configs)
+    with open(os.path.join(HERE, "configs", path) if path else args.configs) as f:
+        cfgs = [layer_shape(c) for c in json.load(f)["configs"]]
     if args.only:
         keep = set(args.only.split(","))
         cfgs = [c for c in cfgs if c["name"] in keep]
@@ -141,10 +160,8 @@ def main():
     print("| config | act | dense ms | impl | fwd ms | fwd+bwd ms | TFLOP/s | % of dense | activation MiB | peak extra MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for c in cfgs:
-        d, E, k = c["d"], c["experts"], c["k"]
-        L = c["batch"] * c["seq"]
-        h = 4 * d
-        for act in ("silu", "swiglu"):
+        d, E, k, L, h = c["d"], c["E"], c["k"], c["L"], c["h"]
+        for act in c["activations"]:
             gh = 2 * h if act == "swiglu" else h
             flops = 3 * 2 * L * k * d * h * (3 if act == "swiglu" else 2)
             x = torch.randn(L, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -160,7 +177,8 @@ def main():
             else:
                 w_up = wgu
             mb = mbt.MoE(num_experts=E, top_k=k, hidden_size=d, ffn_hidden_size=h, max_tokens=L,
-                         activation=act, activation_dtype="bf16", weight_dtype="bf16")
+                         activation=act, activation_dtype="bf16", weight_dtype="bf16", engine=ENGINES[args.engine])
+            engine = ENGINE_NAMES.get(int(mb.handle_for(dev).get("engine")), "?")
             impls = [("moeblaze", lambda: mb(x, wgu, wd, router_logits=logits)),
                      ("grouped_mm", lambda: grouped_mm_moe(x, logits, w_up, wd, k))]
             if not args.skip_naive:
@@ -197,10 +215,11 @@ def main():
                 clear_grads()
                 r = dict(config=c["name"], activation=act, impl=name, tokens=L, fwd_ms=t_f, fwd_bwd_ms=t_fb,
                          tflops=flops / t_fb * 1e-9, dense_ms=ceiling, dense_ratio=ceiling / t_fb,
-                         activation_bytes=saved, peak_extra_bytes=peak)
+                         activation_bytes=saved, peak_extra_bytes=peak, engine=engine if name == "moeblaze" else None)
                 results.append(r)
+                label = name + (" (%s)" % engine if name == "moeblaze" else "")
                 print("| %s | %s | %.3f | %s | %.3f | %.3f | %.0f | %.1f | %.0f | %.0f |" % (
-                    c["name"], act, ceiling, name, t_f, t_fb, r["tflops"], 100 * r["dense_ratio"],
+                    c["name"], act, ceiling, label, t_f, t_fb, r["tflops"], 100 * r["dense_ratio"],
                     saved / 2**20, peak / 2**20), flush=True)
             mb.close()
             del x, logits, wgu, wd, dy, w_up

@@ -2,7 +2,10 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|pytorch|example|policies|maxtokens|bench|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|pytorch|example|policies|maxtokens|bench|engines|all]...
+# torch: perf/torch_baselines.py (TORCH_ARGS, e.g. "--configs modern --skip-naive").
+# engines: both CUDA engines (fused, cuBLASLt) on the paper's configs (SiLU, SwiGLU) and the modern
+# ones (SwiGLU), one table per engine and config file (not part of "all": about 6 minutes).
 # pytorch: the Python binding's tests with torch on the GPU (CUDA autograd, MoELayer on the fused
 # engine under torch.compile and CUDA graphs).
 # example: examples/moe_lm.py in bf16, on the engine AUTO picks and on the fused engine under
@@ -23,7 +26,7 @@ what=("$@")
 want() {
   for w in "${what[@]}"; do
     [ "$w" = "$1" ] && return 0
-    [ "$w" = all ] && [ "$1" != sanitize-full ] && return 0
+    [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && return 0
   done
   return 1
 }
@@ -125,7 +128,7 @@ if want plan; then
 fi
 if want torch; then
   MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONUNBUFFERED=1 \
-    python3 perf/torch_baselines.py --json "$OUT/torch.json" > "$OUT/torch.md" 2>&1
+    python3 perf/torch_baselines.py ${TORCH_ARGS:-} --json "$OUT/torch.json" > "$OUT/torch.md" 2>&1
   summary+=("torch baselines: rc=$?")
   tail -45 "$OUT/torch.md"
 fi
@@ -167,6 +170,21 @@ if want maxtokens; then  # the largest training step that fits, vs a plain torch
     > "$OUT/max-tokens.md" 2>&1
   summary+=("max tokens: rc=$?")
   cat "$OUT/max-tokens.md"
+fi
+if want engines; then
+  for eng in fused cublaslt; do
+    for cf in paper modern; do
+      acts=swiglu; [ $cf = paper ] && acts=silu,swiglu
+      timeout 400 build-gpu/perf/moeblaze-bench --configs $cf --activations $acts --engine $eng --no-check \
+        > "$OUT/engines-$cf-$eng.md" 2>&1
+      summary+=("moeblaze-bench --configs $cf --engine $eng: rc=$?")
+    done
+  done
+  for cf in paper modern; do  # fwd+bwd ms side by side
+    paste -d'|' <(grep -E '^\| (conf|sonic|qwen|olmoe|deepseek|mixtral)' "$OUT/engines-$cf-fused.md" | cut -d'|' -f2,3,11) \
+      <(grep -E '^\| (conf|sonic|qwen|olmoe|deepseek|mixtral)' "$OUT/engines-$cf-cublaslt.md" | cut -d'|' -f11) |
+      sed 's/^/fused | cublaslt fwd+bwd ms: /'
+  done
 fi
 if want bench; then
   build-gpu/perf/moeblaze-bench --json "$OUT/bench.jsonl" > "$OUT/bench.md" 2>&1

@@ -641,8 +641,8 @@ static void auto_engine_choice(void** state) {
   const struct { int64_t E, d, h; moeblaze_dtype_t dt; int fused_ok, fused_auto; } cases[] = {
       {8, 64, 32, tu_bf16, 1, 0},   {8, 64, 32, tu_f16, 1, 0},   {8, 64, 32, tu_f32, 0, 0},
       {8, 36, 32, tu_bf16, 0, 0},   {128, 64, 256, tu_bf16, 1, 1}, {128, 64, 256, tu_f16, 1, 1},
-      {128, 64, 256, tu_f32, 0, 0}, {128, 64, 512, tu_bf16, 1, 0}, {64, 64, 256, tu_bf16, 1, 0},
-      {128, 36, 256, tu_bf16, 0, 0}};
+      {128, 64, 256, tu_f32, 0, 0}, {128, 64, 768, tu_bf16, 1, 1}, {128, 64, 1024, tu_bf16, 1, 0},
+      {64, 64, 256, tu_bf16, 1, 0}, {128, 36, 256, tu_bf16, 0, 0}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
     tu_layer l = tu_layer_default(cases[i].E, 2, cases[i].d, cases[i].h, 64, MOEBLAZE_ACTIVATION_SWIGLU);
     l.act_dtype = l.weight_dtype = cases[i].dt;
