@@ -9,6 +9,8 @@
 // for uniform and skewed (Zipf s = 1.2) routings. The cuBLASLt side is timed on GEMMs alone (no
 // gather, no activation pass), which favours it. Each config also compares our output with
 // cuBLASLt's (relative error). Median of CUDA-event timings; prints a table last.
+// --quick: uniform routing only and, without --only, the first two configs (use --only CONFIG
+// for any other one).
 #include <cstring>
 #include <string>
 
@@ -265,7 +267,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd")) wgrad = false;
     else {
-      std::fprintf(stderr, "usage: grouped-gemm-bench [--bn 128|256] [--quick] [--fwd | --wgrad] [--only CONFIG]\n");
+      std::fprintf(stderr, "usage: grouped-gemm-bench [--bn 128|256] [--quick] [--fwd | --wgrad] [--only CONFIG]\n"
+                           "  --quick: uniform routing only; without --only, the first two configs\n");
       return 2;
     }
   }
