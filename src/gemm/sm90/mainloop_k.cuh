@@ -93,9 +93,12 @@ __device__ __forceinline__ void tma_k_block(const TmaDescriptor& map, uint8_t* d
 // Tma: the operand is read in expert order (no index) and comes by TMA in every k-block that
 // lies wholly inside the expert; the expert's last, partial block, and every block of a
 // gathered operand, come by cp.async, whose zero fill masks the positions past the expert.
+// Position rows per producer thread and stage: 128 threads, eight per row, cover 16 rows a pass.
+constexpr int kGradRowPasses = kBlockK / 16;
+
 template <class T, int Blocks, bool Tma>
 struct GradOperand {
-  static constexpr int kRowPasses = kBlockK / 16;
+  static constexpr int kRowPasses = kGradRowPasses;
   const T* base;
   int64_t ld;
   const int32_t* index;  // nullptr: position p is row p
@@ -142,7 +145,6 @@ struct GradOperand {
 template <class T, int BN, bool TmaA, bool TmaB>
 __device__ void produce_weight_grad(const WeightGradParams& p, const WeightGradMaps& maps, const StageRing& ring) {
   using Cfg = TileConfig<BN>;
-  constexpr int kRowPasses = kBlockK / 16;
   const int t = threadIdx.x, chunk = t & 7, r0 = t >> 3;
   GradOperand<T, kBlockM / 64, TmaA> a{static_cast<const T*>(p.a), p.lda, p.a_index, p.a_rows};
   GradOperand<T, BN / 64, TmaB> b{static_cast<const T*>(p.b), p.ldb, p.b_index, p.b_rows};
@@ -164,7 +166,7 @@ __device__ void produce_weight_grad(const WeightGradParams& p, const WeightGradM
       const bool whole = pos0 + kBlockK <= tile.p1;
       const bool tma_a = TmaA && whole, tma_b = TmaB && whole;
       mbar_wait(&ring.empty[s], ((it / Cfg::kStages) & 1) ^ 1);
-      int32_t qa[kRowPasses], qb[kRowPasses];
+      int32_t qa[kGradRowPasses], qb[kGradRowPasses];
       if (!tma_a) a.resolve(pos0, tile.p1, r0, qa);
       if (!tma_b) b.resolve(pos0, tile.p1, r0, qb);
       if (kb + 1 < num_kb) {
