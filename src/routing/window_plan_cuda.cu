@@ -103,6 +103,7 @@ WindowPlan carve_window_plan(Carver& c, int64_t E, int64_t window, int64_t k) {
   w.gate = c.take<float>(rows);
   w.token_index_map = c.take<int32_t>(rows);
   w.scratch = c.take<int32_t>(static_cast<size_t>(2 * E + 1));
+  w.expert_call_row = w.scratch + E + 1;
   return w;
 }
 
@@ -111,7 +112,7 @@ void build_window_plan_cuda(const RoutingPlan& plan, int64_t L, int64_t k, int64
   const int32_t P = static_cast<int32_t>(L * k), wr = static_cast<int32_t>(rows * k);
   const int32_t a = static_cast<int32_t>(t0), b = static_cast<int32_t>(t0 + rows);
   int32_t* call_off = w.scratch;
-  int32_t* first = w.scratch + E + 1;
+  int32_t* first = w.expert_call_row;
   window_ranges_kernel<<<1, kRangeThreads, 0, s>>>(plan.expert_token_offsets, plan.expert_token_indices,
                                                    static_cast<int32_t>(E), P, a, b, wr, call_off, first, w.offsets);
   MOEBLAZE_CUDA_LAUNCH_CHECK("window_ranges");

@@ -23,6 +23,10 @@ struct WindowPlan {
   float* gate = nullptr;               // [W k] the gate of each window row
   int32_t* token_index_map = nullptr;  // [W k] slot (t - t0) k + j -> window row, -1 if none
   int32_t* scratch = nullptr;          // [2 E + 1]
+  // [E] the call position of each expert's first window row (in scratch): expert e's window rows
+  // [offsets[e], offsets[e+1]) are its call positions expert_call_row[e] + (r - offsets[e]),
+  // consecutive, and below the call's L k.
+  int32_t* expert_call_row = nullptr;
 };
 
 // Appends a window plan for windows of at most `window` tokens to a carve.

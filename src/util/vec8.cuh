@@ -56,6 +56,11 @@ struct Elem<__nv_bfloat16> {
   __device__ static void store2(__nv_bfloat16* p, float a, float b) {
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
   }
+  // a and b rounded, a in the low half (the first element in memory).
+  __device__ static uint32_t pack2(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
 };
 template <>
 struct Elem<__half> {
@@ -80,6 +85,10 @@ struct Elem<__half> {
   __device__ static float load1(const __half* p) { return __half2float(*p); }
   __device__ static void store1(__half* p, float v) { *p = __float2half_rn(v); }
   __device__ static void store2(__half* p, float a, float b) { *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b); }
+  __device__ static uint32_t pack2(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
 };
 
 // Runs `body` with T bound to the C++ type of a float DType.

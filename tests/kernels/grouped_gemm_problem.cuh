@@ -242,9 +242,8 @@ struct Check {
 
 // Compares a [m_total, ld] 16-bit output's first `cols` columns with want[m_total, cols] (host);
 // columns [cols, ld) must keep the poison.
-inline Check compare(const void* d_out, int64_t m_total, int64_t cols, int64_t ld, DType dt, const std::vector<float>& want) {
-  std::vector<uint16_t> h(std::max<int64_t>(m_total * ld, 1));
-  GGP_CK(cudaMemcpy(h.data(), d_out, m_total * ld * 2, cudaMemcpyDeviceToHost));
+inline Check compare_bits(const std::vector<uint16_t>& h, int64_t m_total, int64_t cols, int64_t ld, DType dt,
+                          const std::vector<float>& want) {
   Check c;
   double num = 0, den = 0;
   for (int64_t p = 0; p < m_total; ++p)
@@ -261,6 +260,14 @@ inline Check compare(const void* d_out, int64_t m_total, int64_t cols, int64_t l
     }
   c.rel_err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   return c;
+}
+inline std::vector<uint16_t> download_bits(const void* d, int64_t elems) {
+  std::vector<uint16_t> h(std::max<int64_t>(elems, 1));
+  GGP_CK(cudaMemcpy(h.data(), d, elems * 2, cudaMemcpyDeviceToHost));
+  return h;
+}
+inline Check compare(const void* d_out, int64_t m_total, int64_t cols, int64_t ld, DType dt, const std::vector<float>& want) {
+  return compare_bits(download_bits(d_out, m_total * ld), m_total, cols, ld, dt, want);
 }
 
 inline std::vector<float> reference(const Problem& P) {

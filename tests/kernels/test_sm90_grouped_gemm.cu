@@ -3,7 +3,8 @@
 // bf16 and fp16, gathered and
 // contiguous A, uniform, skewed and single-expert routings with empty experts, n and K multiples
 // of 8 but not of 64, one row, E = 256, every activation in the fused epilogue, out-of-range
-// gather indices (zero rows, no stray reads), bitwise determinism. Exits 77 (skipped) without an
+// gather indices (zero rows, no stray reads), bitwise determinism, the staged (TMA-store)
+// epilogue bitwise equal to the register one, rows placed per expert (and hostile placements). Exits 77 (skipped) without an
 // sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
 
@@ -92,13 +93,7 @@ void bad_indices(void**) {
   expect_store({1000, 300, 4, 128, 128, false, true, Major::kMN, 0.0}, DType::kBF16, -128, 11, true);
 }
 
-// The activation epilogue against the reference; ld_pad as run_store's, on both outputs.
-void expect_activation(Activation a, DType dt, int bn, Major mj, uint64_t seed, int64_t ld_pad) {
-  const bool gated = is_gated(a);
-  Problem P = make_problem({1200, 800, 6, 136, 200, gated, true, mj, 0.7}, dt, seed);
-  const int64_t n = P.s.n, nc = P.ncols(), ld_pre = nc + ld_pad, ld_act = n + ld_pad;
-  void* pre = alloc_poisoned(P.s.m_total * ld_pre);
-  void* act = alloc_poisoned(P.s.m_total * ld_act);
+sm90::EpilogueParams activation_params(Activation a, void* pre, int64_t ld_pre, void* act, int64_t ld_act) {
   sm90::EpilogueParams e;
   e.kind = sm90::EpilogueKind::kActivation;
   e.activation = a;
@@ -106,6 +101,17 @@ void expect_activation(Activation a, DType dt, int bn, Major mj, uint64_t seed, 
   e.ld_pre = ld_pre;
   e.act = act;
   e.ld_act = ld_act;
+  return e;
+}
+
+// The activation epilogue against the reference; ld_pad as run_store's, on both outputs.
+void expect_activation(Activation a, DType dt, int bn, Major mj, uint64_t seed, int64_t ld_pad) {
+  const bool gated = is_gated(a);
+  Problem P = make_problem({1200, 800, 6, 136, 200, gated, true, mj, 0.7}, dt, seed);
+  const int64_t n = P.s.n, nc = P.ncols(), ld_pre = nc + ld_pad, ld_act = n + ld_pad;
+  void* pre = alloc_poisoned(P.s.m_total * ld_pre);
+  void* act = alloc_poisoned(P.s.m_total * ld_act);
+  const sm90::EpilogueParams e = activation_params(a, pre, ld_pre, act, ld_act);
   sm90::grouped_gemm(dt, P.params(), e, kernel_choice(bn), nullptr);
   GGP_CK(cudaDeviceSynchronize());
   std::vector<float> want_pre = reference(P);
@@ -157,6 +163,123 @@ void padded_outputs(void**) {
     }
 }
 
+// The valid columns of a [rows, ld] output, as bits.
+std::vector<uint16_t> valid_bits(const void* d, int64_t rows, int64_t cols, int64_t ld) {
+  const std::vector<uint16_t> h = download_bits(d, rows * ld);
+  std::vector<uint16_t> v;
+  for (int64_t p = 0; p < rows; ++p) v.insert(v.end(), h.begin() + p * ld, h.begin() + p * ld + cols);
+  return v;
+}
+
+// pre and act of the activation epilogue, valid columns as bits, with rows padded by ld_pad.
+void run_activation_bits(const Problem& P, Activation a, int bn, int64_t ld_pad, std::vector<uint16_t>* pre_bits,
+                         std::vector<uint16_t>* act_bits) {
+  const int64_t n = P.s.n, nc = P.ncols(), ld_pre = nc + ld_pad, ld_act = n + ld_pad;
+  void* pre = alloc_poisoned(P.s.m_total * ld_pre);
+  void* act = alloc_poisoned(P.s.m_total * ld_act);
+  const sm90::EpilogueParams e = activation_params(a, pre, ld_pre, act, ld_act);
+  sm90::grouped_gemm(P.dt, P.params(), e, kernel_choice(bn), nullptr);
+  GGP_CK(cudaDeviceSynchronize());
+  *pre_bits = valid_bits(pre, P.s.m_total, nc, ld_pre);
+  *act_bits = valid_bits(act, P.s.m_total, n, ld_act);
+  cudaFree(pre);
+  cudaFree(act);
+}
+
+// Full tiles go through shared memory and TMA stores when the outputs allow it (rows padded to a
+// multiple of 8 elements), from registers otherwise (ld not a multiple of 8): the same bits.
+void staged_matches_registers(void**) {
+  uint64_t seed = 900;
+  for (int bn : kBlockNs) {
+    Problem P = make_problem({3000, 1000, 5, 200, 136, false, true, Major::kMN, 0.3}, DType::kBF16, seed++);
+    Check c;
+    const std::vector<uint16_t> s8 = run_store(P, bn, true, &c, 8), s2 = run_store(P, bn, true, &c, 2);
+    const int64_t n = P.s.n;
+    std::vector<uint16_t> v8, v2;
+    for (int64_t p = 0; p < P.s.m_total; ++p) {
+      v8.insert(v8.end(), s8.begin() + p * (n + 8), s8.begin() + p * (n + 8) + n);
+      v2.insert(v2.end(), s2.begin() + p * (n + 2), s2.begin() + p * (n + 2) + n);
+    }
+    assert_true(v8 == v2);
+    free_problem(P);
+    for (Activation a : {Activation::kSwiglu, Activation::kGelu}) {
+      Problem Q = make_problem({2500, 900, 4, 136, 264, is_gated(a), true, Major::kK, 0.4}, DType::kF16, seed++);
+      std::vector<uint16_t> pre0, act0, pre2, act2;
+      run_activation_bits(Q, a, bn, 0, &pre0, &act0);
+      run_activation_bits(Q, a, bn, 2, &pre2, &act2);
+      if (pre0 != pre2 || act0 != act2) std::printf("staged != registers: act %d bn=%d\n", static_cast<int>(a), bn);
+      assert_true(pre0 == pre2 && act0 == act2);
+      free_problem(Q);
+    }
+  }
+}
+
+// Rows placed per expert (the fused engine's windows writing at the call's positions): expert
+// e's rows at expert_row[e] + (p - offsets[e]). Placed in reverse expert order after 64 guard
+// rows, inside an output of out_rows rows followed by 64 more guard rows; then hostile starts
+// (past the end, negative) must not write outside [0, out_rows).
+void placed_rows(void**) {
+  uint64_t seed = 950;
+  for (int bn : kBlockNs)
+    for (bool hostile : {false, true}) {
+      const Activation a = Activation::kSwiglu;
+      Problem P = make_problem({1700, 800, 6, 136, 200, true, true, Major::kMN, 0.5}, DType::kBF16, seed++);
+      const int64_t m = P.s.m_total, n = P.s.n, nc = P.ncols(), guard = 64, out_rows = m + 2 * guard;
+      std::vector<int32_t> row(P.s.E);
+      for (int e = 0; e < P.s.E; ++e) row[e] = static_cast<int32_t>(guard + (m - P.offsets[e + 1]));
+      if (hostile) {
+        row[0] = static_cast<int32_t>(out_rows - 3);
+        row[1] = -100;
+      }
+      int32_t* d_row = nullptr;
+      GGP_CK(cudaMalloc(&d_row, sizeof(int32_t) * P.s.E));
+      GGP_CK(cudaMemcpy(d_row, row.data(), sizeof(int32_t) * P.s.E, cudaMemcpyHostToDevice));
+      // [guard][out_rows][guard] rows of each output; the kernel sees the middle.
+      void* pre = alloc_poisoned((out_rows + 2 * guard) * nc);
+      void* act = alloc_poisoned((out_rows + 2 * guard) * n);
+      sm90::EpilogueParams e =
+          activation_params(a, static_cast<uint16_t*>(pre) + guard * nc, nc, static_cast<uint16_t*>(act) + guard * n, n);
+      e.pre_expert_row = d_row;
+      e.pre_out_rows = static_cast<int32_t>(out_rows);
+      e.act_expert_row = d_row;
+      e.act_out_rows = static_cast<int32_t>(out_rows);
+      sm90::grouped_gemm(P.dt, P.params(), e, kernel_choice(bn), nullptr);
+      GGP_CK(cudaDeviceSynchronize());
+      const std::vector<uint16_t> hp = download_bits(pre, (out_rows + 2 * guard) * nc),
+                                  ha = download_bits(act, (out_rows + 2 * guard) * n);
+      auto poisoned = [](const std::vector<uint16_t>& h, int64_t from, int64_t to) {
+        for (int64_t i = from; i < to; ++i)
+          if (h[i] != 0xFFFF) return false;
+        return true;
+      };
+      // Outside [0, out_rows): never written.
+      assert_true(poisoned(hp, 0, guard * nc) && poisoned(hp, (guard + out_rows) * nc, (out_rows + 2 * guard) * nc));
+      assert_true(poisoned(ha, 0, guard * n) && poisoned(ha, (guard + out_rows) * n, (out_rows + 2 * guard) * n));
+      if (!hostile) {  // un-place the rows and compare; the unplaced rows keep their poison
+        std::vector<uint16_t> up(m * nc), ua(m * n);
+        for (int ex = 0; ex < P.s.E; ++ex)
+          for (int64_t p = P.offsets[ex]; p < P.offsets[ex + 1]; ++p) {
+            const int64_t r = guard + row[ex] + (p - P.offsets[ex]);
+            std::copy(hp.begin() + r * nc, hp.begin() + (r + 1) * nc, up.begin() + p * nc);
+            std::copy(ha.begin() + r * n, ha.begin() + (r + 1) * n, ua.begin() + p * n);
+          }
+        std::vector<float> want_pre = reference(P);
+        for (auto& v : want_pre) v = round_to(v, P.dt);
+        const Check cp = compare_bits(up, m, nc, nc, P.dt, want_pre), ca = compare_bits(ua, m, n, n, P.dt, want_act(P, a));
+        if (cp.rel_err > tolerance(P.dt) || ca.rel_err > tolerance(P.dt) || cp.unwritten || ca.unwritten)
+          std::printf("placed bn=%d: pre rel %.3g unwritten %lld, act rel %.3g unwritten %lld\n", bn, cp.rel_err,
+                      static_cast<long long>(cp.unwritten), ca.rel_err, static_cast<long long>(ca.unwritten));
+        assert_true(cp.rel_err <= tolerance(P.dt) && ca.rel_err <= tolerance(P.dt));
+        assert_int_equal(cp.unwritten + ca.unwritten, 0);
+        assert_true(poisoned(hp, guard * nc, 2 * guard * nc) && poisoned(hp, (guard + out_rows - guard) * nc, (guard + out_rows) * nc));
+      }
+      cudaFree(pre);
+      cudaFree(act);
+      cudaFree(d_row);
+      free_problem(P);
+    }
+}
+
 void deterministic(void**) {
   Problem P = make_problem({5000, 2000, 16, 256, 512, false, true, Major::kMN, 0.9}, DType::kBF16, 42);
   Check c;
@@ -187,6 +310,6 @@ int main() {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(store_shapes),   cmocka_unit_test(many_experts),  cmocka_unit_test(bad_indices),
       cmocka_unit_test(activations),    cmocka_unit_test(padded_outputs), cmocka_unit_test(deterministic),
-      cmocka_unit_test(no_rows)};
+      cmocka_unit_test(no_rows),        cmocka_unit_test(staged_matches_registers), cmocka_unit_test(placed_rows)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

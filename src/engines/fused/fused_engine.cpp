@@ -138,16 +138,21 @@ class FusedEngine final : public Engine {
     p.gated = is_gated(cfg_.activation);
     return p;
   }
-  sm90::EpilogueParams activation_epilogue(void* pre, const int32_t* pre_rows, void* act, const int32_t* act_rows) const {
+  // pre and act, each at the window's rows or (with a per-expert start, `rows` of them) at the
+  // call's positions.
+  sm90::EpilogueParams activation_epilogue(void* pre, const int32_t* pre_expert_row, void* act,
+                                           const int32_t* act_expert_row, int64_t rows) const {
     sm90::EpilogueParams e;
     e.kind = sm90::EpilogueKind::kActivation;
     e.activation = cfg_.activation;
     e.pre = pre;
     e.ld_pre = cfg_.gate_up_cols();
-    e.pre_rows = pre_rows;
+    e.pre_expert_row = pre_expert_row;
+    e.pre_out_rows = pre_expert_row ? static_cast<int32_t>(rows) : 0;
     e.act = act;
     e.ld_act = cfg_.ffn_hidden;
-    e.act_rows = act_rows;
+    e.act_expert_row = act_expert_row;
+    e.act_out_rows = act_expert_row ? static_cast<int32_t>(rows) : 0;
     return e;
   }
   // Window `i`'s plan and GEMM schedule; returns the window's first token and token count.
@@ -226,8 +231,9 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
   const routing::WindowPlan& win = w.win;
   // The saved pre and act lie at the call's positions; the window's own act at its rows.
   sm90::GroupedGemmParams up = up_gemm(a, win.token);
-  const sm90::EpilogueParams up_epi = sv.act ? activation_epilogue(sv.preact, win.call_row, sv.act, win.call_row)
-                                             : activation_epilogue(sv.preact, win.call_row, w.act, nullptr);
+  const sm90::EpilogueParams up_epi =
+      sv.act ? activation_epilogue(sv.preact, win.expert_call_row, sv.act, win.expert_call_row, L * k)
+             : activation_epilogue(sv.preact, win.expert_call_row, w.act, nullptr, L * k);
   sm90::GroupedGemmParams down = sv.act ? expert_gemm(sv.act, h, win.call_row, L * k, a.w_down, sm90::Major::kMN, d, h)
                                         : expert_gemm(w.act, h, nullptr, w.windows.tokens * k, a.w_down, sm90::Major::kMN, d, h);
   sm90::EpilogueParams down_epi;
@@ -270,7 +276,7 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   void* pre = sv.preact ? sv.preact : w.pre;
   const int32_t* pre_rows = sv.preact ? win.call_row : nullptr;
   sm90::GroupedGemmParams up = up_gemm(a, win.token);
-  const sm90::EpilogueParams up_epi = activation_epilogue(w.pre, nullptr, nullptr, nullptr);
+  const sm90::EpilogueParams up_epi = activation_epilogue(w.pre, nullptr, nullptr, nullptr, 0);
   // dact = dy W_down^T (dy rows gathered) into the first h columns of dpre.
   sm90::GroupedGemmParams dact = expert_gemm(a.dy.data, a.dy.stride[0], win.token, L, a.w_down, sm90::Major::kK, h, d);
   sm90::EpilogueParams dact_epi;

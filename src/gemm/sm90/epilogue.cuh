@@ -9,6 +9,7 @@
 
 #include "experts/activation.hpp"
 #include "gemm/grouped_tiles.hpp"
+#include "gemm/sm90/epilogue_tma.cuh"
 #include "gemm/sm90/params.hpp"
 #include "gemm/sm90/tile_config.hpp"
 #include "util/vec8.cuh"
@@ -48,7 +49,12 @@ __device__ __forceinline__ void for_each_fragment_row(int wg, int rows, RowCtx&&
 
 // The varlen-M epilogues. n (and so a tile's valid column count) is a multiple of 8 and a
 // thread's columns come in even pairs, so a pair is wholly inside or wholly past n: one
-// predicate per pair, no per-element branches.
+// predicate per pair, no per-element branches. Each has two forms with the same math: from
+// registers (any tile) and staged through shared memory to TMA stores (full tiles,
+// gemm/sm90/epilogue_tma.cuh). A staged box covers the fragment's column groups 8 b .. 8 b + 7
+// (box b); pair (g, half) of it is accumulator 4 (8 b + g) + 2 half and the next.
+__device__ __forceinline__ constexpr int staged_acc(int box, int g, int half) { return 4 * (8 * box + g) + 2 * half; }
+
 template <class T, int BN>
 __device__ __forceinline__ void epilogue_store(const GroupedGemmParams& p, const EpilogueParams& e, const TileCoord& tc,
                                                int wg, const float (&acc)[BN / 2]) {
@@ -69,11 +75,45 @@ __device__ __forceinline__ void epilogue_store(const GroupedGemmParams& p, const
       });
 }
 
-// pre = acc rounded to T (optional); act = f(pre) (optional) (plain) or f(gate) * up (gated: the tile's first half
-// holds gate columns, its second half the same up columns), computed from the rounded pre as the
-// elementwise kernels do, then rounded. The nonlinearity is chosen once per tile (a
-// compile-time Activation in the per-element code).
-template <class T, int BN, Activation A>
+template <class T, int BN>
+__device__ __forceinline__ void epilogue_store_staged(const GroupedGemmParams& p, const EpilogueParams& e,
+                                                      const EpilogueMaps& maps, TileStore& ts, const TileCoord& tc,
+                                                      int frag, const float (&acc)[BN / 2]) {
+  const int32_t row = tc.row0 + frag * 64, col0 = tc.col_block * BN;
+  float scale[2] = {1.f, 1.f};
+  if (e.row_scale) {
+    const int32_t r = row + ((threadIdx.x / 32) & 3) * 16 + (threadIdx.x & 31) / 4;
+    scale[0] = __ldg(e.row_scale + r);
+    scale[1] = __ldg(e.row_scale + r + 8);
+  }
+#pragma unroll
+  for (int b = 0; b < BN / 64; ++b)
+    if (col0 + 64 * b < p.n)
+      ts.box(maps.out, {col0 + 64 * b, row}, [&](int g, int half) {
+        const int q = staged_acc(b, g, half);
+        return Elem<T>::pack2(scale[half] * acc[q], scale[half] * acc[q + 1]);
+      });
+}
+
+// The activation epilogue's values: pre = acc rounded to T; act = f(pre) (plain) or f(gate) * up
+// (gated: the tile's first half holds gate columns, its second half the same up columns),
+// computed from the rounded pre as the elementwise kernels do, then rounded. act_pair gives the
+// act pair whose gate (or only) accumulators are q and q + 1.
+template <class T, int BN, Activation A, bool Gated>
+__device__ __forceinline__ float2 act_pair(const float (&acc)[BN / 2], int q) {
+  const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
+  if constexpr (Gated) return make_float2(act_fn(A, u0) * round_as<T>(acc[q + BN / 4]), act_fn(A, u1) * round_as<T>(acc[q + 1 + BN / 4]));
+  else return make_float2(act_fn(A, u0), act_fn(A, u1));
+}
+
+// The output row of problem row pos (of expert tc.expert) in an output placed by expert_row.
+__device__ __forceinline__ int64_t placed_row(const GroupedGemmParams& p, const int32_t* expert_row, const TileCoord& tc,
+                                              int32_t pos) {
+  return expert_row ? static_cast<int64_t>(__ldg(expert_row + tc.expert)) + (pos - p.sched.offsets[tc.expert]) : pos;
+}
+
+// The nonlinearity and gating are chosen once per tile (compile-time in the per-element code).
+template <class T, int BN, Activation A, bool Gated>
 __device__ __forceinline__ void epilogue_activation_as(const GroupedGemmParams& p, const EpilogueParams& e,
                                                        const TileCoord& tc, int wg, const float (&acc)[BN / 2]) {
   struct Row {
@@ -82,42 +122,92 @@ __device__ __forceinline__ void epilogue_activation_as(const GroupedGemmParams& 
   };
   T* pre = static_cast<T*>(e.pre);
   T* act = static_cast<T*>(e.act);
-  const int32_t tile_col = tc.col_block * (p.gated ? BN / 2 : BN);
+  const int32_t tile_col = tc.col_block * (Gated ? BN / 2 : BN);
   const int32_t cols = p.n - tile_col;
+  const int64_t pre_rows = e.pre_out_rows ? e.pre_out_rows : p.sched.m_total;
+  const int64_t act_rows = e.act_out_rows ? e.act_out_rows : p.sched.m_total;
   auto rows_of = [&](int r) {
-    const int64_t pos = tc.row0 + r;
-    return Row{pre ? pre + (e.pre_rows ? __ldg(e.pre_rows + pos) : pos) * e.ld_pre + tile_col : nullptr,
-               act ? act + (e.act_rows ? __ldg(e.act_rows + pos) : pos) * e.ld_act + tile_col : nullptr};
+    const int64_t rp = placed_row(p, e.pre_expert_row, tc, tc.row0 + r), ra = placed_row(p, e.act_expert_row, tc, tc.row0 + r);
+    return Row{pre && rp >= 0 && rp < pre_rows ? pre + rp * e.ld_pre + tile_col : nullptr,
+               act && ra >= 0 && ra < act_rows ? act + ra * e.ld_act + tile_col : nullptr};
   };
-  if (p.gated) {
-    for_each_fragment_row<BN / 2>(wg, tc.rows, rows_of, [&](const Row& row, int, int c, int q) {
-      if (c >= cols) return;
-      const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
-      const float b0 = round_as<T>(acc[q + BN / 4]), b1 = round_as<T>(acc[q + 1 + BN / 4]);
-      if (row.pre) {
-        Elem<T>::store2(row.pre + c, u0, u1);
-        Elem<T>::store2(row.pre + p.n + c, b0, b1);
-      }
-      if (row.act) Elem<T>::store2(row.act + c, act_fn(A, u0) * b0, act_fn(A, u1) * b1);
-    });
-  } else {
-    for_each_fragment_row<BN>(wg, tc.rows, rows_of, [&](const Row& row, int, int c, int q) {
-      if (c >= cols) return;
-      const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
-      if (row.pre) Elem<T>::store2(row.pre + c, u0, u1);
-      if (row.act) Elem<T>::store2(row.act + c, act_fn(A, u0), act_fn(A, u1));
-    });
+  for_each_fragment_row<Gated ? BN / 2 : BN>(wg, tc.rows, rows_of, [&](const Row& row, int, int c, int q) {
+    if (c >= cols) return;
+    if (row.pre) {
+      Elem<T>::store2(row.pre + c, acc[q], acc[q + 1]);
+      if constexpr (Gated) Elem<T>::store2(row.pre + p.n + c, acc[q + BN / 4], acc[q + 1 + BN / 4]);
+    }
+    if (row.act) {
+      const float2 v = act_pair<T, BN, A, Gated>(acc, q);
+      Elem<T>::store2(row.act + c, v.x, v.y);
+    }
+  });
+}
+
+// Staged: act's boxes (BN / 128 gated, BN / 64 plain), then pre's (the whole fragment; gated,
+// its first half to pre's gate half and its second to the up half, each clipped at n).
+template <class T, int BN, Activation A, bool Gated>
+__device__ __forceinline__ void epilogue_activation_staged_as(const GroupedGemmParams& p, const EpilogueParams& e,
+                                                              const EpilogueMaps& maps, TileStore& ts,
+                                                              const TileCoord& tc, int frag, const float (&acc)[BN / 2]) {
+  constexpr int kHalfBoxes = Gated ? BN / 128 : BN / 64;  // boxes per output half
+  const int32_t tile_col = tc.col_block * (Gated ? BN / 2 : BN), pos = tc.row0 + frag * 64;
+  if (e.act) {
+    const int32_t row = static_cast<int32_t>(placed_row(p, e.act_expert_row, tc, pos));
+#pragma unroll
+    for (int b = 0; b < kHalfBoxes; ++b)
+      if (tile_col + 64 * b < p.n)
+        ts.box(maps.out, {tile_col + 64 * b, row}, [&](int g, int half) {
+          const float2 v = act_pair<T, BN, A, Gated>(acc, staged_acc(b, g, half));
+          return Elem<T>::pack2(v.x, v.y);
+        });
+  }
+  if (e.pre) {
+    const int32_t row = static_cast<int32_t>(placed_row(p, e.pre_expert_row, tc, pos));
+#pragma unroll
+    for (int b = 0; b < BN / 64; ++b) {
+      const int32_t col = tile_col + 64 * (b % kHalfBoxes);
+      auto pair = [&](int g, int half) {
+        const int q = staged_acc(b, g, half);
+        return Elem<T>::pack2(acc[q], acc[q + 1]);
+      };
+      if (col >= p.n) continue;
+      if constexpr (Gated) ts.box(maps.pre, {col, b / kHalfBoxes, row}, pair);  // [rows][2][n]
+      else ts.box(maps.pre, {col, row}, pair);
+    }
   }
 }
 
+// Whether a full tile's rows, placed by expert_row, lie inside an output of `rows` rows: only
+// then does it go by TMA (whose boxes must not start outside the tensor; a placement that breaks
+// this comes only from a bad plan, and the register path masks it row by row).
+__device__ __forceinline__ bool placed_inside(const GroupedGemmParams& p, const int32_t* expert_row, int32_t rows,
+                                              const TileCoord& tc) {
+  const int64_t r = placed_row(p, expert_row, tc, tc.row0), n = rows ? rows : p.sched.m_total;
+  return r >= 0 && r + kBlockM <= n;
+}
+
+// One tile fragment's activation epilogue: staged when `staged` (a full tile) and its placed
+// rows lie inside the outputs, else from registers.
 template <class T, int BN>
 __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, const EpilogueParams& e,
-                                                    const TileCoord& tc, int wg, const float (&acc)[BN / 2]) {
-  switch (e.activation) {  // act_fn's three nonlinearities
-    case Activation::kRelu: epilogue_activation_as<T, BN, Activation::kRelu>(p, e, tc, wg, acc); break;
-    case Activation::kGelu: case Activation::kGeglu: epilogue_activation_as<T, BN, Activation::kGelu>(p, e, tc, wg, acc); break;
-    default: epilogue_activation_as<T, BN, Activation::kSilu>(p, e, tc, wg, acc); break;
-  }
+                                                    const EpilogueMaps& maps, TileStore& ts, bool staged,
+                                                    const TileCoord& tc, int frag, const float (&acc)[BN / 2]) {
+  staged = staged && (!e.pre || placed_inside(p, e.pre_expert_row, e.pre_out_rows, tc)) &&
+           (!e.act || placed_inside(p, e.act_expert_row, e.act_out_rows, tc));
+  auto run = [&](auto act_c, auto gated_c) {
+    constexpr Activation A = decltype(act_c)::value;
+    constexpr bool G = decltype(gated_c)::value;
+    if (staged) epilogue_activation_staged_as<T, BN, A, G>(p, e, maps, ts, tc, frag, acc);
+    else epilogue_activation_as<T, BN, A, G>(p, e, tc, frag, acc);
+  };
+  with_flag(p.gated != 0, [&](auto g) {
+    switch (e.activation) {  // act_fn's three nonlinearities
+      case Activation::kRelu: run(std::integral_constant<Activation, Activation::kRelu>{}, g); break;
+      case Activation::kGelu: case Activation::kGeglu: run(std::integral_constant<Activation, Activation::kGelu>{}, g); break;
+      default: run(std::integral_constant<Activation, Activation::kSilu>{}, g); break;
+    }
+  });
 }
 
 // A weight-gradient tile's stores in one mode (template flags, so the per-pair code has no
@@ -172,6 +262,25 @@ __device__ __forceinline__ void weight_grad_tile_stores(const WeightGradParams& 
       });
 }
 
+// A weight-gradient tile stored by TMA (EpilogueMaps::out over [E][m][n], or [E][n][m] when
+// transposed, clipped at m and n): the plain mode only (no accumulate, no fp32 partial sums),
+// every tile, partial ones included, since the map's bounds are the expert's.
+template <class T, int BN, bool Transposed>
+__device__ __forceinline__ void weight_grad_staged(const TmaDescriptor& map, TileStore& ts, int32_t expert, int32_t m0,
+                                                   int32_t n0, int32_t n, int frag, const float (&acc)[BN / 2]) {
+  const int32_t i0 = m0 + 64 * frag;
+#pragma unroll
+  for (int b = 0; b < BN / 64; ++b) {
+    auto pair = [&](int g, int half) {
+      const int q = staged_acc(b, g, half);
+      return Elem<T>::pack2(acc[q], acc[q + 1]);
+    };
+    if (n0 + 64 * b >= n) continue;
+    if constexpr (Transposed) ts.box_transposed(map, {i0, n0 + 64 * b, expert}, pair);
+    else ts.box(map, {n0 + 64 * b, i0, expert}, pair);
+  }
+}
+
 // A weight-gradient tile: C_e[m0 + r, n0 + c] = acc (+ the old value when accumulating), rows
 // past m and columns past n masked; stored transposed with c_transposed. An expert without
 // positions (num_kb == 0, acc zero) leaves an accumulated gradient untouched. With acc32 (a sum
@@ -179,8 +288,13 @@ __device__ __forceinline__ void weight_grad_tile_stores(const WeightGradParams& 
 // to acc32 (acc32_store) or, rounded once, to C; the partial sums are always written, so every
 // launch leaves acc32 defined. The mode is chosen once per tile.
 template <class T, int BN>
-__device__ __forceinline__ void epilogue_weight_grad(const WeightGradParams& p, int32_t expert, int32_t m0, int32_t n0,
-                                                     int num_kb, int wg, const float (&acc)[BN / 2]) {
+__device__ __forceinline__ void epilogue_weight_grad(const WeightGradParams& p, const EpilogueMaps& maps, TileStore& ts,
+                                                     int32_t expert, int32_t m0, int32_t n0, int num_kb, int wg,
+                                                     const float (&acc)[BN / 2]) {
+  if (maps.enabled) {  // the host enables it for the plain mode only
+    with_flag(p.c_transposed, [&](auto tr) { weight_grad_staged<T, BN, decltype(tr)::value>(maps.out, ts, expert, m0, n0, p.n, wg, acc); });
+    return;
+  }
   const bool load32 = p.acc32 && p.acc32_load, store32 = p.acc32 && p.acc32_store;
   if (p.accumulate && num_kb == 0 && !load32 && !store32) return;
   T* C = static_cast<T*>(p.c) + static_cast<int64_t>(expert) * p.c_expert_stride;

@@ -49,11 +49,18 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const int32_
   if (threadIdx.x == 0) prefix[E] = carry_sum;
 }
 
+// A fragment's epilogue: staged through shared memory to TMA stores when the maps allow it and
+// the tile's rows all belong to its expert, from registers otherwise.
 template <class T, int BN, EpilogueKind Epi>
-__device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const EpilogueParams& e, const TileCoord& tc,
-                                         int frag, const float (&acc)[BN / 2]) {
-  if constexpr (Epi == EpilogueKind::kStore) epilogue_store<T, BN>(p, e, tc, frag, acc);
-  else epilogue_activation<T, BN>(p, e, tc, frag, acc);
+__device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const EpilogueParams& e, const EpilogueMaps& maps,
+                                         TileStore& ts, const TileCoord& tc, int frag, const float (&acc)[BN / 2]) {
+  const bool staged = maps.enabled && tc.rows == kBlockM;
+  if constexpr (Epi == EpilogueKind::kStore) {
+    if (staged) epilogue_store_staged<T, BN>(p, e, maps, ts, tc, frag, acc);
+    else epilogue_store<T, BN>(p, e, tc, frag, acc);
+  } else {
+    epilogue_activation<T, BN>(p, e, maps, ts, staged, tc, frag, acc);
+  }
 }
 
 // Two schedules for the consumer warpgroups (the producer is the same):
@@ -66,7 +73,7 @@ __device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const Epilo
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ TmaDescriptor bmap,
-                        const __grid_constant__ EpilogueParams e) {
+                        const __grid_constant__ EpilogueParams e, const __grid_constant__ EpilogueMaps maps) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // full[s]: every producer thread's cp.async arrival + the TMA expect_tx.
@@ -77,6 +84,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     produce<T, BN, BMajor>(p, bmap, ring);
   } else {
     regs_alloc<kConsumerRegs>();
+    TileStore ts = TileStore::make(ring.staging, wg - 1);
     const int32_t E = p.sched.num_experts, cb = column_blocks(p.n, p.gated, BN);
     const int num_kb = (p.k + kBlockK - 1) / kBlockK;
     const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
@@ -91,8 +99,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t it = static_cast<uint32_t>(j * num_kb);
         consume_tile<T, BN, BMajor, Major::kK, 2>(ring, 0, num_kb, it, acc);
         if (threadIdx.x % 128 == 0) cuda::ptx::mbarrier_arrive(&ring.turn[me ^ 1]);
-        epilogue<T, BN, Epi>(p, e, tc, 0, acc[0]);
-        epilogue<T, BN, Epi>(p, e, tc, 1, acc[1]);
+        epilogue<T, BN, Epi>(p, e, maps, ts, tc, 0, acc[0]);
+        epilogue<T, BN, Epi>(p, e, maps, ts, tc, 1, acc[1]);
       }
     } else {
       uint32_t it = 0;
@@ -100,11 +108,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
         const TileCoord tc = decode_tile(w, p.sched.offsets, p.sched.rb_prefix, E, kBlockM, cb);
         consume_tile<T, BN, BMajor>(ring, wg - 1, num_kb, it, acc);
-        epilogue<T, BN, Epi>(p, e, tc, wg - 1, acc[0]);
+        epilogue<T, BN, Epi>(p, e, maps, ts, tc, wg - 1, acc[0]);
       }
     }
+    ts.drain();
   }
 #endif
+}
+
+// The TMA store maps of the epilogue's outputs; enabled only when every output it writes can be
+// addressed by TMA (16-byte aligned, row strides multiples of 16 bytes).
+EpilogueMaps epilogue_maps(DType dt, const GroupedGemmParams& p, const EpilogueParams& e) {
+  EpilogueMaps m;
+  if (!staged_epilogue_allowed() || p.sched.m_total <= 0) return m;
+  const int64_t act_rows = e.act_out_rows ? e.act_out_rows : p.sched.m_total;
+  const int64_t pre_rows = e.pre_out_rows ? e.pre_out_rows : p.sched.m_total;
+  bool ok;
+  if (e.kind == EpilogueKind::kStore) {
+    ok = output_tensor_map(dt, e.c, p.sched.m_total, p.n, 1, e.ldc, &m.out);
+  } else {
+    ok = e.act || e.pre;
+    if (e.act) ok = ok && output_tensor_map(dt, e.act, act_rows, p.n, 1, e.ld_act, &m.out);
+    if (e.pre) ok = ok && output_tensor_map(dt, e.pre, pre_rows, p.n, p.gated ? 2 : 1, e.ld_pre, &m.pre);
+  }
+  m.enabled = ok;
+  return m;
 }
 
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
@@ -114,7 +142,7 @@ void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s)
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound);
   const TmaDescriptor bmap = weight_tensor_map(Elem<T>::kType, p, tile_columns(p.gated, BN));
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, bmap, e);
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, bmap, e, epilogue_maps(Elem<T>::kType, p, e));
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -28,6 +28,7 @@ struct StageRing {
   uint64_t* full;   // [stages]
   uint64_t* empty;  // [stages]
   uint64_t* turn;   // [2] ping-pong: warpgroup w may start its next tile's MMAs when turn[w] completes
+  uint8_t* staging; // the epilogue's staging boxes (TileConfig::kStagingBytes, 1024-byte aligned)
 };
 
 // Carves the ring from the dynamic shared memory (TileConfig<BN>::kSmemBytes) and initialises
@@ -41,7 +42,8 @@ __device__ __forceinline__ StageRing init_ring(uint8_t* smem_raw, uint32_t full_
   StageRing ring;
   ring.ptr = smem;
   ring.base = smem_addr(smem);
-  ring.full = reinterpret_cast<uint64_t*>(smem + Cfg::kStages * Cfg::kStageBytes);
+  ring.staging = smem + Cfg::kStages * Cfg::kStageBytes;
+  ring.full = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes);
   ring.empty = ring.full + Cfg::kStages;
   ring.turn = ring.empty + Cfg::kStages;
   if (threadIdx.x == 0) {

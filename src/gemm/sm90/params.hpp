@@ -69,11 +69,27 @@ struct EpilogueParams {
   int64_t ld_pre = 0;
   void* act = nullptr;  // kActivation: [m_total, ld_act]
   int64_t ld_act = 0;
-  // kActivation: optional row maps. Row p of the problem is stored at pre row pre_rows[p] and act
-  // row act_rows[p] instead of p: a window of the layer writes its saved tensors at the
-  // positions of the whole call's plan (engines/fused/window.hpp).
-  const int32_t* pre_rows = nullptr;
-  const int32_t* act_rows = nullptr;
+  // kActivation: where pre's and act's rows lie. Row p of the problem is row p of the output by
+  // default; with pre_expert_row (act_expert_row), row p of expert e is stored at row
+  // pre_expert_row[e] + (p - offsets[e]): a window of the layer writes its saved tensors at the
+  // positions of the whole call's plan, where each expert's window rows are consecutive
+  // (routing/window_plan_cuda.hpp). pre_out_rows and act_out_rows are the outputs' row counts
+  // (0: m_total); rows at or past them are never written, whatever the arrays hold.
+  const int32_t* pre_expert_row = nullptr;
+  const int32_t* act_expert_row = nullptr;
+  int32_t pre_out_rows = 0;
+  int32_t act_out_rows = 0;
+};
+
+// The epilogue's TMA store maps, encoded on the host per launch (gemm/sm90/tensor_map.hpp). With
+// `enabled`, a tile whose 128 rows all belong to its expert stages its outputs in shared memory
+// and stores them by TMA (gemm/sm90/epilogue_tma.cuh), the stores draining while the next tile's
+// MMAs run; the last tile of each expert, and every tile without `enabled` (an output TMA cannot
+// address), stores from registers.
+struct EpilogueMaps {
+  TmaDescriptor out;  // kStore: C [rows][n]; kActivation: act [rows][n]
+  TmaDescriptor pre;  // kActivation: pre, [rows][2][n] when gated (clipped at n per half)
+  int32_t enabled = 0;
 };
 
 // The weight-gradient shape (varlen K): for every expert e, over its positions

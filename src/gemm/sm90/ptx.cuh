@@ -1,5 +1,5 @@
 // Hopper (sm_90a) device primitives of the grouped GEMM: shared-memory matrix descriptors,
-// warpgroup MMA control, cp.async with zero fill, and mbarrier waits. mbarrier and proxy
+// warpgroup MMA control, cp.async with zero fill, mbarrier waits, stmatrix and named barriers. mbarrier and proxy
 // fences come from the Toolkit's CCCL (cuda::ptx); wgmma and cp.async are inline PTX. Included
 // only by sources compiled for sm_90a.
 #pragma once
@@ -55,6 +55,29 @@ template <int N>
 __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+// Four 8 x 8 b16 matrices to shared memory: register j holds this thread's pair of matrix j in the
+// MMA fragment layout (row lane / 4, columns 2 (lane % 4), +1); lanes 8 j .. 8 j + 7 give the
+// addresses of matrix j's eight 16-byte rows.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1), "r"(r2),
+               "r"(r3)
+               : "memory");
+}
+
+// The same with each 8 x 8 matrix transposed on the way: lanes 8 j .. 8 j + 7 address the rows of
+// the transposed matrix j (its columns in the fragment).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// A barrier among `threads` threads (a warpgroup: 128) on hardware barrier `id` (1..15; 0 is
+// __syncthreads').
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <uint32_t Regs>

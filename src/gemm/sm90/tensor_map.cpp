@@ -4,6 +4,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -30,8 +31,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
 }
 
 // Encodes a 2- or 3-D bf16/fp16 map with 128-byte swizzle and zero fill past the tensor.
-TmaDescriptor encode(DType dt, const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* byte_strides,
-                     const cuuint32_t* box, const char* what) {
+CUresult try_encode(DType dt, const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* byte_strides,
+                    const cuuint32_t* box, TmaDescriptor* out) {
   static_assert(sizeof(CUtensorMap) == sizeof(TmaDescriptor), "TmaDescriptor holds a CUtensorMap");
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   CUtensorMap map;
@@ -39,11 +40,17 @@ TmaDescriptor encode(DType dt, const void* data, int rank, const cuuint64_t* dim
                                rank, const_cast<void*>(data), dims, byte_strides, box, elem_strides,
                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r == CUDA_SUCCESS) std::memcpy(out->bytes, &map, sizeof(map));
+  return r;
+}
+
+TmaDescriptor encode(DType dt, const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* byte_strides,
+                     const cuuint32_t* box, const char* what) {
+  TmaDescriptor d;
+  const CUresult r = try_encode(dt, data, rank, dims, byte_strides, box, &d);
   if (r != CUDA_SUCCESS)
     fail(Status::kNotSupported, "cuTensorMapEncodeTiled rejected the %s layout (error %d): strides must be "
          "multiples of 16 bytes and below 2^40", what, static_cast<int>(r));
-  TmaDescriptor d;
-  std::memcpy(d.bytes, &map, sizeof(map));
   return d;
 }
 
@@ -64,6 +71,43 @@ TmaDescriptor rows_tensor_map(DType dt, const void* data, int64_t rows, int64_t 
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
   const cuuint32_t box[2] = {64, 64};
   return encode(dt, data, 2, dims, strides, box, "weight-gradient operand");
+}
+
+// TMA store maps: 16-byte aligned data, strides multiples of 16 bytes, int32 coordinates.
+bool storable(const void* data, int64_t rows, int64_t cols, int64_t ld) {
+  return data && rows > 0 && cols > 0 && reinterpret_cast<uintptr_t>(data) % 16 == 0 && (ld * 2) % 16 == 0 &&
+         (cols * 2) % 16 == 0 && rows < (int64_t{1} << 31);
+}
+
+bool output_tensor_map(DType dt, void* data, int64_t rows, int64_t cols, int halves, int64_t ld, TmaDescriptor* out) {
+  if (!storable(data, rows, cols, ld)) return false;
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2), static_cast<cuuint64_t>(ld * 2)};
+  if (halves == 1) {  // [rows][cols]
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+    const cuuint32_t box[2] = {64, 64};
+    return try_encode(dt, data, 2, dims, strides + 1, box, out) == CUDA_SUCCESS;
+  }
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(halves), static_cast<cuuint64_t>(rows)};
+  const cuuint32_t box[3] = {64, 1, 64};
+  return try_encode(dt, data, 3, dims, strides, box, out) == CUDA_SUCCESS;
+}
+
+bool expert_matrices_tensor_map(DType dt, void* data, int64_t experts, int64_t rows, int64_t cols, int64_t ld,
+                                int64_t expert_stride, TmaDescriptor* out) {
+  if (!storable(data, rows, cols, ld) || experts <= 0 || (expert_stride * 2) % 16) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(experts)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld * 2), static_cast<cuuint64_t>(expert_stride * 2)};
+  const cuuint32_t box[3] = {64, 64, 1};
+  return try_encode(dt, data, 3, dims, strides, box, out) == CUDA_SUCCESS;
+}
+
+bool staged_epilogue_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("MOEBLAZE_SM90_EPILOGUE");
+    const char* init = std::getenv("MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS");
+    return !(v && !std::strcmp(v, "registers")) && !(init && !std::strcmp(init, "1"));
+  }();
+  return allowed;
 }
 
 }  // namespace sm90

@@ -19,6 +19,24 @@ TmaDescriptor weight_tensor_map(DType dt, const GroupedGemmParams& p, int box_ro
 // weight-gradient operands that lie in expert order (dpre, g act). rows >= 1.
 TmaDescriptor rows_tensor_map(DType dt, const void* data, int64_t rows, int64_t cols, int64_t ld);
 
+// The store map of an epilogue output [rows][halves][cols] (row stride ld elements; gated pre
+// has two halves of cols columns side by side, so each half clips at cols): 64 x 64 boxes with
+// 128-byte swizzle, rank 2 for one half, else rank 3 (boxes of one half). False, without
+// failing, where TMA cannot address the output (not 16-byte aligned, strides not multiples of
+// 16 bytes, no rows): the epilogue then stores from registers.
+bool output_tensor_map(DType dt, void* data, int64_t rows, int64_t cols, int halves, int64_t ld, TmaDescriptor* out);
+
+// The same for `experts` matrices [rows][cols] of row stride ld, expert_stride elements apart
+// (the weight gradients): rank 3, 64 x 64 x 1 boxes, clipped at each expert's rows and cols.
+bool expert_matrices_tensor_map(DType dt, void* data, int64_t experts, int64_t rows, int64_t cols, int64_t ld,
+                                int64_t expert_stride, TmaDescriptor* out);
+
+// Whether the epilogues may stage full tiles to TMA stores: yes, unless
+// MOEBLAZE_SM90_EPILOGUE=registers (a measurement knob, perf/NOTES.md, not part of the API) or
+// MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS=1 (compute-sanitizer's initcheck does not see TMA bulk
+// stores, gemm/cublaslt.hpp; under it every output is stored from registers). Read once.
+bool staged_epilogue_allowed();
+
 }  // namespace sm90
 }  // namespace gemm
 }  // namespace v0

@@ -17,6 +17,11 @@ constexpr int kThreads = 384;        // producer warpgroup + two consumer warpgr
 constexpr int kProducerRegs = 72;    // setmaxnreg split: 128 * 72 + 256 * 216 <= 64K (56 spills the gather loop)
 constexpr int kConsumerRegs = 216;
 
+// A staging box: 64 rows of 64 bf16/fp16 (128 bytes, swizzled as TMA's SWIZZLE_128B box), two per
+// consumer warpgroup so one is filled while the other's TMA store reads it.
+constexpr int kStagingBoxBytes = 64 * 128;
+constexpr int kStagingBoxes = 4;
+
 // Output columns a tile covers: BN, or BN/2 of each half when gated (gate and up columns
 // side by side); and the column blocks of an n-column problem.
 MOEBLAZE_HD int32_t tile_columns(int32_t gated, int bn) { return gated ? bn / 2 : bn; }
@@ -32,9 +37,12 @@ struct TileConfig {
   static constexpr int kBBytes = BN * kBlockK * 2;       // 16 or 32 KB
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = BN == 256 ? 4 : 6;      // 192 KB of operands either way
+  // The epilogue's staging boxes (gemm/sm90/epilogue_tma.cuh): two 64 x 64 boxes per consumer
+  // warpgroup, 32 KB.
+  static constexpr int kStagingBytes = kStagingBoxes * kStagingBoxBytes;
   // + 1 KB to align the stages to the 1024-byte swizzle atom, + the stage barriers and the two
-  // ping-pong turn barriers.
-  static constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8 + 2 * 8;
+  // ping-pong turn barriers: 230,480 bytes of the 232,448 a block may have.
+  static constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 + 2 * kStages * 8 + 2 * 8;
 };
 
 }  // namespace sm90

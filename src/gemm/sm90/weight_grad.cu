@@ -18,7 +18,8 @@ constexpr int kWeightGradBlockN = 256;
 
 template <class T, int BN, bool TmaA, bool TmaB>
 __global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_constant__ WeightGradParams p,
-                                                                      const __grid_constant__ WeightGradMaps maps) {
+                                                                      const __grid_constant__ WeightGradMaps maps,
+                                                                      const __grid_constant__ EpilogueMaps out_maps) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // full[s]: every producer thread's cp.async arrival + thread 0's (with the TMA bytes, if any).
@@ -29,6 +30,7 @@ __global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_c
     produce_weight_grad<T, BN, TmaA, TmaB>(p, maps, ring);
   } else {
     regs_alloc<kConsumerRegs>();
+    TileStore ts = TileStore::make(ring.staging, wg - 1);
     const int32_t mb = (p.m + kBlockM - 1) / kBlockM, nb = (p.n + BN - 1) / BN;
     const int64_t total = static_cast<int64_t>(p.sched.num_experts) * mb * nb;
     uint32_t it = 0;
@@ -37,10 +39,22 @@ __global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_c
       const WeightGradTile tile = decode_weight_grad_tile<BN>(p, w);
       const int num_kb = weight_grad_k_blocks(tile);
       consume_tile<T, BN, Major::kMN, Major::kMN>(ring, wg - 1, num_kb, it, acc);
-      epilogue_weight_grad<T, BN>(p, tile.expert, tile.m0, tile.n0, num_kb, wg - 1, acc[0]);
+      epilogue_weight_grad<T, BN>(p, out_maps, ts, tile.expert, tile.m0, tile.n0, num_kb, wg - 1, acc[0]);
     }
+    ts.drain();
   }
 #endif
+}
+
+// The gradient's TMA store map, [E][m][n] (transposed: [E][n][m]) with row stride ldc, for the
+// plain mode (no accumulate, no fp32 partial sums) when TMA can address it; else the epilogue
+// stores from registers.
+EpilogueMaps gradient_maps(DType dt, const WeightGradParams& p) {
+  EpilogueMaps m;
+  if (!staged_epilogue_allowed() || p.accumulate || p.acc32) return m;
+  const int64_t rows = p.c_transposed ? p.n : p.m, cols = p.c_transposed ? p.m : p.n;
+  m.enabled = expert_matrices_tensor_map(dt, p.c, p.sched.num_experts, rows, cols, p.ldc, p.c_expert_stride, &m.out);
+  return m;
 }
 
 template <class T, bool TmaA, bool TmaB>
@@ -50,7 +64,7 @@ void launch(const WeightGradParams& p, const WeightGradMaps& maps, cudaStream_t 
   auto* kernel = weight_grad_kernel<T, BN, TmaA, TmaB>;
   const int64_t tiles = static_cast<int64_t>(p.sched.num_experts) * ((p.m + kBlockM - 1) / kBlockM) * ((p.n + BN - 1) / BN);
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, tiles);
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, maps);
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, maps, gradient_maps(Elem<T>::kType, p));
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 
