@@ -389,7 +389,11 @@ static void compare(const char* what, step* g, step* c, const gcase* gc) {
     tu_to_f64(*tg[i].host, tg[i].dt, n, a);
     tu_to_f64(*tcpu[i].host, tcpu[i].dt, n, b);
     double err = tu_rel_err(a, b, n);
-    const double tol = tu_tol(gc->layer.act_dtype);
+    /* The router gradients pass through the softmax backward, p (g - <p, g>), which cancels:
+     * in fp32 a 4-element dlogits at L = 1 differed by 1.8e-5 relative (summation order alone,
+     * seed 1882707380143276), so they get ten times the fp32 tolerance; bf16/fp16 keep theirs. */
+    const int router_grad = i == T_DLOG || i == T_DWG;
+    const double tol = tu_tol(gc->layer.act_dtype) * (router_grad && tu_dtype_eq(gc->layer.act_dtype, tu_f32) ? 10 : 1);
     free(a);
     free(b);
     if (!(err <= tol)) fail_msg("%s: %s rel err %.3e > %.1e", what, names[i], err, tol);
