@@ -5,7 +5,7 @@
 // experts (their gradient is zero, or left alone when accumulating); accumulate onto random
 // values; C stored transposed (with accumulate); out-of-range indices (zero rows); an expert with thousands of positions (the stage
 // ring wraps across tiles); bitwise determinism; padded gradient rows, stored by TMA and from
-// registers, bitwise equal. Exits 77 (skipped) without an sm_90 GPU.
+// registers, bitwise equal; sums over token windows in fp32, staged and from registers. Exits 77 (skipped) without an sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
 
 #include "gemm/sm90/weight_grad.hpp"
@@ -34,6 +34,8 @@ struct WgShape {
   bool accumulate, bad_indices;
   bool transposed = false;  // C_e stored [n, m] (dW_down as the engine computes it)
   int ld_pad = 0;           // extra elements per row of C_e (2: TMA cannot store it; registers do)
+  int windows = 1;          // launches over consecutive position ranges, summed in fp32 (acc32)
+  bool sums_misaligned = false;  // acc32 8- but not 16-byte aligned: its windows store from registers
 };
 
 // ref[e, i, j] = init[e, i, j] (accumulate) + sum over the expert's positions of A[ra, i] B[rb, j].
@@ -80,10 +82,11 @@ Result run(const WgShape& s, DType dt, uint64_t seed) {
   const int64_t c_rows = s.transposed ? s.n : s.m, ldc = (s.transposed ? s.m : s.n) + s.ld_pad, c_stride = c_rows * ldc;
   const int64_t c_alloc = s.E * c_stride;
   auto c_at = [&](int64_t e, int64_t i, int64_t j) { return e * c_stride + (s.transposed ? j * ldc + i : i * ldc + j); };
-  int32_t *d_off, *d_idx;
+  int32_t *d_off, *d_off_w, *d_idx;
   void *d_a, *d_b, *d_c, *d_sched;
   float *d_ref, *d_init = nullptr;
   GGP_CK(cudaMalloc(&d_off, 4 * (s.E + 1)));
+  GGP_CK(cudaMalloc(&d_off_w, 4 * (s.E + 1)));
   GGP_CK(cudaMalloc(&d_idx, 4 * idx.size()));
   GGP_CK(cudaMalloc(&d_a, 2 * std::max<int64_t>(a_rows * s.m, 1)));
   GGP_CK(cudaMalloc(&d_b, 2 * std::max<int64_t>(b_rows * s.n, 1)));
@@ -118,25 +121,45 @@ Result run(const WgShape& s, DType dt, uint64_t seed) {
                                           bi, b_rows, d_off, s.m, s.n, d_init, d_ref);
   GGP_CK(cudaGetLastError());
 
-  sm90::WeightGradParams p;
-  p.sched = sm90::make_schedule(d_off, s.E, s.positions, d_sched, nullptr);
-  p.m = s.m;
-  p.n = s.n;
-  p.a = d_a;
-  p.lda = s.m;
-  p.a_index = ai;
-  p.a_rows = static_cast<int32_t>(a_rows);
-  p.b = d_b;
-  p.ldb = s.n;
-  p.b_index = bi;
-  p.b_rows = static_cast<int32_t>(b_rows);
-  p.c = d_c;
-  p.ldc = ldc;
-  p.c_expert_stride = c_stride;
-  p.c_transposed = s.transposed;
-  p.accumulate = s.accumulate;
-  sm90::weight_grad(dt, p, nullptr);
+  // Window w covers positions [P w / W, P (w + 1) / W): the experts' ranges clipped to it, the
+  // expert-order operand from its first row, the index list from its first position.
+  const int64_t a_es = 2 * s.m, b_es = 2 * s.n;  // bytes per operand row
+  float* d_sums = nullptr;
+  if (s.windows > 1) {
+    GGP_CK(cudaMalloc(&d_sums, 4 * c_elems + 16));
+    GGP_CK(cudaMemset(d_sums, 0xFF, 4 * c_elems + 16));  // NaN: the first window writes every sum
+  }
+  for (int w = 0; w < s.windows; ++w) {
+    const int64_t start = s.positions * w / s.windows, end = s.positions * (w + 1) / s.windows;
+    std::vector<int32_t> off_w(s.E + 1);
+    for (int e = 0; e <= s.E; ++e) off_w[e] = static_cast<int32_t>(std::clamp<int64_t>(off[e], start, end) - start);
+    GGP_CK(cudaMemcpy(d_off_w, off_w.data(), 4 * off_w.size(), cudaMemcpyHostToDevice));
+    sm90::WeightGradParams p;
+    p.sched = sm90::make_schedule(s.windows > 1 ? d_off_w : d_off, s.E, end - start, d_sched, nullptr);
+    p.m = s.m;
+    p.n = s.n;
+    p.a = static_cast<const char*>(d_a) + (s.gather_a ? 0 : start * a_es);
+    p.lda = s.m;
+    p.a_index = ai ? ai + start : nullptr;
+    p.a_rows = static_cast<int32_t>(s.gather_a ? a_rows : end - start);
+    p.b = static_cast<const char*>(d_b) + (s.gather_a ? start * b_es : 0);
+    p.ldb = s.n;
+    p.b_index = bi ? bi + start : nullptr;
+    p.b_rows = static_cast<int32_t>(s.gather_a ? end - start : b_rows);
+    p.c = d_c;
+    p.ldc = ldc;
+    p.c_expert_stride = c_stride;
+    p.c_transposed = s.transposed;
+    p.accumulate = s.accumulate;
+    if (s.windows > 1) {
+      p.acc32 = d_sums + (s.sums_misaligned ? 2 : 0);
+      p.acc32_load = w > 0;
+      p.acc32_store = w + 1 < s.windows;
+    }
+    sm90::weight_grad(dt, p, nullptr);
+  }
   GGP_CK(cudaDeviceSynchronize());
+  cudaFree(d_sums);
 
   Result r;
   std::vector<uint16_t> stored(c_alloc);
@@ -159,7 +182,7 @@ Result run(const WgShape& s, DType dt, uint64_t seed) {
     den += double(ref[i]) * ref[i];
   }
   r.rel_err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  cudaFree(d_off); cudaFree(d_idx); cudaFree(d_a); cudaFree(d_b); cudaFree(d_c); cudaFree(d_ref); cudaFree(d_sched);
+  cudaFree(d_off); cudaFree(d_off_w); cudaFree(d_idx); cudaFree(d_a); cudaFree(d_b); cudaFree(d_c); cudaFree(d_ref); cudaFree(d_sched);
   cudaFree(d_init);
   return r;
 }
@@ -169,9 +192,9 @@ double tolerance(DType dt) { return dt == DType::kBF16 ? 1e-2 : 2e-3; }
 void expect(const WgShape& s, DType dt, uint64_t seed) {
   const Result r = run(s, dt, seed);
   if (r.rel_err > tolerance(dt) || r.unwritten)
-    std::printf("wgrad P=%lld E=%d m=%d n=%d gather_a=%d skew=%g acc=%d transposed=%d %s: rel %.3g unwritten %lld\n",
+    std::printf("wgrad P=%lld E=%d m=%d n=%d gather_a=%d skew=%g acc=%d transposed=%d windows=%d %s: rel %.3g unwritten %lld\n",
                 static_cast<long long>(s.positions), s.E, s.m, s.n, s.gather_a, s.skew, s.accumulate, s.transposed,
-                dtype_name(dt),
+                s.windows, dtype_name(dt),
                 r.rel_err, static_cast<long long>(r.unwritten));
   assert_true(r.rel_err <= tolerance(dt));
   assert_int_equal(r.unwritten, 0);
@@ -232,6 +255,31 @@ void staged_matches_registers(void**) {
   }
 }
 
+// The fused engine's token windows: the sums over 2-4 windows in fp32 (stored, then added by TMA
+// reductions, the last window adding them before it rounds) against the one-launch reference,
+// and bitwise equal to the same windows with the sums stored from registers (acc32 not 16-byte
+// aligned); plain, transposed, accumulate, skewed with empty experts, tails.
+void windowed_sums(void**) {
+  uint64_t seed = 501;
+  const WgShape shapes[] = {
+      {4096, 1024, 8, 256, 512, true, 0.0, false, false, false, 0, 3},
+      {3000, 700, 5, 136, 520, true, 1.2, false, false, false, 0, 2},
+      {2500, 600, 6, 264, 200, true, 0.0, false, false, true, 0, 4},   // dW_down-like, transposed
+      {2000, 500, 6, 136, 264, true, -1.0, true, false, false, 0, 3},  // accumulate, one expert
+      {2000, 500, 4, 128, 256, false, 0.7, true, false, true, 0, 2},
+  };
+  for (const WgShape& base : shapes)
+    for (DType dt : kTypes) {
+      WgShape s = base;
+      expect(s, dt, seed);
+      const Result staged = run(s, dt, seed);
+      s.sums_misaligned = true;
+      const Result registers = run(s, dt, seed);
+      assert_true(staged.bits == registers.bits);
+      ++seed;
+    }
+}
+
 void deterministic(void**) {
   const WgShape s{6000, 1500, 8, 136, 520, true, 0.8, false, false};
   const Result a = run(s, DType::kBF16, 5), b = run(s, DType::kBF16, 5), c = run(s, DType::kBF16, 5);
@@ -254,6 +302,7 @@ int main() {
       cmocka_unit_test(long_reduction_and_tiny),
       cmocka_unit_test(deterministic),
       cmocka_unit_test(staged_matches_registers),
+      cmocka_unit_test(windowed_sums),
   };
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

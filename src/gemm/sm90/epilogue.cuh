@@ -263,21 +263,56 @@ __device__ __forceinline__ void weight_grad_tile_stores(const WeightGradParams& 
 }
 
 // A weight-gradient tile stored by TMA (EpilogueMaps::out over [E][m][n], or [E][n][m] when
-// transposed, clipped at m and n): the plain mode only (no accumulate, no fp32 partial sums),
-// every tile, partial ones included, since the map's bounds are the expert's.
-template <class T, int BN, bool Transposed>
+// transposed, clipped at m and n): every tile, partial ones included, since the map's bounds are
+// the expert's. Load32 (the last of several token windows): the fp32 sums of the earlier windows
+// (c32: the expert's [m][n]) are added before rounding, read from registers' own positions.
+template <class T, int BN, bool Transposed, bool Load32>
 __device__ __forceinline__ void weight_grad_staged(const TmaDescriptor& map, TileStore& ts, int32_t expert, int32_t m0,
-                                                   int32_t n0, int32_t n, int frag, const float (&acc)[BN / 2]) {
+                                                   int32_t n0, int32_t m, int32_t n, int frag, const float* c32,
+                                                   const float (&acc)[BN / 2]) {
   const int32_t i0 = m0 + 64 * frag;
+  if (i0 >= m) return;  // the tile's second half lies past the gradient's rows
+  const int lane = threadIdx.x & 31, row = i0 + 16 * ((threadIdx.x / 32) & 3) + lane / 4;
 #pragma unroll
   for (int b = 0; b < BN / 64; ++b) {
+    if (n0 + 64 * b >= n) continue;
+    float2 old[8][2];  // the earlier windows' sums under this thread's pairs of the box
+    if constexpr (Load32) {
+#pragma unroll
+      for (int g = 0; g < 8; ++g)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int32_t i = row + 8 * half, j = n0 + 64 * b + 8 * g + 2 * (lane & 3);
+          old[g][half] = i < m && j < n ? *reinterpret_cast<const float2*>(c32 + static_cast<int64_t>(i) * n + j)
+                                        : make_float2(0.f, 0.f);
+        }
+    }
     auto pair = [&](int g, int half) {
       const int q = staged_acc(b, g, half);
-      return Elem<T>::pack2(acc[q], acc[q + 1]);
+      if constexpr (Load32) return Elem<T>::pack2(acc[q] + old[g][half].x, acc[q + 1] + old[g][half].y);
+      else return Elem<T>::pack2(acc[q], acc[q + 1]);
     };
-    if (n0 + 64 * b >= n) continue;
     if constexpr (Transposed) ts.box_transposed(map, {i0, n0 + 64 * b, expert}, pair);
     else ts.box(map, {n0 + 64 * b, i0, expert}, pair);
+  }
+}
+
+// A weight-gradient tile's fp32 sum over a token window, staged to the sums' [E][m][n] map:
+// stored (the first window) or, Reduce, added to the earlier windows' sums by TMA reductions,
+// which drain under the next tile's MMAs like any staged store.
+template <int BN, bool Reduce>
+__device__ __forceinline__ void weight_grad_sums_staged(const TmaDescriptor& map, TileStore& ts, int32_t expert,
+                                                        int32_t m0, int32_t n0, int32_t m, int32_t n, int frag,
+                                                        const float (&acc)[BN / 2]) {
+  const int32_t i0 = m0 + 64 * frag;
+  if (i0 >= m) return;
+#pragma unroll
+  for (int b = 0; b < BN / 32; ++b) {  // boxes of 32 fp32 columns: column groups 4 b .. 4 b + 3
+    if (n0 + 32 * b >= n) continue;
+    ts.box_f32<Reduce>(map, {n0 + 32 * b, i0, expert}, [&](int g, int half) {
+      const int q = staged_acc(0, 4 * b + g, half);
+      return make_float2(acc[q], acc[q + 1]);
+    });
   }
 }
 
@@ -291,11 +326,23 @@ template <class T, int BN>
 __device__ __forceinline__ void epilogue_weight_grad(const WeightGradParams& p, const EpilogueMaps& maps, TileStore& ts,
                                                      int32_t expert, int32_t m0, int32_t n0, int num_kb, int wg,
                                                      const float (&acc)[BN / 2]) {
-  if (maps.enabled) {  // the host enables it for the plain mode only
-    with_flag(p.c_transposed, [&](auto tr) { weight_grad_staged<T, BN, decltype(tr)::value>(maps.out, ts, expert, m0, n0, p.n, wg, acc); });
+  const bool load32 = p.acc32 && p.acc32_load, store32 = p.acc32 && p.acc32_store;
+  if (maps.enabled) {  // the host enables it for every mode but accumulate (without store32)
+    if (store32) {
+      with_flag(load32, [&](auto red) {
+        weight_grad_sums_staged<BN, decltype(red)::value>(maps.out, ts, expert, m0, n0, p.m, p.n, wg, acc);
+      });
+      return;
+    }
+    const float* c32 = load32 ? p.acc32 + static_cast<int64_t>(expert) * p.m * p.n : nullptr;
+    with_flag(p.c_transposed, [&](auto tr) {
+      with_flag(load32, [&](auto l32) {
+        weight_grad_staged<T, BN, decltype(tr)::value, decltype(l32)::value>(maps.out, ts, expert, m0, n0, p.m, p.n, wg,
+                                                                             c32, acc);
+      });
+    });
     return;
   }
-  const bool load32 = p.acc32 && p.acc32_load, store32 = p.acc32 && p.acc32_store;
   if (p.accumulate && num_kb == 0 && !load32 && !store32) return;
   T* C = static_cast<T*>(p.c) + static_cast<int64_t>(expert) * p.c_expert_stride;
   float* C32 = p.acc32 + static_cast<int64_t>(expert) * p.m * p.n;

@@ -48,28 +48,62 @@ struct TileStore {
     stage<true>(map, coords, pair);
   }
 
+  // Stages one box of 64 rows x 32 fp32 columns (the fp32 sums of a weight gradient over token
+  // windows) and stores it at `coords` of `map` or, Reduce, adds it there (TMA's reduction: the
+  // adds happen in L2, each element once per launch, in launch order, so the sum stays
+  // deterministic). pair(g, half) gives this thread's fp32 pair of column group g (columns
+  // 8 g + 2 (lane % 4), +1 of the box, g < 4) in its row 16 warp + lane / 4 (+ 8 for half 1).
+  template <bool Reduce, int Rank, class Pair>
+  __device__ __forceinline__ void box_f32(const TmaDescriptor& map, const int32_t (&coords)[Rank], Pair&& pair) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    put([&](uint32_t base) {
+      // a pair is 8 bytes of a 16-byte chunk; a warp's 8 rows x 32 bytes take two wavefronts
+#pragma unroll
+      for (int g = 0; g < 4; ++g)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          st_shared_v2(base + sw128_offset(warp * 16 + half * 8 + lane / 4, 2 * g + ((lane & 3) >> 1)) + 8 * (lane & 1),
+                       pair(g, half));
+    }, [&](const uint8_t* b) {
+      if constexpr (Reduce)
+        cuda::ptx::cp_reduce_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, cuda::ptx::op_add, &map,
+                                               coords, b);
+      else cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &map, coords, b);
+    });
+  }
+
   template <bool Transposed, int Rank, class Pair>
   __device__ __forceinline__ void stage(const TmaDescriptor& map, const int32_t (&coords)[Rank], Pair&& pair) {
-    uint8_t* b = buf + (count & 1) * kStagingBoxBytes;
-    const uint32_t base = smem_addr(b);
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, j = lane / 8;
-    // stmatrix's four matrices: groups g and g + 1 (j / 2), rows 0-7 and 8-15 (j % 2) of the
-    // warp's 16; lane addresses one 16-byte row of matrix j.
+    put([&](uint32_t base) {
+      // stmatrix's four matrices: groups g and g + 1 (j / 2), rows 0-7 and 8-15 (j % 2) of the
+      // warp's 16; lane addresses one 16-byte row of matrix j.
 #pragma unroll
-    for (int g = 0; g < 8; g += 2) {
-      if constexpr (Transposed) {  // box row: a fragment column; 16-byte chunk: 8 fragment rows
-        const uint32_t addr = base + sw128_offset(8 * (g + (j >> 1)) + (lane & 7), 2 * warp + (j & 1));
-        stmatrix_x4_trans(addr, pair(g, 0), pair(g, 1), pair(g + 1, 0), pair(g + 1, 1));
-      } else {
-        const uint32_t addr = base + sw128_offset(warp * 16 + (j & 1) * 8 + (lane & 7), g + (j >> 1));
-        stmatrix_x4(addr, pair(g, 0), pair(g, 1), pair(g + 1, 0), pair(g + 1, 1));
+      for (int g = 0; g < 8; g += 2) {
+        if constexpr (Transposed) {  // box row: a fragment column; 16-byte chunk: 8 fragment rows
+          const uint32_t addr = base + sw128_offset(8 * (g + (j >> 1)) + (lane & 7), 2 * warp + (j & 1));
+          stmatrix_x4_trans(addr, pair(g, 0), pair(g, 1), pair(g + 1, 0), pair(g + 1, 1));
+        } else {
+          const uint32_t addr = base + sw128_offset(warp * 16 + (j & 1) * 8 + (lane & 7), g + (j >> 1));
+          stmatrix_x4(addr, pair(g, 0), pair(g, 1), pair(g + 1, 0), pair(g + 1, 1));
+        }
       }
-    }
+    }, [&](const uint8_t* b) {
+      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &map, coords, b);
+    });
+  }
+
+  // One box: write(shared address of the free buffer) fills it, then the leader issues(buffer)
+  // its bulk store once the warpgroup is done writing.
+  template <class Write, class Issue>
+  __device__ __forceinline__ void put(Write&& write, Issue&& issue) {
+    uint8_t* b = buf + (count & 1) * kStagingBoxBytes;
+    write(smem_addr(b));
     cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // the generic writes, before TMA reads them
     if (leader) cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<0>{});
     named_barrier_sync(bar_id, 128);
     if (leader) {
-      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &map, coords, b);
+      issue(b);
       cuda::ptx::cp_async_bulk_commit_group();
     }
     ++count;

@@ -74,6 +74,11 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, ui
                : "memory");
 }
 
+// Two fp32 values to shared memory (8-byte aligned address).
+__device__ __forceinline__ void st_shared_v2(uint32_t addr, float2 v) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
+}
+
 // A barrier among `threads` threads (a warpgroup: 128) on hardware barrier `id` (1..15; 0 is
 // __syncthreads').
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {

@@ -30,14 +30,16 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
-// Encodes a 2- or 3-D bf16/fp16 map with 128-byte swizzle and zero fill past the tensor.
+// Encodes a 2- or 3-D bf16/fp16/fp32 map with 128-byte swizzle and zero fill past the tensor.
 CUresult try_encode(DType dt, const void* data, int rank, const cuuint64_t* dims, const cuuint64_t* byte_strides,
                     const cuuint32_t* box, TmaDescriptor* out) {
   static_assert(sizeof(CUtensorMap) == sizeof(TmaDescriptor), "TmaDescriptor holds a CUtensorMap");
   const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUtensorMapDataType type = dt == DType::kBF16  ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : dt == DType::kF32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   CUtensorMap map;
-  const CUresult r = encoder()(&map, dt == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                               rank, const_cast<void*>(data), dims, byte_strides, box, elem_strides,
+  const CUresult r = encoder()(&map, type, rank, const_cast<void*>(data), dims, byte_strides, box, elem_strides,
                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r == CUDA_SUCCESS) std::memcpy(out->bytes, &map, sizeof(map));
@@ -74,9 +76,9 @@ TmaDescriptor rows_tensor_map(DType dt, const void* data, int64_t rows, int64_t 
 }
 
 // TMA store maps: 16-byte aligned data, strides multiples of 16 bytes, int32 coordinates.
-bool storable(const void* data, int64_t rows, int64_t cols, int64_t ld) {
-  return data && rows > 0 && cols > 0 && reinterpret_cast<uintptr_t>(data) % 16 == 0 && (ld * 2) % 16 == 0 &&
-         (cols * 2) % 16 == 0 && rows < (int64_t{1} << 31);
+bool storable(const void* data, int64_t rows, int64_t cols, int64_t ld, int64_t elem_bytes = 2) {
+  return data && rows > 0 && cols > 0 && reinterpret_cast<uintptr_t>(data) % 16 == 0 && (ld * elem_bytes) % 16 == 0 &&
+         (cols * elem_bytes) % 16 == 0 && rows < (int64_t{1} << 31);
 }
 
 bool output_tensor_map(DType dt, void* data, int64_t rows, int64_t cols, int halves, int64_t ld, TmaDescriptor* out) {
@@ -94,10 +96,11 @@ bool output_tensor_map(DType dt, void* data, int64_t rows, int64_t cols, int hal
 
 bool expert_matrices_tensor_map(DType dt, void* data, int64_t experts, int64_t rows, int64_t cols, int64_t ld,
                                 int64_t expert_stride, TmaDescriptor* out) {
-  if (!storable(data, rows, cols, ld) || experts <= 0 || (expert_stride * 2) % 16) return false;
+  const int64_t es = static_cast<int64_t>(dtype_size(dt));
+  if (!storable(data, rows, cols, ld, es) || experts <= 0 || (expert_stride * es) % 16) return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(experts)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld * 2), static_cast<cuuint64_t>(expert_stride * 2)};
-  const cuuint32_t box[3] = {64, 64, 1};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld * es), static_cast<cuuint64_t>(expert_stride * es)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / es), 64, 1};  // 128-byte rows
   return try_encode(dt, data, 3, dims, strides, box, out) == CUDA_SUCCESS;
 }
 

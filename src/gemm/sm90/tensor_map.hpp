@@ -27,7 +27,8 @@ TmaDescriptor rows_tensor_map(DType dt, const void* data, int64_t rows, int64_t 
 bool output_tensor_map(DType dt, void* data, int64_t rows, int64_t cols, int halves, int64_t ld, TmaDescriptor* out);
 
 // The same for `experts` matrices [rows][cols] of row stride ld, expert_stride elements apart
-// (the weight gradients): rank 3, 64 x 64 x 1 boxes, clipped at each expert's rows and cols.
+// (the weight gradients, bf16/fp16, and their fp32 sums over token windows): rank 3, boxes of
+// 64 rows x 128 bytes (64 x 64 x 1, fp32 32 x 64 x 1), clipped at each expert's rows and cols.
 bool expert_matrices_tensor_map(DType dt, void* data, int64_t experts, int64_t rows, int64_t cols, int64_t ld,
                                 int64_t expert_stride, TmaDescriptor* out);
 

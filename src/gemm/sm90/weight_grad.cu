@@ -46,12 +46,19 @@ __global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_c
 #endif
 }
 
-// The gradient's TMA store map, [E][m][n] (transposed: [E][n][m]) with row stride ldc, for the
-// plain mode (no accumulate, no fp32 partial sums) when TMA can address it; else the epilogue
-// stores from registers.
+// The epilogue's TMA store map where TMA can address the output; else it stores from registers.
+// A window that keeps fp32 sums (acc32_store) stages them to [E][m][n] fp32; otherwise the
+// gradient itself, [E][m][n] (transposed: [E][n][m]) with row stride ldc, unless accumulating
+// onto it (a read-modify-write of the caller's gradient stays with the registers).
 EpilogueMaps gradient_maps(DType dt, const WeightGradParams& p) {
   EpilogueMaps m;
-  if (!staged_epilogue_allowed() || p.accumulate || p.acc32) return m;
+  if (!staged_epilogue_allowed()) return m;
+  if (p.acc32 && p.acc32_store) {
+    m.enabled = expert_matrices_tensor_map(DType::kF32, p.acc32, p.sched.num_experts, p.m, p.n, p.n,
+                                           static_cast<int64_t>(p.m) * p.n, &m.out);
+    return m;
+  }
+  if (p.accumulate) return m;
   const int64_t rows = p.c_transposed ? p.n : p.m, cols = p.c_transposed ? p.m : p.n;
   m.enabled = expert_matrices_tensor_map(dt, p.c, p.sched.num_experts, rows, cols, p.ldc, p.c_expert_stride, &m.out);
   return m;
