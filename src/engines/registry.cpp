@@ -31,12 +31,12 @@ const char* fused_refuses(const LayerConfig& cfg, const cuda::DeviceInfo* info) 
   return fused_engine_refuses(cfg, info ? info->sm_major : 0);
 }
 
-// AUTO takes the fused engine where it was measured faster than cuBLASLt: many small experts
-// (H100, SwiGLU bf16 fwd+bwd, both engines in one session, perf/RESULTS.md "step 7": E = 128
-// with n = 256, 512 and 768 1.85x, 2.0x, 1.06x and 1.06x). Every measured shape with n >= 1024
-// at E >= 64, and the paper's coarse configs (E <= 16), is still faster on cuBLASLt (0.67-0.97x);
-// the one win left out, sonic_7B_n1024 (E = 32, 1.08x), is not worth a rule of its own.
-bool fused_auto(const LayerConfig& cfg) { return cfg.ffn_hidden <= 768 && cfg.num_experts >= 128; }
+// AUTO takes the fused engine where it was measured faster than cuBLASLt: fine-grained experts
+// (H100, SwiGLU bf16 fwd+bwd, both engines in one session, perf/RESULTS.md "step 9": every
+// measured layer with n <= 1024 and E >= 32, from 1.04x at n = 1024 to 2.5x at n = 256). The
+// measured layers with n >= 2048 (the paper's coarse configs, E <= 16, and E = 64 at n = 2048)
+// are still faster on cuBLASLt, whose per-expert GEMMs then have thousands of rows each.
+bool fused_auto(const LayerConfig& cfg) { return cfg.ffn_hidden <= 1024 && cfg.num_experts >= 32; }
 bool always(const LayerConfig&) { return true; }
 
 const char* cublaslt_refuses(const LayerConfig& cfg, const cuda::DeviceInfo*) {

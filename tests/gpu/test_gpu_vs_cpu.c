@@ -660,8 +660,8 @@ static void bad_caller_ids_write_nothing(void** state) {
   }
 }
 
-/* AUTO picks the fused engine on sm_90 for bf16/fp16 fine-grained layers (ffn_hidden <= 256,
- * E >= 128: where it was measured faster; src/engines/registry.cpp) and cuBLASLt otherwise; an
+/* AUTO picks the fused engine on sm_90 for bf16/fp16 fine-grained layers (ffn_hidden <= 1024,
+ * E >= 32: where it was measured faster; src/engines/registry.cpp) and cuBLASLt otherwise; an
  * explicit fused request is served on sm_90 for bf16/fp16 layers whose d and h are multiples of
  * 8, and otherwise fails with its reason. */
 static void auto_engine_choice(void** state) {
@@ -672,8 +672,9 @@ static void auto_engine_choice(void** state) {
   const struct { int64_t E, d, h; moeblaze_dtype_t dt; int fused_ok, fused_auto; } cases[] = {
       {8, 64, 32, tu_bf16, 1, 0},   {8, 64, 32, tu_f16, 1, 0},   {8, 64, 32, tu_f32, 0, 0},
       {8, 36, 32, tu_bf16, 0, 0},   {128, 64, 256, tu_bf16, 1, 1}, {128, 64, 256, tu_f16, 1, 1},
-      {128, 64, 256, tu_f32, 0, 0}, {128, 64, 768, tu_bf16, 1, 1}, {128, 64, 1024, tu_bf16, 1, 0},
-      {64, 64, 256, tu_bf16, 1, 0}, {128, 36, 256, tu_bf16, 0, 0}};
+      {128, 64, 256, tu_f32, 0, 0}, {128, 64, 768, tu_bf16, 1, 1}, {128, 64, 1024, tu_bf16, 1, 1},
+      {128, 64, 1032, tu_bf16, 1, 0}, {64, 64, 256, tu_bf16, 1, 1}, {32, 64, 1024, tu_f16, 1, 1},
+      {16, 64, 256, tu_bf16, 1, 0},  {128, 36, 256, tu_bf16, 0, 0}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
     tu_layer l = tu_layer_default(cases[i].E, 2, cases[i].d, cases[i].h, 64, MOEBLAZE_ACTIVATION_SWIGLU);
     l.act_dtype = l.weight_dtype = cases[i].dt;

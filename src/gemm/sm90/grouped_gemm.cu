@@ -209,16 +209,13 @@ ConsumerSchedule schedule_override() {
   return forced;
 }
 
-KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc) {
+KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind /*epilogue*/, KernelChoice kc) {
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
-  // Measured (perf/NOTES.md, ping-pong): ping-pong wins on store epilogues with short K (the
-  // fine-grained down GEMMs at K = 256..768, 2-18%), where the epilogue is a large share of a
-  // tile; from K = 1024 (sonic_30B's dx GEMM, its backward 3% slower), with long K (conf4's down
-  // GEMM, 27% slower) and on the activation epilogue (the up GEMMs, 5-40% slower) the
-  // cooperative 128 x 256 tile's higher reuse wins.
-  if (kc.schedule == ConsumerSchedule::kAuto)
-    kc.schedule = epilogue == EpilogueKind::kStore && p.k <= 768 ? ConsumerSchedule::kPingPong
-                                                                 : ConsumerSchedule::kCooperative;
+  // Measured (perf/NOTES.md, steps 6 and 9): ping-pong won on the short-K store epilogues (the
+  // fine-grained down GEMMs, K = 256..768) only while the cooperative tile's epilogue stalled its
+  // MMAs; since that epilogue drains by TMA under the next tile (step 8), the cooperative
+  // 128 x 256 tile's higher reuse wins there too (engine fwd+bwd 1.5-6% faster at n = 256..768).
+  if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = ConsumerSchedule::kCooperative;
   if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;
   if (kc.block_n == 0) kc.block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
   return kc;
