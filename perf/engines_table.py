@@ -26,6 +26,14 @@ def rows(path):
     return out
 
 
+def numeric(text):
+    try:
+        float(text)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("fused")
@@ -45,8 +53,8 @@ def main():
     print("|" + "---|" * len(head))
     for key, fr in f.items():
         cr = c.get(key)
-        if cr is None:
-            continue
+        if cr is None or not all(numeric(r.get(col)) for r in (fr, cr) for col in cols + ["peak MiB"]):
+            continue  # a row one engine did not run (or could not time) is left out
         cells = list(key)
         for col in cols:
             fv, cv = float(fr[col]), float(cr[col])

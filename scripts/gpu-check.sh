@@ -184,10 +184,12 @@ if want engines; then
       summary+=("moeblaze-bench --configs $cf --engine $eng: rc=$?")
     done
   done
-  for cf in paper modern; do  # fwd+bwd ms side by side
+  for cf in paper modern; do  # fwd+bwd ms side by side, and the full table (perf/RESULTS.md's form)
     paste -d'|' <(grep -E '^\| (conf|sonic|qwen|olmoe|deepseek|mixtral)' "$OUT/engines-$cf-fused.md" | cut -d'|' -f2,3,11) \
       <(grep -E '^\| (conf|sonic|qwen|olmoe|deepseek|mixtral)' "$OUT/engines-$cf-cublaslt.md" | cut -d'|' -f11) |
       sed 's/^/fused | cublaslt fwd+bwd ms: /'
+    sonic=""; [ $cf = modern ] && sonic="--configs perf/configs/modern-configs.json"
+    python3 perf/engines_table.py "$OUT/engines-$cf-fused.md" "$OUT/engines-$cf-cublaslt.md" $sonic > "$OUT/engines-$cf-table.md" 2>&1
   done
 fi
 if want bench; then
