@@ -56,6 +56,9 @@ struct Row {
   double tma_ms = 0;   // weight gradients: ours on the pre-gathered copy, both operands by TMA
   double pp_ms = 0;    // forward GEMMs: ours with the ping-pong consumer schedule
   double pp_rel = 0;   // its relative difference from cuBLASLt
+  // --diag, up GEMMs: the same launch without the gather (A pre-gathered, read in order), with
+  // act only, with pre only, and as a plain store of the 2n columns (no activation, no pairing)
+  double no_gather_ms = 0, act_only_ms = 0, pre_only_ms = 0, plain_ms = 0;
 };
 
 // A [m, k] contiguous copy of the gathered A rows, for cuBLASLt.
@@ -87,7 +90,7 @@ double rel_diff(const void* x, const void* y, int64_t count) {
   return h[1] > 0 ? std::sqrt(h[0] / h[1]) : -1.0;  // -1: the reference is all zeros (a broken run)
 }
 
-Row run(const Config& c, bool up, double skew, int bn, int reps, const gemm::CublasLtGemm& lt, void* lt_ws) {
+Row run(const Config& c, bool up, double skew, int bn, int reps, bool diag, const gemm::CublasLtGemm& lt, void* lt_ws) {
   const int64_t m = c.T * c.K;
   Shape s = up ? Shape{m, c.T, static_cast<int32_t>(c.E), static_cast<int32_t>(c.n), static_cast<int32_t>(c.d), true, true, Major::kMN, skew}
                : Shape{m, m, static_cast<int32_t>(c.E), static_cast<int32_t>(c.d), static_cast<int32_t>(c.n), false, false, Major::kMN, skew};
@@ -142,6 +145,25 @@ Row run(const Config& c, bool up, double skew, int bn, int reps, const gemm::Cub
   r.ours_ms = median_ms(ours, reps);
   r.dense_ms = median_ms(dense, reps);
   r.lt_ms = median_ms(per_expert, reps);
+  if (diag && up) {
+    sm90::GroupedGemmParams in_order = gp;
+    in_order.a = a_contig;
+    in_order.a_index = nullptr;
+    in_order.a_rows = static_cast<int32_t>(m);
+    sm90::EpilogueParams act_only = e, pre_only = e, plain;
+    act_only.pre = nullptr;
+    pre_only.act = nullptr;
+    plain.c = out;
+    plain.ldc = N;
+    sm90::GroupedGemmParams plain_p = gp;
+    plain_p.gated = 0;
+    plain_p.n = static_cast<int32_t>(N);
+    r.no_gather_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, in_order, e, kc, nullptr); }, reps);
+    r.act_only_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, gp, act_only, kc, nullptr); }, reps);
+    r.pre_only_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, gp, pre_only, kc, nullptr); }, reps);
+    r.plain_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, plain_p, plain, kc, nullptr); }, reps);
+    ours();  // the timed variants overwrote pre; the comparison below checks the full launch
+  }
   GGP_CK(cudaDeviceSynchronize());
   r.rel = rel_diff(out, lt_out, m * N);  // lt_out holds the per-expert result (timed last)
   ping_pong();
@@ -258,7 +280,7 @@ Row run_wgrad(const Config& c, bool up, double skew, int reps, const gemm::Cubla
 
 int main(int argc, char** argv) {
   int bn = 0, reps = 20;
-  bool quick = false, fwd = true, wgrad = true;
+  bool quick = false, fwd = true, wgrad = true, diag = false;
   const char* only = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--bn") && i + 1 < argc) bn = std::atoi(argv[++i]);
@@ -266,9 +288,11 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--wgrad")) fwd = false;
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd")) wgrad = false;
+    else if (!std::strcmp(argv[i], "--diag")) diag = true;
     else {
-      std::fprintf(stderr, "usage: grouped-gemm-bench [--bn 128|256] [--quick] [--fwd | --wgrad] [--only CONFIG]\n"
-                           "  --quick: uniform routing only; without --only, the first two configs\n");
+      std::fprintf(stderr, "usage: grouped-gemm-bench [--bn 128|256] [--quick] [--fwd | --wgrad] [--only CONFIG] [--diag]\n"
+                           "  --quick: uniform routing only; without --only, the first two configs\n"
+                           "  --diag: up GEMMs also timed without the gather, act only, pre only, plain store\n");
       return 2;
     }
   }
@@ -293,10 +317,13 @@ int main(int argc, char** argv) {
       for (int g = 0; g < 4; ++g) {
         const bool up = g % 2 == 0, is_wgrad = g >= 2;
         if ((is_wgrad && !wgrad) || (!is_wgrad && !fwd)) continue;
-        const Row r = is_wgrad ? run_wgrad(c, up, skew, reps, lt, lt_ws) : run(c, up, skew, bn, reps, lt, lt_ws);
+        const Row r = is_wgrad ? run_wgrad(c, up, skew, reps, lt, lt_ws) : run(c, up, skew, bn, reps, diag, lt, lt_ws);
         std::printf("%-28s %9.3f %9.3f %9.3f %8.1f %7.2fx %7.1f%% %9.2e %10.3f %9.3f\n", r.what.c_str(), r.ours_ms, r.lt_ms,
                     r.dense_ms, r.flops / r.ours_ms / 1e9, r.lt_ms / r.ours_ms, 100.0 * r.dense_ms / r.ours_ms, r.rel,
                     is_wgrad ? r.copy_ms : r.pp_ms, is_wgrad ? r.tma_ms : r.pp_rel);
+        if (r.plain_ms > 0)
+          std::printf("  diag %s: in order %.3f, act only %.3f, pre only %.3f, plain store of 2n %.3f ms\n", r.what.c_str(),
+                      r.no_gather_ms, r.act_only_ms, r.pre_only_ms, r.plain_ms);
         std::fflush(stdout);
       }
       if (quick) break;
