@@ -75,23 +75,33 @@ __device__ __forceinline__ void epilogue_store(const GroupedGemmParams& p, const
       });
 }
 
-template <class T, int BN>
-__device__ __forceinline__ void epilogue_store_staged(const GroupedGemmParams& p, const EpilogueParams& e,
-                                                      const EpilogueMaps& maps, TileStore& ts, const TileCoord& tc,
-                                                      int frag, const float (&acc)[BN / 2]) {
-  const int32_t row = tc.row0 + frag * 64, col0 = tc.col_block * BN;
-  float scale[2] = {1.f, 1.f};
-  if (e.row_scale) {
-    const int32_t r = row + ((threadIdx.x / 32) & 3) * 16 + (threadIdx.x & 31) / 4;
-    scale[0] = __ldg(e.row_scale + r);
-    scale[1] = __ldg(e.row_scale + r + 8);
+// The kStore factors of a thread's two rows of fragment frag (1 without row_scale, and for rows
+// past the tile's share of its expert), loaded as soon as the tile is known so that their
+// latency hides under its MMAs.
+struct RowScales {
+  float v[2];
+};
+__device__ __forceinline__ RowScales load_row_scales(const EpilogueParams& e, const TileCoord& tc, int frag) {
+  RowScales s{{1.f, 1.f}};
+  if (e.kind == EpilogueKind::kStore && e.row_scale) {
+    const int r = frag * 64 + ((threadIdx.x / 32) & 3) * 16 + (threadIdx.x & 31) / 4;
+    if (r < tc.rows) s.v[0] = __ldg(e.row_scale + tc.row0 + r);
+    if (r + 8 < tc.rows) s.v[1] = __ldg(e.row_scale + tc.row0 + r + 8);
   }
+  return s;
+}
+
+template <class T, int BN>
+__device__ __forceinline__ void epilogue_store_staged(const GroupedGemmParams& p, const EpilogueMaps& maps, TileStore& ts,
+                                                      const TileCoord& tc, int frag, const RowScales& scale,
+                                                      const float (&acc)[BN / 2]) {
+  const int32_t row = tc.row0 + frag * 64, col0 = tc.col_block * BN;
 #pragma unroll
   for (int b = 0; b < BN / 64; ++b)
     if (col0 + 64 * b < p.n)
       ts.box(maps.out, {col0 + 64 * b, row}, [&](int g, int half) {
         const int q = staged_acc(b, g, half);
-        return Elem<T>::pack2(scale[half] * acc[q], scale[half] * acc[q + 1]);
+        return Elem<T>::pack2(scale.v[half] * acc[q], scale.v[half] * acc[q + 1]);
       });
 }
 

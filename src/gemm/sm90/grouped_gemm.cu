@@ -53,10 +53,11 @@ __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const int32_
 // the tile's rows all belong to its expert, from registers otherwise.
 template <class T, int BN, EpilogueKind Epi>
 __device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const EpilogueParams& e, const EpilogueMaps& maps,
-                                         TileStore& ts, const TileCoord& tc, int frag, const float (&acc)[BN / 2]) {
+                                         TileStore& ts, const TileCoord& tc, int frag, const RowScales& scale,
+                                         const float (&acc)[BN / 2]) {
   const bool staged = maps.enabled && tc.rows == kBlockM;
   if constexpr (Epi == EpilogueKind::kStore) {
-    if (staged) epilogue_store_staged<T, BN>(p, e, maps, ts, tc, frag, acc);
+    if (staged) epilogue_store_staged<T, BN>(p, maps, ts, tc, frag, scale, acc);
     else epilogue_store<T, BN>(p, e, tc, frag, acc);
   } else {
     epilogue_activation<T, BN>(p, e, maps, ts, staged, tc, frag, acc);
@@ -79,6 +80,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // full[s]: every producer thread's cp.async arrival + the TMA expect_tx.
   const StageRing ring = init_ring<BN>(smem_raw, 129, PingPong ? 4 : 8);
   const int wg = threadIdx.x / 128;
+  // Every tile has K > 0 (unsupported_reason), so every tile fills a first stage and the
+  // consumers' on_first reads its slot.
   if (wg == 0) {
     regs_dealloc<kProducerRegs>();
     produce<T, BN, BMajor>(p, bmap, ring);
@@ -93,22 +96,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       float acc[2][BN / 2];
       uint32_t round = 0;
       for (int64_t j = me; blockIdx.x + j * gridDim.x < total; j += 2, ++round) {
-        const TileCoord tc = decode_tile(blockIdx.x + j * gridDim.x, p.sched.offsets, p.sched.rb_prefix, E, kBlockM, cb);
         // Tile j's MMAs wait for tile j - 1's (the other warpgroup's) to finish.
         if (j > 0) mbar_wait(&ring.turn[me], (me == 0 ? round - 1 : round) & 1);
         uint32_t it = static_cast<uint32_t>(j * num_kb);
-        consume_tile<T, BN, BMajor, Major::kK, 2>(ring, 0, num_kb, it, acc);
+        TileCoord tc;
+        RowScales sc[2];
+        consume_tile<T, BN, BMajor, Major::kK, 2>(ring, 0, num_kb, it, acc, [&] {
+          tc = ring.tiles[j % kTileSlots];
+          sc[0] = load_row_scales(e, tc, 0);
+          sc[1] = load_row_scales(e, tc, 1);
+        });
         if (threadIdx.x % 128 == 0) cuda::ptx::mbarrier_arrive(&ring.turn[me ^ 1]);
-        epilogue<T, BN, Epi>(p, e, maps, ts, tc, 0, acc[0]);
-        epilogue<T, BN, Epi>(p, e, maps, ts, tc, 1, acc[1]);
+        epilogue<T, BN, Epi>(p, e, maps, ts, tc, 0, sc[0], acc[0]);
+        epilogue<T, BN, Epi>(p, e, maps, ts, tc, 1, sc[1], acc[1]);
       }
     } else {
-      uint32_t it = 0;
+      uint32_t it = 0, j = 0;
       float acc[1][BN / 2];
-      for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-        const TileCoord tc = decode_tile(w, p.sched.offsets, p.sched.rb_prefix, E, kBlockM, cb);
-        consume_tile<T, BN, BMajor>(ring, wg - 1, num_kb, it, acc);
-        epilogue<T, BN, Epi>(p, e, maps, ts, tc, wg - 1, acc[0]);
+      for (int64_t w = blockIdx.x; w < total; w += gridDim.x, ++j) {
+        TileCoord tc;
+        RowScales sc;
+        consume_tile<T, BN, BMajor>(ring, wg - 1, num_kb, it, acc, [&] {
+          tc = ring.tiles[j % kTileSlots];
+          sc = load_row_scales(e, tc, wg - 1);
+        });
+        epilogue<T, BN, Epi>(p, e, maps, ts, tc, wg - 1, sc, acc[0]);
       }
     }
     ts.drain();

@@ -6,7 +6,10 @@
 // (cp.async.mbarrier.arrive.noinc) and the B bytes have arrived (expect_tx by the elected thread,
 // its 129th arrival); empty[s] when the consumer warps that read it are done (all 8 when the
 // two warpgroups share a tile, the 4 of its warpgroup under ping-pong).
-// Producer and consumers walk the same persistent tile sequence, so they never exchange tiles.
+// Producer and consumers walk the same persistent tile sequence. The producer, which decodes
+// each tile anyway (a binary search over the expert offsets: log2 E dependent global loads),
+// also leaves its coordinates in a shared-memory slot that the consumers read once the tile's
+// first stage is full, so that chain of loads never stalls the MMAs.
 #pragma once
 
 #include <cuda/ptx>
@@ -29,6 +32,7 @@ struct StageRing {
   uint64_t* empty;  // [stages]
   uint64_t* turn;   // [2] ping-pong: warpgroup w may start its next tile's MMAs when turn[w] completes
   uint8_t* staging; // the epilogue's staging boxes (TileConfig::kStagingBytes, 1024-byte aligned)
+  TileCoord* tiles; // [kTileSlots] the CTA's j-th tile's coordinates in slot j % kTileSlots
 };
 
 // Carves the ring from the dynamic shared memory (TileConfig<BN>::kSmemBytes) and initialises
@@ -46,6 +50,8 @@ __device__ __forceinline__ StageRing init_ring(uint8_t* smem_raw, uint32_t full_
   ring.full = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes);
   ring.empty = ring.full + Cfg::kStages;
   ring.turn = ring.empty + Cfg::kStages;
+  ring.tiles = reinterpret_cast<TileCoord*>(ring.turn + 2);
+  static_assert(sizeof(TileCoord) == kTileSlotBytes, "TileConfig sizes the tile slots");
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       cuda::ptx::mbarrier_init(&ring.full[s], full_arrivals);
@@ -69,6 +75,33 @@ __device__ __forceinline__ int32_t b_box_start(const GroupedGemmParams& p, int32
   return col_block * tile_columns(p.gated, BN) + box * box_cols - half * (BN / 2) + half * p.n;
 }
 
+// decode_tile (gemm/grouped_tiles.hpp) for a whole warp: the same tile, found by a 32-way search
+// (each lane tests one candidate expert, a ballot picks the last whose tiles start at or before
+// `work`) in ceil(log32 E) dependent loads instead of log2 E: 2 round trips to L2 for
+// E <= 1024, then the expert's offsets. Every lane of the warp calls it.
+__device__ __forceinline__ TileCoord decode_tile_warp(int64_t work, const int32_t* offsets, const int32_t* prefix,
+                                                      int32_t num_experts, int32_t col_blocks) {
+  const int lane = threadIdx.x & 31;
+  int32_t lo = 0, span = num_experts;  // the answer lies in [lo, lo + span); prefix[lo] * col_blocks <= work
+  while (span > 1) {
+    const int32_t step = (span + 31) / 32, e = lo + lane * step;
+    const bool at_or_before = e < lo + span && static_cast<int64_t>(__ldg(prefix + e)) * col_blocks <= work;
+    const int last = 31 - __clz(__ballot_sync(0xffffffffu, at_or_before));  // lane 0's candidate, lo, always holds
+    lo += last * step;
+    span = min(step, num_experts - lo);
+  }
+  const int32_t rows_e = __ldg(offsets + lo + 1) - __ldg(offsets + lo), first = __ldg(offsets + lo);
+  const int32_t rbs = row_blocks(rows_e, kBlockM);
+  const int64_t local = work - static_cast<int64_t>(__ldg(prefix + lo)) * col_blocks;
+  TileCoord t;
+  t.expert = lo;
+  t.col_block = static_cast<int32_t>(local / rbs);
+  const int32_t rb = static_cast<int32_t>(local % rbs);
+  t.row0 = first + rb * kBlockM;
+  t.rows = rows_e - rb * kBlockM < kBlockM ? rows_e - rb * kBlockM : kBlockM;
+  return t;
+}
+
 template <class T, int BN, Major BMajor>
 __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing& ring) {
   using Cfg = TileConfig<BN>;
@@ -78,9 +111,9 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
   const int num_kb = (p.k + kBlockK - 1) / kBlockK;
   const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
   const int a_chunk = t & 7, a_row = t >> 3;  // A: rows a_row + 16 i, chunk a_chunk
-  uint32_t it = 0;
-  for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-    const TileCoord tc = decode_tile(w, p.sched.offsets, p.sched.rb_prefix, E, kBlockM, cb);
+  uint32_t it = 0, j = 0;
+  for (int64_t w = blockIdx.x; w < total; w += gridDim.x, ++j) {
+    const TileCoord tc = decode_tile_warp(w, p.sched.offsets, p.sched.rb_prefix, E, cb);
     // The tile's eight source rows per thread: all loads first, then the checks, so the loads
     // overlap instead of each check waiting for its own L2 round trip.
     int32_t src_row[8];
@@ -108,6 +141,9 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
       }
       if (t == 0) {
         using namespace cuda::ptx;
+        // Slot j's readers of kTileSlots tiles ago are done: they read it before releasing that
+        // tile's first stage, and this stage's empty barrier waited for a later release.
+        if (kb == 0) ring.tiles[j % kTileSlots] = tc;
         mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, &ring.full[s], Cfg::kBBytes);
         uint8_t* b_ptr = ring.ptr + s * Cfg::kStageBytes + Cfg::kABytes;
         if constexpr (BMajor == Major::kMN) {  // smem [BN/64 boxes][64 k rows][128 B]
@@ -135,10 +171,14 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
 // Frags = 2, frag0 = 0 (a warpgroup owns a whole tile). `it` is the ring position, carried
 // across tiles. A's stage is [128 rows][64 k] K-major (the varlen-M gathers), or
 // [2][64 k][64 rows] MN-major (the weight gradients, whose reduction runs over positions);
-// either way a fragment's 64 rows start 8 KB after the previous one's.
-template <class T, int BN, Major BMajor, Major AMajor = Major::kK, int Frags = 1>
+// either way a fragment's 64 rows start 8 KB after the previous one's. on_first() runs once the
+// tile's first stage is full, before any stage is released (the moment to read the tile's slot).
+struct NoTileInfo {
+  __device__ void operator()() const {}
+};
+template <class T, int BN, Major BMajor, Major AMajor = Major::kK, int Frags = 1, class OnFirst = NoTileInfo>
 __device__ __forceinline__ void consume_tile(const StageRing& ring, int frag0, int num_kb,
-                                             uint32_t& it, float (&acc)[Frags][BN / 2]) {
+                                             uint32_t& it, float (&acc)[Frags][BN / 2], OnFirst&& on_first = {}) {
   using Cfg = TileConfig<BN>;
   constexpr int kTransA = AMajor == Major::kMN ? 1 : 0;
   using Mma = Wgmma<T, BN, kTransA, 0>;   // B K-major
@@ -154,6 +194,7 @@ __device__ __forceinline__ void consume_tile(const StageRing& ring, int frag0, i
   for (int kb = 0; kb < num_kb; ++kb, ++it) {
     const uint32_t s = it % Cfg::kStages;
     mbar_wait(&ring.full[s], (it / Cfg::kStages) & 1);
+    if (kb == 0) on_first();
     const uint32_t a0 = ring.base + s * Cfg::kStageBytes + frag0 * (64 * 128), b = ring.base + s * Cfg::kStageBytes + Cfg::kABytes;
 #pragma unroll
     for (int f = 0; f < Frags; ++f) fence_accumulators(acc[f]);

@@ -22,6 +22,12 @@ constexpr int kConsumerRegs = 216;
 constexpr int kStagingBoxBytes = 64 * 128;
 constexpr int kStagingBoxes = 4;
 
+// The producer hands each tile's coordinates to the consumers through a ring of this many
+// 16-byte slots (gemm/sm90/mainloop.cuh: at least kStages, so a slot is rewritten only after
+// its readers are done with it).
+constexpr int kTileSlots = 8;
+constexpr int kTileSlotBytes = 16;
+
 // Output columns a tile covers: BN, or BN/2 of each half when gated (gate and up columns
 // side by side); and the column blocks of an n-column problem.
 MOEBLAZE_HD int32_t tile_columns(int32_t gated, int bn) { return gated ? bn / 2 : bn; }
@@ -40,9 +46,11 @@ struct TileConfig {
   // The epilogue's staging boxes (gemm/sm90/epilogue_tma.cuh): two 64 x 64 boxes per consumer
   // warpgroup, 32 KB.
   static constexpr int kStagingBytes = kStagingBoxes * kStagingBoxBytes;
-  // + 1 KB to align the stages to the 1024-byte swizzle atom, + the stage barriers and the two
-  // ping-pong turn barriers: 230,480 bytes of the 232,448 a block may have.
-  static constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 + 2 * kStages * 8 + 2 * 8;
+  // + 1 KB to align the stages to the 1024-byte swizzle atom, + the stage barriers, the two
+  // ping-pong turn barriers and the tile slots: 230,608 bytes of the 232,448 a block may have.
+  static constexpr int kSmemBytes =
+      kStages * kStageBytes + kStagingBytes + 1024 + 2 * kStages * 8 + 2 * 8 + kTileSlots * kTileSlotBytes;
+  static_assert(kTileSlots >= kStages, "a tile slot must outlive the stages in flight");
 };
 
 }  // namespace sm90
