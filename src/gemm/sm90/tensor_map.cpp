@@ -56,6 +56,15 @@ TmaDescriptor encode(DType dt, const void* data, int rank, const cuuint64_t* dim
   return d;
 }
 
+// Bytes per element: every map's strides and 128-byte box rows derive from it.
+int64_t elem_bytes(DType dt) { return static_cast<int64_t>(dtype_size(dt)); }
+
+// TMA store maps: 16-byte aligned data, strides multiples of 16 bytes, int32 coordinates.
+bool storable(const void* data, int64_t rows, int64_t cols, int64_t ld, int64_t es) {
+  return data && rows > 0 && cols > 0 && reinterpret_cast<uintptr_t>(data) % 16 == 0 && (ld * es) % 16 == 0 &&
+         (cols * es) % 16 == 0 && rows < (int64_t{1} << 31);
+}
+
 }  // namespace
 
 TmaDescriptor weight_tensor_map(DType dt, const GroupedGemmParams& p, int box_rows) {
@@ -63,40 +72,38 @@ TmaDescriptor weight_tensor_map(DType dt, const GroupedGemmParams& p, int box_ro
   const bool mn = p.b_major == Major::kMN;
   const cuuint64_t dims[3] = {mn ? ncols : static_cast<cuuint64_t>(p.k), mn ? static_cast<cuuint64_t>(p.k) : ncols,
                               static_cast<cuuint64_t>(p.sched.num_experts)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.ldb) * 2, static_cast<cuuint64_t>(p.b_expert_stride) * 2};
-  const cuuint32_t box[3] = {64, mn ? 64u : static_cast<cuuint32_t>(box_rows), 1};
+  const int64_t es = elem_bytes(dt);
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.ldb * es), static_cast<cuuint64_t>(p.b_expert_stride * es)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / es), mn ? 64u : static_cast<cuuint32_t>(box_rows), 1};
   return encode(dt, p.b, 3, dims, strides, box, "weight");
 }
 
 TmaDescriptor rows_tensor_map(DType dt, const void* data, int64_t rows, int64_t cols, int64_t ld) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-  const cuuint32_t box[2] = {64, 64};
+  const int64_t es = elem_bytes(dt);
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * es)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / es), 64};
   return encode(dt, data, 2, dims, strides, box, "weight-gradient operand");
 }
 
-// TMA store maps: 16-byte aligned data, strides multiples of 16 bytes, int32 coordinates.
-bool storable(const void* data, int64_t rows, int64_t cols, int64_t ld, int64_t elem_bytes = 2) {
-  return data && rows > 0 && cols > 0 && reinterpret_cast<uintptr_t>(data) % 16 == 0 && (ld * elem_bytes) % 16 == 0 &&
-         (cols * elem_bytes) % 16 == 0 && rows < (int64_t{1} << 31);
-}
-
 bool output_tensor_map(DType dt, void* data, int64_t rows, int64_t cols, int halves, int64_t ld, TmaDescriptor* out) {
-  if (!storable(data, rows, cols, ld)) return false;
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2), static_cast<cuuint64_t>(ld * 2)};
+  const int64_t es = elem_bytes(dt);
+  if (!storable(data, rows, cols, ld, es)) return false;
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * es), static_cast<cuuint64_t>(ld * es)};
+  const cuuint32_t box_cols = static_cast<cuuint32_t>(128 / es);  // 128-byte rows
   if (halves == 1) {  // [rows][cols]
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-    const cuuint32_t box[2] = {64, 64};
+    const cuuint32_t box[2] = {box_cols, 64};
     return try_encode(dt, data, 2, dims, strides + 1, box, out) == CUDA_SUCCESS;
   }
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(halves), static_cast<cuuint64_t>(rows)};
-  const cuuint32_t box[3] = {64, 1, 64};
+  const cuuint32_t box[3] = {box_cols, 1, 64};
   return try_encode(dt, data, 3, dims, strides, box, out) == CUDA_SUCCESS;
 }
 
 bool expert_matrices_tensor_map(DType dt, void* data, int64_t experts, int64_t rows, int64_t cols, int64_t ld,
                                 int64_t expert_stride, TmaDescriptor* out) {
-  const int64_t es = static_cast<int64_t>(dtype_size(dt));
+  const int64_t es = elem_bytes(dt);
   if (!storable(data, rows, cols, ld, es) || experts <= 0 || (expert_stride * es) % 16) return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(experts)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld * es), static_cast<cuuint64_t>(expert_stride * es)};
