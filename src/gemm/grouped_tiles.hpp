@@ -42,6 +42,22 @@ MOEBLAZE_HD int64_t total_tiles(const int32_t* prefix, int64_t num_experts, int3
   return static_cast<int64_t>(prefix[num_experts]) * col_blocks;
 }
 
+// The tile of work item `work` once its expert e is known (the last expert whose items start at
+// or before it; decode_tile below, or the device's warp-wide search).
+MOEBLAZE_HD TileCoord expert_tile(int64_t work, int32_t e, const int32_t* offsets, const int32_t* prefix,
+                                  int32_t block_m, int32_t col_blocks) {
+  const int32_t rows_e = offsets[e + 1] - offsets[e];
+  const int64_t local = work - static_cast<int64_t>(prefix[e]) * col_blocks;
+  const int32_t rbs = row_blocks(rows_e, block_m);
+  TileCoord t;
+  t.expert = e;
+  t.col_block = static_cast<int32_t>(local / rbs);
+  const int32_t rb = static_cast<int32_t>(local % rbs);
+  t.row0 = offsets[e] + rb * block_m;
+  t.rows = rows_e - rb * block_m < block_m ? rows_e - rb * block_m : block_m;
+  return t;
+}
+
 // The tile of work item `work` in [0, total_tiles). Expert e owns items
 // [prefix[e] * col_blocks, prefix[e+1] * col_blocks); within it row blocks vary fastest, so
 // consecutive work items (neighbouring CTAs of a persistent grid) share one column block of the
@@ -54,16 +70,7 @@ MOEBLAZE_HD TileCoord decode_tile(int64_t work, const int32_t* offsets, const in
     if (static_cast<int64_t>(prefix[mid]) * col_blocks <= work) lo = mid;
     else hi = mid;
   }
-  const int32_t rows_e = offsets[lo + 1] - offsets[lo];
-  const int64_t local = work - static_cast<int64_t>(prefix[lo]) * col_blocks;
-  const int32_t rbs = row_blocks(rows_e, block_m);
-  TileCoord t;
-  t.expert = static_cast<int32_t>(lo);
-  t.col_block = static_cast<int32_t>(local / rbs);
-  const int32_t rb = static_cast<int32_t>(local % rbs);
-  t.row0 = offsets[lo] + rb * block_m;
-  t.rows = rows_e - rb * block_m < block_m ? rows_e - rb * block_m : block_m;
-  return t;
+  return expert_tile(work, static_cast<int32_t>(lo), offsets, prefix, block_m, col_blocks);
 }
 
 // Host bound on the tile count for sizing: at most ceil(rows / block_m) + E row blocks.

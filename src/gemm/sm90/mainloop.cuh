@@ -7,7 +7,7 @@
 // its 129th arrival); empty[s] when the consumer warps that read it are done (all 8 when the
 // two warpgroups share a tile, the 4 of its warpgroup under ping-pong).
 // Producer and consumers walk the same persistent tile sequence. The producer, which decodes
-// each tile anyway (a binary search over the expert offsets: log2 E dependent global loads),
+// each tile anyway (a search over the expert offsets: a chain of dependent global loads),
 // also leaves its coordinates in a shared-memory slot that the consumers read once the tile's
 // first stage is full, so that chain of loads never stalls the MMAs.
 #pragma once
@@ -90,16 +90,7 @@ __device__ __forceinline__ TileCoord decode_tile_warp(int64_t work, const int32_
     lo += last * step;
     span = min(step, num_experts - lo);
   }
-  const int32_t rows_e = __ldg(offsets + lo + 1) - __ldg(offsets + lo), first = __ldg(offsets + lo);
-  const int32_t rbs = row_blocks(rows_e, kBlockM);
-  const int64_t local = work - static_cast<int64_t>(__ldg(prefix + lo)) * col_blocks;
-  TileCoord t;
-  t.expert = lo;
-  t.col_block = static_cast<int32_t>(local / rbs);
-  const int32_t rb = static_cast<int32_t>(local % rbs);
-  t.row0 = first + rb * kBlockM;
-  t.rows = rows_e - rb * kBlockM < kBlockM ? rows_e - rb * kBlockM : kBlockM;
-  return t;
+  return expert_tile(work, lo, offsets, prefix, kBlockM, col_blocks);
 }
 
 template <class T, int BN, Major BMajor>
