@@ -371,29 +371,36 @@ static moeblaze_status_t create(const tu_layer* l, int cuda, moeblaze_handle_t* 
  * g was right to the dtype. The rounding of g bounds the error of token t's dlogits row by about
  * eps * 2 S_t, S_t = sum_j w_tj |g_tj|, and that of dW_g by eps * 2 sum_t S_t |x_t| per expert;
  * so the error is measured against max(norm of the reference, those norms). */
-static double router_grad_err(const step* c, int slot, const double* a, const double* b, size_t n) {
+/* The error of a against b relative to max(norm of b, sqrt(scale2)): the reference's norm, or
+ * that of the uncancelled terms when they are larger. */
+static double err_against(const double* a, const double* b, size_t n, double scale2) {
   double num = 0, den = 0;
   for (size_t j = 0; j < n; ++j) {
     if (!isfinite(a[j])) return INFINITY;
     num += (a[j] - b[j]) * (a[j] - b[j]), den += b[j] * b[j];
   }
-  double* sx = calloc((size_t)c->d, sizeof(double));
+  den = den > scale2 ? den : scale2;
+  if (den < 1e-300) return sqrt(num) < 1e-30 ? 0.0 : INFINITY;
+  return sqrt(num / den);
+}
+
+static double router_grad_err(const step* c, int slot, const double* a, const double* b, size_t n) {
+  double* sx = slot == T_DWG ? calloc((size_t)c->d, sizeof(double)) : NULL;
   double scale = 0;
   for (int64_t t = 0; t < c->L; ++t) {
     double st = 0;
     for (int64_t j = 0; j < c->k; ++j)
       st += fabs(((const float*)c->ow)[t * c->k + j]) * fabs(((const float*)c->dgw)[t * c->k + j]);
     scale += st * st;
-    for (int64_t q = 0; q < c->d; ++q) sx[q] += st * fabs(tu_load(c->x, c->at, (size_t)(t * c->d + q)));
+    if (sx)
+      for (int64_t q = 0; q < c->d; ++q) sx[q] += st * fabs(tu_load(c->x, c->at, (size_t)(t * c->d + q)));
   }
-  if (slot == T_DWG) {
+  if (sx) {
     scale = 0;
     for (int64_t q = 0; q < c->d; ++q) scale += sx[q] * sx[q];
+    free(sx);
   }
-  free(sx);
-  den = den > scale ? den : scale;
-  if (den < 1e-300) return sqrt(num) < 1e-30 ? 0.0 : INFINITY;
-  return sqrt(num / den);
+  return err_against(a, b, n, scale);
 }
 
 /* The gate gradients g_tj = <dy_t, y_tj> (y_tj: expert j's unweighted output for token t) are
@@ -403,11 +410,6 @@ static double router_grad_err(const step* c, int slot, const double* a, const do
  * is measured against max(norm of the reference, norm of S). y_tj comes from one more CPU
  * forward: every (token, slot) pair as its own token routed to its expert with weight 1. */
 static double gate_grad_err(const gcase* gc, const step* c, const double* a, const double* b, size_t n) {
-  double num = 0, den = 0;
-  for (size_t j = 0; j < n; ++j) {
-    if (!isfinite(a[j])) return INFINITY;
-    num += (a[j] - b[j]) * (a[j] - b[j]), den += b[j] * b[j];
-  }
   const int64_t P = c->L * c->k, d = c->d;
   tu_layer l = gc->layer;
   l.top_k = 1;
@@ -449,9 +451,7 @@ static double gate_grad_err(const gcase* gc, const step* c, const double* a, con
   }
   tu_free(ws); tu_free(xs); tu_free(ys); tu_free(ids); tu_free(ones); tu_free(tpe);
   moeblaze_destroy(h);
-  den = den > scale ? den : scale;
-  if (den < 1e-300) return sqrt(num) < 1e-30 ? 0.0 : INFINITY;
-  return sqrt(num / den);
+  return err_against(a, b, n, scale);
 }
 
 /* Compares every output of the GPU step with the CPU step. */
