@@ -69,6 +69,9 @@ if want gemm; then
       summary+=("$t under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$t-$tool.log" | tail -1)")
     done
   done
+  # contiguous A also through the gathered path's cp.async loads (TMA by default)
+  MOEBLAZE_SM90_A_LOAD=cp.async timeout 300 build-gpu/tests/kernels/test_sm90_grouped_gemm > "$OUT/test_sm90_grouped_gemm-cpasync.log" 2>&1
+  summary+=("test_sm90_grouped_gemm, A by cp.async: rc=$?; $(grep -E 'PASSED|FAILED' "$OUT/test_sm90_grouped_gemm-cpasync.log" | tr '\n' ' ')")
   if [ "${GEMM_BENCH_ARGS:-}" != skip ]; then
     timeout 400 build-gpu/perf/grouped-gemm-bench ${GEMM_BENCH_ARGS:-} > "$OUT/gemm-bench.txt" 2> "$OUT/gemm-bench.err"
     summary+=("gemm bench: rc=$? (table below)")

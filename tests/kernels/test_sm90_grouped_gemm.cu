@@ -1,11 +1,11 @@
 // The sm_90a grouped GEMM (gemm/sm90) against a naive fp32 reference kernel on fresh random
 // operands, outputs poisoned: both B layouts, block_n 128 and 256 and the ping-pong schedule,
-// bf16 and fp16, gathered and
-// contiguous A, uniform, skewed and single-expert routings with empty experts, n and K multiples
-// of 8 but not of 64, one row, E = 256, every activation in the fused epilogue, out-of-range
-// gather indices (zero rows, no stray reads), bitwise determinism, the staged (TMA-store)
-// epilogue bitwise equal to the register one, rows placed per expert (and hostile placements). Exits 77 (skipped) without an
-// sm_90 GPU.
+// bf16 and fp16, gathered and contiguous A (contiguous A loads by TMA; run under
+// MOEBLAZE_SM90_A_LOAD=cp.async for the cp.async path), uniform, skewed and single-expert
+// routings with empty experts, n and K multiples of 8 but not of 64, one row, E = 256, every
+// activation in the fused epilogue, out-of-range gather indices (zero rows, no stray reads),
+// bitwise determinism, the staged (TMA-store) epilogue bitwise equal to the register one, rows
+// placed per expert (and hostile placements). Exits 77 (skipped) without an sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
 
 #include <cstring>
@@ -78,6 +78,9 @@ void store_shapes(void**) {
         expect_store({3000, 3000, 16, 264, 520, false, false, mj, 1.2}, dt, bn, seed++);    // skewed, contiguous A
         expect_store({1, 1, 1, 8, 8, false, true, mj, 0.0}, dt, bn, seed++);                // one row, E = 1
         expect_store({2000, 500, 12, 128, 64, false, true, mj, -1.0}, dt, bn, seed++);      // all rows on one expert
+        // contiguous A (by TMA): one row; all rows on one expert (its last tile reads past A)
+        expect_store({1, 1, 1, 8, 8, false, false, mj, 0.0}, dt, bn, seed++);
+        expect_store({2000, 2000, 12, 128, 72, false, false, mj, -1.0}, dt, bn, seed++);
       }
 }
 
@@ -85,6 +88,9 @@ void many_experts(void**) {
   expect_store({8192, 1024, 256, 256, 192, false, true, Major::kMN, 0.0}, DType::kBF16, 256, 77);
   expect_store({8192, 1024, 256, 96, 256, false, true, Major::kK, 0.5}, DType::kBF16, 128, 78);
   expect_store({8192, 1024, 256, 136, 200, false, true, Major::kMN, 0.8}, DType::kBF16, -128, 79);
+  // contiguous A: most tiles partial, their rows past the expert read the next expert's rows
+  expect_store({8192, 8192, 256, 136, 200, false, false, Major::kK, 0.5}, DType::kBF16, 256, 80);
+  expect_store({8192, 8192, 256, 256, 136, false, false, Major::kMN, 0.0}, DType::kF16, -128, 81);
 }
 
 void bad_indices(void**) {

@@ -64,7 +64,7 @@ __device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const Epilo
   }
 }
 
-// Two schedules for the consumer warpgroups (the producer is the same):
+// Two schedules for the consumer warpgroups (the producers are the same):
 // - cooperative: both take every tile, rows [0, 64) and [64, 128); their epilogues run while
 //   no MMA does;
 // - ping-pong: warpgroup w takes the CTA's tiles w, w + 2, ... whole (two m64 fragments each).
@@ -73,18 +73,19 @@ __device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const Epilo
 //   its tile's index times the K blocks per tile (the same for every tile).
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 __global__ void __launch_bounds__(kThreads, 1)
-    grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ TmaDescriptor bmap,
+    grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ OperandMaps ab,
                         const __grid_constant__ EpilogueParams e, const __grid_constant__ EpilogueMaps maps) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // full[s]: every producer thread's cp.async arrival + the TMA expect_tx.
-  const StageRing ring = init_ring<BN>(smem_raw, 129, PingPong ? 4 : 8);
+  // full[s]: the TMA expect_tx, + every producer thread's cp.async arrival when A is gathered.
+  const StageRing ring = init_ring<BN>(smem_raw, ab.a_by_tma ? 1 : 129, PingPong ? 4 : 8);
   const int wg = threadIdx.x / 128;
   // Every tile has K > 0 (unsupported_reason), so every tile fills a first stage and the
   // consumers' on_first reads its slot.
   if (wg == 0) {
     regs_dealloc<kProducerRegs>();
-    produce<T, BN, BMajor>(p, bmap, ring);
+    if (ab.a_by_tma) produce_tma_a<T, BN, BMajor>(p, ab.a, ab.b, ring);
+    else produce<T, BN, BMajor>(p, ab.b, ring);
   } else {
     regs_alloc<kConsumerRegs>();
     TileStore ts = TileStore::make(ring.staging, wg - 1);
@@ -147,14 +148,27 @@ EpilogueMaps epilogue_maps(DType dt, const GroupedGemmParams& p, const EpilogueP
   return m;
 }
 
+// A in expert order goes by TMA (unsupported_reason has checked the alignment TMA needs),
+// unless MOEBLAZE_SM90_A_LOAD=cp.async (a measurement knob, perf/NOTES.md, not part of the API).
+bool a_by_tma(const GroupedGemmParams& p) {
+  static const bool allowed = [] {
+    const char* v = std::getenv("MOEBLAZE_SM90_A_LOAD");
+    return !(v && !std::strcmp(v, "cp.async"));
+  }();
+  return allowed && !p.a_index && p.a_rows > 0;
+}
+
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
   using Cfg = TileConfig<BN>;
   auto* kernel = grouped_gemm_kernel<T, BN, BMajor, Epi, PingPong>;
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound);
-  const TmaDescriptor bmap = weight_tensor_map(Elem<T>::kType, p, tile_columns(p.gated, BN));
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, bmap, e, epilogue_maps(Elem<T>::kType, p, e));
+  OperandMaps ab;
+  ab.b = weight_tensor_map(Elem<T>::kType, p, tile_columns(p.gated, BN));
+  ab.a_by_tma = a_by_tma(p);
+  if (ab.a_by_tma) ab.a = rows_tensor_map(Elem<T>::kType, p.a, p.a_rows, p.k, p.lda);
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, ab, e, epilogue_maps(Elem<T>::kType, p, e));
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,11 +1,13 @@
-// The grouped GEMM's warp-specialised mainloop: a producer warpgroup gathers A rows (through the
-// routing plan's index list) and B tiles (the expert's weights) into a ring of shared-memory
-// stages with 16-byte cp.async, 128-byte swizzled; two consumer warpgroups run wgmma on them.
-// B comes by TMA (one elected producer thread, 64-wide boxes of the weights' tensor map). full[s]
-// completes when all 128 producer threads' A copies into stage s have landed
+// The grouped GEMM's warp-specialised mainloop: a producer warpgroup fills a ring of shared-memory
+// stages (128-byte swizzled) with A rows and B tiles (the expert's weights); two consumer
+// warpgroups run wgmma on them. B comes by TMA (one elected producer thread, 64-wide boxes of
+// the weights' tensor map). Gathered A (through the routing plan's index list) comes by 16-byte
+// cp.async from all 128 producer threads: full[s] completes when their copies have landed
 // (cp.async.mbarrier.arrive.noinc) and the B bytes have arrived (expect_tx by the elected thread,
-// its 129th arrival); empty[s] when the consumer warps that read it are done (all 8 when the
-// two warpgroups share a tile, the 4 of its warpgroup under ping-pong).
+// its 129th arrival). A in expert order comes by TMA too, and full[s] waits for that one
+// thread's expect_tx of both operands. empty[s] completes when the consumer warps that read the
+// stage are done (all 8 when the two warpgroups share a tile, the 4 of its warpgroup under
+// ping-pong).
 // Producer and consumers walk the same persistent tile sequence. The producer, which decodes
 // each tile anyway (a search over the expert offsets: a chain of dependent global loads),
 // also leaves its coordinates in a shared-memory slot that the consumers read once the tile's
@@ -93,6 +95,30 @@ __device__ __forceinline__ TileCoord decode_tile_warp(int64_t work, const int32_
   return expert_tile(work, lo, offsets, prefix, kBlockM, col_blocks);
 }
 
+// Stage s's B boxes for tile tc, k-block k0, by TMA (the elected producer thread).
+template <int BN, Major BMajor>
+__device__ __forceinline__ void issue_b(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing& ring,
+                                       uint32_t s, const TileCoord& tc, int32_t k0) {
+  using namespace cuda::ptx;
+  using Cfg = TileConfig<BN>;
+  uint8_t* b_ptr = ring.ptr + s * Cfg::kStageBytes + Cfg::kABytes;
+  if constexpr (BMajor == Major::kMN) {  // smem [BN/64 boxes][64 k rows][128 B]
+#pragma unroll
+    for (int box = 0; box < BN / 64; ++box) {
+      const int32_t c[3] = {b_box_start<BN>(p, tc.col_block, box, 64), k0, tc.expert};
+      cp_async_bulk_tensor(space_cluster, space_global, b_ptr + box * (kBlockK * 128), &bmap, c, &ring.full[s]);
+    }
+  } else {  // smem [BN n rows][128 B]: one box of BN rows, or two of BN/2 when gated
+    const int boxes = p.gated ? 2 : 1, rows = BN / boxes;
+    for (int box = 0; box < boxes; ++box) {
+      const int32_t c[3] = {k0, b_box_start<BN>(p, tc.col_block, box, rows), tc.expert};
+      cp_async_bulk_tensor(space_cluster, space_global, b_ptr + box * rows * 128, &bmap, c, &ring.full[s]);
+    }
+  }
+}
+
+// Gathered A (a_index set): the producer warpgroup's 128 threads copy A rows with 16-byte
+// cp.async (full[s] counts their 128 arrivals + the elected thread's expect_tx).
 template <class T, int BN, Major BMajor>
 __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing& ring) {
   using Cfg = TileConfig<BN>;
@@ -119,7 +145,7 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
     for (int kb = 0; kb < num_kb; ++kb, ++it) {
       const uint32_t s = it % Cfg::kStages;
       mbar_wait(&ring.empty[s], ((it / Cfg::kStages) & 1) ^ 1);
-      const uint32_t a_dst = ring.base + s * Cfg::kStageBytes, b_dst = a_dst + Cfg::kABytes;
+      const uint32_t a_dst = ring.base + s * Cfg::kStageBytes;
       const int32_t k0 = kb * kBlockK;
       {
         const int32_t kk = k0 + a_chunk * 8;
@@ -131,28 +157,53 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
         }
       }
       if (t == 0) {
-        using namespace cuda::ptx;
         // Slot j's readers of kTileSlots tiles ago are done: they read it before releasing that
         // tile's first stage, and this stage's empty barrier waited for a later release.
         if (kb == 0) ring.tiles[j % kTileSlots] = tc;
-        mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, &ring.full[s], Cfg::kBBytes);
-        uint8_t* b_ptr = ring.ptr + s * Cfg::kStageBytes + Cfg::kABytes;
-        if constexpr (BMajor == Major::kMN) {  // smem [BN/64 boxes][64 k rows][128 B]
-#pragma unroll
-          for (int box = 0; box < BN / 64; ++box) {
-            const int32_t c[3] = {b_box_start<BN>(p, tc.col_block, box, 64), k0, tc.expert};
-            cp_async_bulk_tensor(space_cluster, space_global, b_ptr + box * (kBlockK * 128), &bmap, c, &ring.full[s]);
-          }
-        } else {  // smem [BN n rows][128 B]: one box of BN rows, or two of BN/2 when gated
-          const int boxes = p.gated ? 2 : 1, rows = BN / boxes;
-          for (int box = 0; box < boxes; ++box) {
-            const int32_t c[3] = {k0, b_box_start<BN>(p, tc.col_block, box, rows), tc.expert};
-            cp_async_bulk_tensor(space_cluster, space_global, b_ptr + box * rows * 128, &bmap, c, &ring.full[s]);
-          }
-        }
+        cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
+                                             &ring.full[s], Cfg::kBBytes);
+        issue_b<BN, BMajor>(p, bmap, ring, s, tc, k0);
       }
       cuda::ptx::cp_async_mbarrier_arrive_noinc(&ring.full[s]);
     }
+  }
+}
+
+// A in expert order (no a_index): one producer warp, whose lane 0 loads A by TMA as two boxes
+// of 64 rows x 128 bytes per stage, beside B (full[s] counts that thread's one expect_tx
+// arrival). A partial tile's rows past its expert read the next expert's rows, or zeros past
+// a_rows (TMA's bounds): those accumulator rows are never stored, and every row outside
+// [0, a_rows) stays unread. The other producer warps have nothing to do and leave.
+template <class T, int BN, Major BMajor>
+__device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& amap, const TmaDescriptor& bmap,
+                              const StageRing& ring) {
+  using Cfg = TileConfig<BN>;
+  if (threadIdx.x >= 32) return;
+  const bool leader = threadIdx.x == 0;
+  const int32_t E = p.sched.num_experts, cb = column_blocks(p.n, p.gated, BN);
+  const int num_kb = (p.k + kBlockK - 1) / kBlockK;
+  const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
+  uint32_t it = 0, j = 0;
+  for (int64_t w = blockIdx.x; w < total; w += gridDim.x, ++j) {
+    const TileCoord tc = decode_tile_warp(w, p.sched.offsets, p.sched.rb_prefix, E, cb);
+    if (leader) {
+      using namespace cuda::ptx;
+      for (int kb = 0; kb < num_kb; ++kb, ++it) {
+        const uint32_t s = it % Cfg::kStages;
+        mbar_wait(&ring.empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+        const int32_t k0 = kb * kBlockK;
+        if (kb == 0) ring.tiles[j % kTileSlots] = tc;  // as in produce()
+        mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, &ring.full[s], Cfg::kABytes + Cfg::kBBytes);
+        uint8_t* a_ptr = ring.ptr + s * Cfg::kStageBytes;
+#pragma unroll
+        for (int h = 0; h < kBlockM / 64; ++h) {
+          const int32_t c[2] = {k0, tc.row0 + 64 * h};
+          cp_async_bulk_tensor(space_cluster, space_global, a_ptr + h * (64 * 128), &amap, c, &ring.full[s]);
+        }
+        issue_b<BN, BMajor>(p, bmap, ring, s, tc, k0);
+      }
+    }
+    __syncwarp();
   }
 }
 

@@ -59,6 +59,14 @@ struct alignas(64) TmaDescriptor {
   unsigned char bytes[128];
 };
 
+// The mainloop's TMA descriptors: B (the weights) always; A when a_by_tma (A in expert order,
+// no a_index: gemm/sm90/mainloop.cuh), else unused.
+struct OperandMaps {
+  TmaDescriptor b;
+  TmaDescriptor a;
+  int32_t a_by_tma = 0;
+};
+
 struct EpilogueParams {
   EpilogueKind kind = EpilogueKind::kStore;
   void* c = nullptr;  // kStore: [m_total, ldc]

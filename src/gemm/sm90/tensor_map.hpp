@@ -15,8 +15,9 @@ namespace sm90 {
 // kK:  B_e is [ncols][K], box box_rows x 64 k.
 TmaDescriptor weight_tensor_map(DType dt, const GroupedGemmParams& p, int box_rows);
 
-// A row-major [rows, cols] matrix (row stride ld elements) read in 64 x 64 boxes: the
-// weight-gradient operands that lie in expert order (dpre, g act). rows >= 1.
+// A row-major [rows, cols] matrix (row stride ld elements) read in 64 x 64 boxes: the operands
+// that lie in expert order (the weight gradients' dpre and g act, the varlen-M GEMMs' A when it
+// has no index list). rows >= 1.
 TmaDescriptor rows_tensor_map(DType dt, const void* data, int64_t rows, int64_t cols, int64_t ld);
 
 // The store map of an epilogue output [rows][halves][cols] (row stride ld elements; gated pre
