@@ -1,10 +1,14 @@
 // Router kernels: scores, top-k, gates, aux/z-loss, router backward, caller-routing import.
-// One warp per token; reductions use a fixed lane order and fixed token chunks, so results
-// are bitwise reproducible.
+// One group of lanes per token (routing/token_group.cuh); reductions use a fixed lane order and
+// fixed token chunks, so results are bitwise reproducible.
+#include <cmath>
+#include <type_traits>
+
 #include "cuda/cuda_check.hpp"
 #include "routing/plan_check_cuda.hpp"
 #include "routing/router_cuda.hpp"
 #include "routing/score_order.hpp"
+#include "routing/token_group.cuh"
 #include "util/align.hpp"
 #include "util/dtype.hpp"
 
@@ -14,32 +18,6 @@ namespace routing {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;
-constexpr int kMaxTopK = 64;
-
-__device__ __forceinline__ double warp_sum(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-// The warp's first (v, i) under ranks_before (routing/score_order.hpp), in every lane: a strict
-// total order, so the butterfly gives all lanes the same winner whatever the values.
-__device__ __forceinline__ void warp_best(float& v, int& i) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ranks_before(ov, oi, v, i)) { v = ov; i = oi; }
-  }
-}
-
-// logsumexp of one row; every lane gets it.
-__device__ float row_lse(const float* l, int64_t E, int lane) {
-  float m = -INFINITY;
-  for (int64_t e = lane; e < E; e += 32) m = max_skipping_nan(m, l[e]);
-  for (int o = 16; o > 0; o >>= 1) m = max_skipping_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
-  double s = 0.0;  // E-term reduction in fp64 (see routing/router.cpp)
-  for (int64_t e = lane; e < E; e += 32) s += exp(static_cast<double>(l[e] - m));
-  s = warp_sum(s);
-  return m + static_cast<float>(log(s));
-}
 
 __device__ __forceinline__ float score(ScoreFn fn, float l, float lse) {
   return fn == ScoreFn::kSoftmax ? expf(l - lse) : 1.f / (1.f + expf(-l));
@@ -52,28 +30,40 @@ __global__ void logits_to_f32_kernel(const char* src, DType t, int64_t stride, i
   out[i] = load_f32(src + row * stride * static_cast<int64_t>(dtype_size(t)), t, col);
 }
 
-// One warp per token. Pick j is the warp's best expert among those ranked after pick j - 1
-// (the CPU engine's top_k): no taken-list, no shared memory, and every lane agrees on each pick.
-// Lane 0 writes the raw scores as gates, then rescales its own writes when normalising.
+// One token per group of lanes (routing/token_group.cuh). Pick j is the group's best expert
+// among those ranked after pick j - 1 (the CPU engine's top_k): no taken-list, no shared memory,
+// and every lane of the group agrees on each pick. The group's lane 0 writes the raw scores as
+// gates, then rescales its own writes when normalising.
+template <int kPer>
 __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* logits, int64_t L, int64_t E, int64_t k,
-                                    int32_t* ids, float* gates, float* lse_out) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t t = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + warp;
-  if (t >= L) return;
-  const float* l = logits + t * E;
-  const float lse = row_lse(l, E, lane);
+                                    int width, int32_t* ids, float* gates, float* lse_out) {
+  const TokenGroup g = token_group(L, width, kWarpsPerBlock);
+  if (!__any_sync(0xffffffffu, g.live)) return;  // the whole warp past the last token
+  const TokenLogits<kPer> row(g, logits, E);
+  const float lse = row.lse;
+  float cached[kPer > 0 ? kPer : 1];  // the lane's scores
+  if constexpr (kPer > 0) for_each_expert<kPer>(g, E, [&](int i, int64_t e) { cached[i] = score(fn, row.at(i, e), lse); });
+  auto score_of = [&](int i, int64_t e) {
+    if constexpr (kPer > 0) return cached[i];
+    else return score(fn, row.at(i, e), lse);
+  };
+  const bool writer = g.live && g.sub == 0;
+  const int64_t t = g.token;
   float prev = 0.f, norm = 0.f;
   int prev_i = -1;
   for (int64_t j = 0; j < k; ++j) {
     float best = 0.f;
     int best_i = -1;
-    for (int64_t e = lane; e < E; e += 32) {
-      const float s = score(fn, l[e], lse);
-      if (j > 0 && !ranks_before(prev, prev_i, s, e)) continue;
-      if (ranks_before(s, e, best, best_i)) { best = s; best_i = static_cast<int>(e); }
-    }
-    warp_best(best, best_i);
-    if (lane == 0) {
+    for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
+      const float s = score_of(i, e);
+      if (j > 0 && !ranks_before(prev, prev_i, s, e)) return;
+      if (ranks_before(s, e, best, best_i)) {
+        best = s;
+        best_i = static_cast<int>(e);
+      }
+    });
+    group_best(best, best_i, g.width);
+    if (writer) {
       ids[t * k + j] = best_i;
       gates[t * k + j] = best;
     }
@@ -81,7 +71,7 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
     prev = best;
     prev_i = best_i;
   }
-  if (lane == 0) {
+  if (writer) {
     if (normalize)
       for (int64_t j = 0; j < k; ++j) gates[t * k + j] = gates[t * k + j] / norm;
     lse_out[t] = lse;
@@ -130,62 +120,84 @@ __global__ void loss_finish_kernel(double aux_coeff, double z_coeff, int64_t L, 
   }
 }
 
+// One token per group of lanes (routing/token_group.cuh). The group's lanes load the token's k
+// picks side by side into shared memory (pick ids, their scores, then the gradient each pick
+// passes on); lane 0 sums them in pick order, as the CPU engine does.
+template <int kPer>
 __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coeff, float z_coeff, const float* logits,
-                                       int64_t rows, int64_t L, int64_t E, int64_t k, const int32_t* ids, const float* dgates,
-                                       const float* grad_aux, const float* grad_z, const int32_t* offsets,
-                                       float* dlogits) {
-  __shared__ int sel[kWarpsPerBlock][kMaxTopK];
-  __shared__ float dsel[kWarpsPerBlock][kMaxTopK];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t t = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + warp;
-  if (t >= rows) return;
-  const float* l = logits + t * E;
-  const float lse = row_lse(l, E, lane);
+                                       int64_t rows, int64_t L, int64_t E, int64_t k, int width, const int32_t* ids,
+                                       const float* dgates, const float* grad_aux, const float* grad_z,
+                                       const int32_t* offsets, float* dlogits) {
+  extern __shared__ float picks_smem[];  // [tokens per block][k] ids, then [tokens per block][k] values
+  const TokenGroup g = token_group(rows, width, kWarpsPerBlock);
+  if (!__any_sync(0xffffffffu, g.live)) return;
+  const int64_t t = g.token;
+  const int tokens_per_block = kWarpsPerBlock * (32 / width);
+  const int slot = static_cast<int>(threadIdx.x / width);  // the group's token within the block
+  int* sel = reinterpret_cast<int*>(picks_smem) + slot * k;
+  float* dsel = picks_smem + tokens_per_block * k + slot * k;
+  const TokenLogits<kPer> row(g, logits, E);
+  const float lse = row.lse;
   const float gaux = grad_aux ? *grad_aux : 1.f, gz = grad_z ? *grad_z : 1.f;
   const float aux_scale = aux_coeff * gaux * static_cast<float>(E) / (static_cast<float>(L) * static_cast<float>(L * k));
   const float z_scale = z_coeff * gz * 2.f / static_cast<float>(L);
-  if (lane == 0) {
-    // Ids come from a saved plan; one out of [0, E) (flagged on the device by the fused engine's
-    // plan check) is clamped so that nothing is read outside the logits row.
-    auto id = [&](int64_t j) { return min(max(ids[t * k + j], 0), static_cast<int32_t>(E - 1)); };
-    float norm = 0.f, dot = 0.f;
-    for (int64_t j = 0; j < k; ++j) norm += score(fn, l[id(j)], lse);
-    for (int64_t j = 0; j < k; ++j) dot += dgates[t * k + j] * (score(fn, l[id(j)], lse) / norm);
-    for (int64_t j = 0; j < k; ++j) {
-      sel[warp][j] = id(j);
-      dsel[warp][j] = normalize ? (dgates[t * k + j] - dot) / norm : dgates[t * k + j];
+  // Ids come from a saved plan; one out of [0, E) (flagged on the device by the fused engine's
+  // plan check) is clamped so that nothing is read outside the logits row.
+  if (g.live)
+    for (int64_t j = g.sub; j < k; j += g.width) {
+      const int id = min(max(ids[t * k + j], 0), static_cast<int32_t>(E - 1));
+      sel[j] = id;
+      dsel[j] = score(fn, row.row[id], lse);
     }
+  __syncwarp();
+  if (g.live && g.sub == 0) {
+    float norm = 0.f, dot = 0.f;
+    for (int64_t j = 0; j < k; ++j) norm += dsel[j];
+    for (int64_t j = 0; j < k; ++j) dot += dgates[t * k + j] * (dsel[j] / norm);
+    for (int64_t j = 0; j < k; ++j) dsel[j] = normalize ? (dgates[t * k + j] - dot) / norm : dgates[t * k + j];
   }
   __syncwarp();
   // ds_e = selected contribution + aux term. Softmax: dl = s (ds' - <s, ds'>) with ds shifted
   // by its value at the top score (shift-invariant, and no fp32 cancellation when that score
   // is near 1); the top score is found under the ranking rule of routing/score_order.hpp.
   auto ds_of = [&](int64_t e) {
+    if (!g.live) return 0.f;  // a dead group's picks were never loaded
     float ds = aux_coeff > 0.f ? aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]) : 0.f;
-    for (int64_t j = 0; j < k; ++j) ds += sel[warp][j] == e ? dsel[warp][j] : 0.f;
+    for (int64_t j = 0; j < k; ++j) ds += sel[j] == e ? dsel[j] : 0.f;
     return ds;
+  };
+  float ds_cached[kPer > 0 ? kPer : 1];
+  if constexpr (kPer > 0) for_each_expert<kPer>(g, E, [&](int i, int64_t e) { ds_cached[i] = ds_of(e); });
+  auto ds_at = [&](int i, int64_t e) {
+    if constexpr (kPer > 0) return ds_cached[i];
+    else return ds_of(e);
   };
   double dot = 0.0;
   float shift = 0.f;
   if (fn == ScoreFn::kSoftmax) {  // the top score under the router's ranking rule
     float best = 0.f;
     int best_i = -1;
-    for (int64_t e = lane; e < E; e += 32) {
-      const float v = score(fn, l[e], lse);
-      if (ranks_before(v, e, best, best_i)) { best = v; best_i = static_cast<int>(e); }
-    }
-    warp_best(best, best_i);
+    for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
+      const float v = score(fn, row.at(i, e), lse);
+      if (ranks_before(v, e, best, best_i)) {
+        best = v;
+        best_i = static_cast<int>(e);
+      }
+    });
+    group_best(best, best_i, g.width);
     shift = ds_of(best_i);
-    for (int64_t e = lane; e < E; e += 32) dot += static_cast<double>((ds_of(e) - shift) * score(fn, l[e], lse));
-    dot = warp_sum(dot);
+    for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
+      dot += static_cast<double>((ds_at(i, e) - shift) * score(fn, row.at(i, e), lse));
+    });
+    dot = group_sum(dot, g.width);
   }
-  for (int64_t e = lane; e < E; e += 32) {
-    const float ds = ds_of(e);
-    const float s = score(fn, l[e], lse);
-    float dl = fn == ScoreFn::kSoftmax ? s * ((ds - shift) - static_cast<float>(dot)) : ds * s * (1.f / (1.f + expf(l[e])));
-    if (z_coeff > 0.f) dl += z_scale * lse * expf(l[e] - lse);
+  if (!g.live) return;
+  for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
+    const float l = row.at(i, e), ds = ds_at(i, e), s = score(fn, l, lse);
+    float dl = fn == ScoreFn::kSoftmax ? s * ((ds - shift) - static_cast<float>(dot)) : ds * s * (1.f / (1.f + expf(l)));
+    if (z_coeff > 0.f) dl += z_scale * lse * expf(l - lse);
     dlogits[t * E + e] = dl;
-  }
+  });
 }
 
 __global__ void import_routing_kernel(const char* ids, bool i64, int64_t id_stride, const char* w, DType wt,
@@ -237,6 +249,18 @@ __global__ void tokens_per_expert_kernel(const int32_t* offsets, int64_t E, char
 
 unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>(ceil_div(n, threads)); }
 
+// f(std::integral_constant<int, per>) for the experts cached per lane (token_group.cuh).
+template <class F>
+void with_experts_per_lane(int per, F&& f) {
+  switch (per) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: f(std::integral_constant<int, 0>{}); break;
+  }
+}
+
 }  // namespace
 
 void logits_to_f32_cuda(const View& v, int64_t L, int64_t E, float* out, cudaStream_t s) {
@@ -248,8 +272,14 @@ void logits_to_f32_cuda(const View& v, int64_t L, int64_t E, float* out, cudaStr
 void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, int32_t* ids, float* gates, float* lse,
                        cudaStream_t s) {
   if (L == 0) return;
-  route_tokens_kernel<<<blocks_for(L, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, s>>>(
-      cfg.score_fn, cfg.normalize_topk, logits, L, cfg.num_experts, cfg.top_k, ids, gates, lse);
+  const int64_t E = cfg.num_experts;
+  const int width = token_group_width(E);
+  const unsigned blocks = blocks_for(L, kWarpsPerBlock * (32 / width));
+  auto launch = [&](auto kernel) {
+    kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(cfg.score_fn, cfg.normalize_topk, logits, L, E, cfg.top_k, width, ids,
+                                                  gates, lse);
+  };
+  with_experts_per_lane(experts_per_lane(E, width), [&](auto per) { launch(route_tokens_kernel<decltype(per)::value>); });
   MOEBLAZE_CUDA_LAUNCH_CHECK("route_tokens");
 }
 
@@ -277,9 +307,15 @@ void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t r
                           const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
                           float* dlogits, cudaStream_t s) {
   if (rows == 0) return;
-  router_backward_kernel<<<blocks_for(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, s>>>(
-      cfg.score_fn, cfg.normalize_topk, static_cast<float>(cfg.aux_loss_coeff), static_cast<float>(cfg.z_loss_coeff),
-      logits, rows, L, cfg.num_experts, cfg.top_k, ids, dgates, grad_aux, grad_z, offsets, dlogits);
+  const int64_t E = cfg.num_experts, k = cfg.top_k;
+  const int width = token_group_width(E), tokens_per_block = kWarpsPerBlock * (32 / width);
+  const size_t smem = 2 * sizeof(float) * static_cast<size_t>(tokens_per_block * k);  // <= 4 KB (k <= min(E, 64))
+  auto launch = [&](auto kernel) {
+    kernel<<<blocks_for(rows, tokens_per_block), 32 * kWarpsPerBlock, smem, s>>>(
+        cfg.score_fn, cfg.normalize_topk, static_cast<float>(cfg.aux_loss_coeff), static_cast<float>(cfg.z_loss_coeff),
+        logits, rows, L, E, k, width, ids, dgates, grad_aux, grad_z, offsets, dlogits);
+  };
+  with_experts_per_lane(experts_per_lane(E, width), [&](auto per) { launch(router_backward_kernel<decltype(per)::value>); });
   MOEBLAZE_CUDA_LAUNCH_CHECK("router_backward");
 }
 

@@ -1,0 +1,120 @@
+// The router kernels' unit of work: one token per group of `width` lanes, width = the smallest
+// power of two >= min(E, 32), so 32 / width tokens share a warp when E < 32 (a warp per token
+// left most lanes idle and made small-E routing latency-bound). Each lane owns the token's
+// experts sub, sub + width, ... and, for E <= 32 * kMaxExpertsPerLane, keeps their logits and
+// scores in registers instead of recomputing them for every pick. Group reductions are xor
+// butterflies over the group's lanes in a fixed order: results are bitwise reproducible, and
+// for one token per warp they are the 32-lane butterflies of a warp-per-token kernel.
+#pragma once
+
+#include <cstdint>
+
+#include "routing/score_order.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace routing {
+
+constexpr int kMaxExpertsPerLane = 8;  // E <= 256 runs from registers
+
+struct TokenGroup {
+  int width;      // lanes per token (a power of two <= 32)
+  int sub;        // this lane's rank within its token's lanes
+  int64_t token;  // the group's token
+  bool live;      // token < rows (lanes of a dead group still take part in the warp's shuffles)
+};
+
+// Lanes per token for E experts.
+inline int token_group_width(int64_t E) {
+  int w = 1;
+  while (w < 32 && w < E) w *= 2;
+  return w;
+}
+
+// Experts cached per lane: 1, 2, 4 or 8, or 0 (E > 32 * kMaxExpertsPerLane: read on each use).
+inline int experts_per_lane(int64_t E, int width) {
+  const int64_t per = (E + width - 1) / width;
+  if (per > kMaxExpertsPerLane) return 0;
+  int p = 1;
+  while (p < per) p *= 2;
+  return p;
+}
+
+__device__ __forceinline__ TokenGroup token_group(int64_t rows, int width, int warps_per_block) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  TokenGroup g;
+  g.width = width;
+  g.sub = lane % width;
+  g.token = (static_cast<int64_t>(blockIdx.x) * warps_per_block + warp) * (32 / width) + lane / width;
+  g.live = g.token < rows;
+  return g;
+}
+
+// f(i, e) for each of the lane's experts e = sub + i * width < E (i < kPer when kPer > 0).
+template <int kPer, class F>
+__device__ __forceinline__ void for_each_expert(const TokenGroup& g, int64_t E, F&& f) {
+  if constexpr (kPer > 0) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t e = g.sub + static_cast<int64_t>(i) * g.width;
+      if (e < E) f(i, e);
+    }
+  } else {
+    for (int64_t e = g.sub; e < E; e += g.width) f(0, e);
+  }
+}
+
+__device__ __forceinline__ double group_sum(double v, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float group_max(float m, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) m = max_skipping_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// The group's first (v, i) under ranks_before, in every lane of the group: a strict total
+// order, so the butterfly gives all lanes the same winner whatever the values.
+__device__ __forceinline__ void group_best(float& v, int& i, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ranks_before(ov, oi, v, i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+// The lane's logits of one token row (kPer > 0: loaded once into registers; a dead group's
+// lanes read nothing) and the row's logsumexp, the same in every lane of the group: the max
+// skips NaN, and the E exp terms are summed in fp64 (as routing/router.cpp does).
+template <int kPer>
+struct TokenLogits {
+  const float* row;
+  float cached[kPer > 0 ? kPer : 1];
+  float lse;
+
+  __device__ __forceinline__ TokenLogits(const TokenGroup& g, const float* logits, int64_t E) {
+    row = logits + (g.live ? g.token : 0) * E;
+    if constexpr (kPer > 0)
+      for_each_expert<kPer>(g, E, [&](int i, int64_t e) { cached[i] = g.live ? row[e] : 0.f; });
+    float m = -INFINITY;
+    for_each_expert<kPer>(g, E, [&](int i, int64_t e) { m = max_skipping_nan(m, at(i, e)); });
+    m = group_max(m, g.width);
+    double s = 0.0;
+    for_each_expert<kPer>(g, E, [&](int i, int64_t e) { s += exp(static_cast<double>(at(i, e) - m)); });
+    s = group_sum(s, g.width);
+    lse = m + static_cast<float>(log(s));
+  }
+
+  __device__ __forceinline__ float at(int i, int64_t e) const {
+    if constexpr (kPer > 0) return cached[i];
+    else return row[e];
+  }
+};
+
+}  // namespace routing
+}  // namespace v0
+}  // namespace moeblaze
