@@ -39,14 +39,10 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
                                     int width, int32_t* ids, float* gates, float* lse_out) {
   const TokenGroup g = token_group(L, width, kWarpsPerBlock);
   if (!__any_sync(0xffffffffu, g.live)) return;  // the whole warp past the last token
-  const TokenLogits<kPer> row(g, logits, E);
-  const float lse = row.lse;
-  float cached[kPer > 0 ? kPer : 1];  // the lane's scores
-  if constexpr (kPer > 0) for_each_expert<kPer>(g, E, [&](int i, int64_t e) { cached[i] = score(fn, row.at(i, e), lse); });
-  auto score_of = [&](int i, int64_t e) {
-    if constexpr (kPer > 0) return cached[i];
-    else return score(fn, row.at(i, e), lse);
-  };
+  const float* row = logits + (g.live ? g.token : 0) * E;  // a dead group's lanes read nothing
+  const auto logit = lane_values<kPer>(g, E, [=](int, int64_t e) { return g.live ? row[e] : 0.f; });
+  const float lse = group_lse<kPer>(g, E, logit);
+  const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
   const bool writer = g.live && g.sub == 0;
   const int64_t t = g.token;
   float prev = 0.f, norm = 0.f;
@@ -136,8 +132,10 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
   const int slot = static_cast<int>(threadIdx.x / width);  // the group's token within the block
   int* sel = reinterpret_cast<int*>(picks_smem) + slot * k;
   float* dsel = picks_smem + tokens_per_block * k + slot * k;
-  const TokenLogits<kPer> row(g, logits, E);
-  const float lse = row.lse;
+  const float* row = logits + (g.live ? g.token : 0) * E;  // a dead group's lanes read nothing
+  const auto logit = lane_values<kPer>(g, E, [=](int, int64_t e) { return g.live ? row[e] : 0.f; });
+  const float lse = group_lse<kPer>(g, E, logit);
+  const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
   const float gaux = grad_aux ? *grad_aux : 1.f, gz = grad_z ? *grad_z : 1.f;
   const float aux_scale = aux_coeff * gaux * static_cast<float>(E) / (static_cast<float>(L) * static_cast<float>(L * k));
   const float z_scale = z_coeff * gz * 2.f / static_cast<float>(L);
@@ -147,7 +145,7 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
     for (int64_t j = g.sub; j < k; j += g.width) {
       const int id = min(max(ids[t * k + j], 0), static_cast<int32_t>(E - 1));
       sel[j] = id;
-      dsel[j] = score(fn, row.row[id], lse);
+      dsel[j] = score(fn, row[id], lse);
     }
   __syncwarp();
   if (g.live && g.sub == 0) {
@@ -166,19 +164,14 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
     for (int64_t j = 0; j < k; ++j) ds += sel[j] == e ? dsel[j] : 0.f;
     return ds;
   };
-  float ds_cached[kPer > 0 ? kPer : 1];
-  if constexpr (kPer > 0) for_each_expert<kPer>(g, E, [&](int i, int64_t e) { ds_cached[i] = ds_of(e); });
-  auto ds_at = [&](int i, int64_t e) {
-    if constexpr (kPer > 0) return ds_cached[i];
-    else return ds_of(e);
-  };
+  const auto ds_at = lane_values<kPer>(g, E, [&](int, int64_t e) { return ds_of(e); });
   double dot = 0.0;
   float shift = 0.f;
   if (fn == ScoreFn::kSoftmax) {  // the top score under the router's ranking rule
     float best = 0.f;
     int best_i = -1;
     for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
-      const float v = score(fn, row.at(i, e), lse);
+      const float v = score_of(i, e);
       if (ranks_before(v, e, best, best_i)) {
         best = v;
         best_i = static_cast<int>(e);
@@ -187,13 +180,13 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
     group_best(best, best_i, g.width);
     shift = ds_of(best_i);
     for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
-      dot += static_cast<double>((ds_at(i, e) - shift) * score(fn, row.at(i, e), lse));
+      dot += static_cast<double>((ds_at(i, e) - shift) * score_of(i, e));
     });
     dot = group_sum(dot, g.width);
   }
   if (!g.live) return;
   for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
-    const float l = row.at(i, e), ds = ds_at(i, e), s = score(fn, l, lse);
+    const float l = logit(i, e), ds = ds_at(i, e), s = score_of(i, e);
     float dl = fn == ScoreFn::kSoftmax ? s * ((ds - shift) - static_cast<float>(dot)) : ds * s * (1.f / (1.f + expf(l)));
     if (z_coeff > 0.f) dl += z_scale * lse * expf(l - lse);
     dlogits[t * E + e] = dl;

@@ -87,33 +87,38 @@ __device__ __forceinline__ void group_best(float& v, int& i, int width) {
   }
 }
 
-// The lane's logits of one token row (kPer > 0: loaded once into registers; a dead group's
-// lanes read nothing) and the row's logsumexp, the same in every lane of the group: the max
-// skips NaN, and the E exp terms are summed in fp64 (as routing/router.cpp does).
-template <int kPer>
-struct TokenLogits {
-  const float* row;
+// A value per expert of the lane, f(i, e): computed once into registers when kPer > 0, else
+// recomputed by f on each use (E > 32 * kMaxExpertsPerLane). Either way the same value.
+template <int kPer, class F>
+struct LaneValues {
+  F f;
   float cached[kPer > 0 ? kPer : 1];
-  float lse;
 
-  __device__ __forceinline__ TokenLogits(const TokenGroup& g, const float* logits, int64_t E) {
-    row = logits + (g.live ? g.token : 0) * E;
-    if constexpr (kPer > 0)
-      for_each_expert<kPer>(g, E, [&](int i, int64_t e) { cached[i] = g.live ? row[e] : 0.f; });
-    float m = -INFINITY;
-    for_each_expert<kPer>(g, E, [&](int i, int64_t e) { m = max_skipping_nan(m, at(i, e)); });
-    m = group_max(m, g.width);
-    double s = 0.0;
-    for_each_expert<kPer>(g, E, [&](int i, int64_t e) { s += exp(static_cast<double>(at(i, e) - m)); });
-    s = group_sum(s, g.width);
-    lse = m + static_cast<float>(log(s));
+  __device__ __forceinline__ LaneValues(const TokenGroup& g, int64_t E, F fn) : f(fn) {
+    if constexpr (kPer > 0) for_each_expert<kPer>(g, E, [&](int i, int64_t e) { cached[i] = f(i, e); });
   }
-
-  __device__ __forceinline__ float at(int i, int64_t e) const {
+  __device__ __forceinline__ float operator()(int i, int64_t e) const {
     if constexpr (kPer > 0) return cached[i];
-    else return row[e];
+    else return f(i, e);
   }
 };
+template <int kPer, class F>
+__device__ __forceinline__ LaneValues<kPer, F> lane_values(const TokenGroup& g, int64_t E, F f) {
+  return LaneValues<kPer, F>(g, E, f);
+}
+
+// The row's logsumexp, the same in every lane of the group: the max skips NaN, and the E exp
+// terms are summed in fp64 (as routing/router.cpp does). logit(i, e): the lane's logits.
+template <int kPer, class Logit>
+__device__ __forceinline__ float group_lse(const TokenGroup& g, int64_t E, const Logit& logit) {
+  float m = -INFINITY;
+  for_each_expert<kPer>(g, E, [&](int i, int64_t e) { m = max_skipping_nan(m, logit(i, e)); });
+  m = group_max(m, g.width);
+  double s = 0.0;
+  for_each_expert<kPer>(g, E, [&](int i, int64_t e) { s += exp(static_cast<double>(logit(i, e) - m)); });
+  s = group_sum(s, g.width);
+  return m + static_cast<float>(log(s));
+}
 
 }  // namespace routing
 }  // namespace v0
