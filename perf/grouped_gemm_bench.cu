@@ -303,7 +303,9 @@ int main(int argc, char** argv) {
   }
   const Config all[] = {{"sonic_1.4B_n256", 40960, 768, 256, 128, 8},  {"sonic_7B_n256", 24576, 1536, 256, 128, 8},
                         {"qwen3_30b_a3b", 32768, 2048, 768, 128, 8},   {"sonic_30B_n512", 32768, 4096, 512, 128, 8},
-                        {"sonic_120B_n1024", 32768, 4096, 1024, 128, 8}, {"conf4", 16384, 2048, 8192, 16, 4}};
+                        {"sonic_120B_n1024", 32768, 4096, 1024, 128, 8}, {"conf4", 16384, 2048, 8192, 16, 4},
+                        {"conf1", 65536, 512, 2048, 4, 1},               {"conf2", 65536, 1024, 4096, 8, 2},
+                        {"conf3", 65536, 1024, 4096, 16, 4},             {"conf7", 8192, 2048, 8192, 8, 4}};
   gemm::CublasLtGemm lt;
   void* lt_ws = nullptr;
   GGP_CK(cudaMalloc(&lt_ws, gemm::CublasLtGemm::kWorkspaceBytes));

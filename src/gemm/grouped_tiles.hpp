@@ -42,35 +42,47 @@ MOEBLAZE_HD int64_t total_tiles(const int32_t* prefix, int64_t num_experts, int3
   return static_cast<int64_t>(prefix[num_experts]) * col_blocks;
 }
 
+// Row blocks per raster group (expert_tile): a persistent grid's wave of ~132 consecutive work
+// items then covers a few groups of 16 row blocks by ~8 column blocks, so both operands' panels
+// stay in L2 (perf/NOTES.md, step 12). Row blocks fastest over a whole expert instead made a
+// wave sweep all of a coarse expert's rows for one or two column blocks: an A panel larger than
+// L2 (conf4's down GEMM: 128 MB per expert) was read from DRAM once per column block.
+constexpr int32_t kRasterRowBlocks = 16;
+
 // The tile of work item `work` once its expert e is known (the last expert whose items start at
-// or before it; decode_tile below, or the device's warp-wide search).
+// or before it; decode_tile below, or the device's warp-wide search). Within the expert, its row
+// blocks form groups of `group` (the last one shorter; group <= 0: one group of all of them);
+// a group's items are contiguous, and within a group row blocks vary fastest, then column blocks.
 MOEBLAZE_HD TileCoord expert_tile(int64_t work, int32_t e, const int32_t* offsets, const int32_t* prefix,
-                                  int32_t block_m, int32_t col_blocks) {
+                                  int32_t block_m, int32_t col_blocks, int32_t group = kRasterRowBlocks) {
   const int32_t rows_e = offsets[e + 1] - offsets[e];
   const int64_t local = work - static_cast<int64_t>(prefix[e]) * col_blocks;
   const int32_t rbs = row_blocks(rows_e, block_m);
+  const int32_t g = group > 0 && group < rbs ? group : rbs;
+  const int64_t group_items = static_cast<int64_t>(g) * col_blocks;
+  const int32_t first = static_cast<int32_t>(local / group_items) * g;  // the group's first row block
+  const int32_t size = rbs - first < g ? rbs - first : g;
+  const int64_t within = local - static_cast<int64_t>(first) * col_blocks;
+  const int32_t rb = first + static_cast<int32_t>(within % size);
   TileCoord t;
   t.expert = e;
-  t.col_block = static_cast<int32_t>(local / rbs);
-  const int32_t rb = static_cast<int32_t>(local % rbs);
+  t.col_block = static_cast<int32_t>(within / size);
   t.row0 = offsets[e] + rb * block_m;
   t.rows = rows_e - rb * block_m < block_m ? rows_e - rb * block_m : block_m;
   return t;
 }
 
 // The tile of work item `work` in [0, total_tiles). Expert e owns items
-// [prefix[e] * col_blocks, prefix[e+1] * col_blocks); within it row blocks vary fastest, so
-// consecutive work items (neighbouring CTAs of a persistent grid) share one column block of the
-// expert's weights while it is hot in L2.
+// [prefix[e] * col_blocks, prefix[e+1] * col_blocks), in expert_tile's order.
 MOEBLAZE_HD TileCoord decode_tile(int64_t work, const int32_t* offsets, const int32_t* prefix, int64_t num_experts,
-                                  int32_t block_m, int32_t col_blocks) {
+                                  int32_t block_m, int32_t col_blocks, int32_t group = kRasterRowBlocks) {
   int64_t lo = 0, hi = num_experts;  // the last e with prefix[e] * col_blocks <= work (skips empty experts)
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
     if (static_cast<int64_t>(prefix[mid]) * col_blocks <= work) lo = mid;
     else hi = mid;
   }
-  return expert_tile(work, static_cast<int32_t>(lo), offsets, prefix, block_m, col_blocks);
+  return expert_tile(work, static_cast<int32_t>(lo), offsets, prefix, block_m, col_blocks, group);
 }
 
 // Host bound on the tile count for sizing: at most ceil(rows / block_m) + E row blocks.

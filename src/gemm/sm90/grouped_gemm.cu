@@ -190,6 +190,16 @@ void dispatch(const KernelChoice& kc, const GroupedGemmParams& p, const Epilogue
   else dispatch_major<T, 128, false>(p, e, s);
 }
 
+// MOEBLAZE_SM90_RASTER=<row blocks> overrides the raster group (0: a whole expert, the order
+// before step 12): a measurement knob (perf/NOTES.md), not part of the API.
+int32_t raster_group() {
+  static const int32_t group = [] {
+    const char* v = std::getenv("MOEBLAZE_SM90_RASTER");
+    return v && *v ? static_cast<int32_t>(std::max(0L, std::strtol(v, nullptr, 10))) : kRasterRowBlocks;
+  }();
+  return group;
+}
+
 }  // namespace
 
 size_t schedule_bytes(int64_t num_experts) { return 2 * align_up(sizeof(int32_t) * (num_experts + 1), 256); }
@@ -205,6 +215,7 @@ Schedule make_schedule(const int32_t* offsets, int64_t num_experts, int64_t m_to
   sc.rb_prefix = prefix;
   sc.num_experts = static_cast<int32_t>(num_experts);
   sc.m_total = static_cast<int32_t>(m_total);
+  sc.raster_group = raster_group();
   return sc;
 }
 

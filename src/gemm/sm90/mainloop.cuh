@@ -81,8 +81,9 @@ __device__ __forceinline__ int32_t b_box_start(const GroupedGemmParams& p, int32
 // (each lane tests one candidate expert, a ballot picks the last whose tiles start at or before
 // `work`) in ceil(log32 E) dependent loads instead of log2 E: 2 round trips to L2 for
 // E <= 1024, then the expert's offsets. Every lane of the warp calls it.
-__device__ __forceinline__ TileCoord decode_tile_warp(int64_t work, const int32_t* offsets, const int32_t* prefix,
-                                                      int32_t num_experts, int32_t col_blocks) {
+__device__ __forceinline__ TileCoord decode_tile_warp(int64_t work, const Schedule& sc, int32_t col_blocks) {
+  const int32_t* prefix = sc.rb_prefix;
+  const int32_t num_experts = sc.num_experts;
   const int lane = threadIdx.x & 31;
   int32_t lo = 0, span = num_experts;  // the answer lies in [lo, lo + span); prefix[lo] * col_blocks <= work
   while (span > 1) {
@@ -92,7 +93,7 @@ __device__ __forceinline__ TileCoord decode_tile_warp(int64_t work, const int32_
     lo += last * step;
     span = min(step, num_experts - lo);
   }
-  return expert_tile(work, lo, offsets, prefix, kBlockM, col_blocks);
+  return expert_tile(work, lo, sc.offsets, prefix, kBlockM, col_blocks, sc.raster_group);
 }
 
 // Stage s's B boxes for tile tc, k-block k0, by TMA (the elected producer thread).
@@ -130,7 +131,7 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
   const int a_chunk = t & 7, a_row = t >> 3;  // A: rows a_row + 16 i, chunk a_chunk
   uint32_t it = 0, j = 0;
   for (int64_t w = blockIdx.x; w < total; w += gridDim.x, ++j) {
-    const TileCoord tc = decode_tile_warp(w, p.sched.offsets, p.sched.rb_prefix, E, cb);
+    const TileCoord tc = decode_tile_warp(w, p.sched, cb);
     // The tile's eight source rows per thread: all loads first, then the checks, so the loads
     // overlap instead of each check waiting for its own L2 round trip.
     int32_t src_row[8];
@@ -185,7 +186,7 @@ __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& a
   const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
   uint32_t it = 0, j = 0;
   for (int64_t w = blockIdx.x; w < total; w += gridDim.x, ++j) {
-    const TileCoord tc = decode_tile_warp(w, p.sched.offsets, p.sched.rb_prefix, E, cb);
+    const TileCoord tc = decode_tile_warp(w, p.sched, cb);
     if (leader) {
       using namespace cuda::ptx;
       for (int kb = 0; kb < num_kb; ++kb, ++it) {

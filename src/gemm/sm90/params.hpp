@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/config.hpp"
+#include "gemm/grouped_tiles.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -33,6 +34,7 @@ struct Schedule {
   const int32_t* rb_prefix = nullptr;  // [E + 1]
   int32_t num_experts = 0;
   int32_t m_total = 0;                 // rows of C (L k)
+  int32_t raster_group = kRasterRowBlocks;  // row blocks per raster group (gemm/grouped_tiles.hpp)
 };
 
 struct GroupedGemmParams {
