@@ -61,6 +61,8 @@ struct Elem<__nv_bfloat16> {
     const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
+  // The two values of a pack2, widened back (exact: two bit operations).
+  __device__ static float2 unpack2(uint32_t v) { return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u)); }
 };
 template <>
 struct Elem<__half> {
@@ -88,6 +90,10 @@ struct Elem<__half> {
   __device__ static uint32_t pack2(float a, float b) {
     const __half2 h = __floats2half2_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&h);
+  }
+  __device__ static float2 unpack2(uint32_t v) {
+    return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(v & 0xffffu))),
+                       __half2float(__ushort_as_half(static_cast<unsigned short>(v >> 16))));
   }
 };
 

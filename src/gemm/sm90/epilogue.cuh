@@ -107,13 +107,25 @@ __device__ __forceinline__ void epilogue_store_staged(const GroupedGemmParams& p
 
 // The activation epilogue's values: pre = acc rounded to T; act = f(pre) (plain) or f(gate) * up
 // (gated: the tile's first half holds gate columns, its second half the same up columns),
-// computed from the rounded pre as the elementwise kernels do, then rounded. act_pair gives the
-// act pair whose gate (or only) accumulators are q and q + 1.
+// computed from the rounded pre as the elementwise kernels do, then rounded. The rounding is one
+// pack per pair (F2FP, two values), unpacked by two bit operations: a conversion per element
+// ran on the same quarter-rate pipe as the sigmoid's MUFU ops, in an epilogue no MMA overlaps
+// (perf/NOTES.md, step 12). act_of gives the act pair of packed pre pairs (up: the up pair when
+// gated); act_pair that of accumulators q, q + 1 (and their up columns).
+template <class T, Activation A, bool Gated>
+__device__ __forceinline__ float2 act_of(uint32_t gate, uint32_t up) {
+  const float2 u = Elem<T>::unpack2(gate);
+  if constexpr (Gated) {
+    const float2 b = Elem<T>::unpack2(up);
+    return make_float2(act_fn(A, u.x) * b.x, act_fn(A, u.y) * b.y);
+  } else {
+    return make_float2(act_fn(A, u.x), act_fn(A, u.y));
+  }
+}
 template <class T, int BN, Activation A, bool Gated>
 __device__ __forceinline__ float2 act_pair(const float (&acc)[BN / 2], int q) {
-  const float u0 = round_as<T>(acc[q]), u1 = round_as<T>(acc[q + 1]);
-  if constexpr (Gated) return make_float2(act_fn(A, u0) * round_as<T>(acc[q + BN / 4]), act_fn(A, u1) * round_as<T>(acc[q + 1 + BN / 4]));
-  else return make_float2(act_fn(A, u0), act_fn(A, u1));
+  return act_of<T, A, Gated>(Elem<T>::pack2(acc[q], acc[q + 1]),
+                             Gated ? Elem<T>::pack2(acc[q + BN / 4], acc[q + 1 + BN / 4]) : 0u);
 }
 
 // The output row of problem row pos (of expert tc.expert) in an output placed by expert_row.
