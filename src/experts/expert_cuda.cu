@@ -60,10 +60,15 @@ __global__ void activation_forward_kernel(Activation a, int64_t P, int64_t h, co
 // reduction: dg is bitwise reproducible.
 template <class T, int W>
 __global__ void activation_backward_kernel(Activation a, int64_t P, int64_t h, const T* pre, const int32_t* pre_rows,
-                                           const float* gate, T* dpre, T* gact, float* dg_pos) {
+                                           const float* gate, T* dpre, T* gact, float* dg_pos,
+                                           const int32_t* rows_done) {
   const int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (p >= P) return;
+  if (rows_done && p >= static_cast<int64_t>(*rows_done)) {  // no GEMM wrote this row's dact
+    if (lane == 0) dg_pos[p] = 0.f;
+    return;
+  }
   const bool gated = is_gated(a);
   const int64_t ld = gated ? 2 * h : h;
   const T* pr = pre + (pre_rows ? static_cast<int64_t>(pre_rows[p]) : p) * ld;
@@ -144,16 +149,17 @@ void activation_forward_cuda(Activation a, DType dt, int64_t P, int64_t h, const
 }
 
 void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, const int32_t* pre_rows,
-                              const float* gate, void* dpre, void* gact, float* dg_pos, cudaStream_t s) {
+                              const float* gate, void* dpre, void* gact, float* dg_pos, cudaStream_t s,
+                              const int32_t* rows_done) {
   if (P == 0) return;
   const bool vec = h % 8 == 0;
   const unsigned blocks = static_cast<unsigned>(ceil_div(P, 8));
   MOEBLAZE_DISPATCH_FLOAT(dt, T, {
     const T* in = static_cast<const T*>(pre);
     if (vec)
-      activation_backward_kernel<T, 8><<<blocks, 256, 0, s>>>(a, P, h, in, pre_rows, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos);
+      activation_backward_kernel<T, 8><<<blocks, 256, 0, s>>>(a, P, h, in, pre_rows, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos, rows_done);
     else
-      activation_backward_kernel<T, 1><<<blocks, 256, 0, s>>>(a, P, h, in, pre_rows, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos);
+      activation_backward_kernel<T, 1><<<blocks, 256, 0, s>>>(a, P, h, in, pre_rows, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos, rows_done);
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("activation_backward");
 }

@@ -32,8 +32,11 @@ void activation_forward_cuda(Activation a, DType dt, int64_t P, int64_t h, const
 //   dg_pos[p] = <dact, act>;  dpre[p, :] = backward of g * dact (dA, dB or dH), in place;
 //   gact[p, :] = g * act (the dW_down operand).
 // pre row p is pre_rows[p] when pre_rows is given (a window reading the call's saved pre).
+// With rows_done (a device count, e.g. the sanitised offsets' end), rows p >= *rows_done, which
+// no expert's GEMM wrote (a plan whose offsets end early), only get dg_pos[p] = 0.
 void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, const int32_t* pre_rows,
-                              const float* gate_of_position, void* dpre, void* gact, float* dg_pos, cudaStream_t s);
+                              const float* gate_of_position, void* dpre, void* gact, float* dg_pos, cudaStream_t s,
+                              const int32_t* rows_done = nullptr);
 
 }  // namespace experts
 }  // namespace v0

@@ -318,9 +318,10 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     up.sched = dact.sched = dxg.sched = sched;
     if (needs.recompute_up) sm90::grouped_gemm(dt, up, up_epi, {}, s);
     sm90::grouped_gemm(dt, dact, dact_epi, {}, s);
-    // dg, dpre (in place) and g * act (recomputed from pre) in one pass.
+    // dg, dpre (in place) and g * act (recomputed from pre) in one pass, over the rows the dact
+    // GEMM wrote (all of them, unless a bad plan's offsets end early).
     experts::activation_backward_cuda(cfg_.activation, dt, rows * k, h, pre, pre_rows, win.gate, w.dpre, w.act,
-                                      w.dg_pos, s);
+                                      w.dg_pos, s, sched.offsets + cfg_.num_experts);
     if (a.d_w_down.present) {
       sm90::WeightGradParams p = dwd(i);
       p.sched = sched;
