@@ -32,8 +32,11 @@ __global__ void logits_to_f32_kernel(const char* src, DType t, int64_t stride, i
 
 // One token per group of lanes (routing/token_group.cuh). Pick j is the group's best expert
 // among those ranked after pick j - 1 (the CPU engine's top_k): no taken-list, no shared memory,
-// and every lane of the group agrees on each pick. The group's lane 0 writes the raw scores as
-// gates, then rescales its own writes when normalising.
+// and every lane of the group agrees on each pick. With the scores in registers (kPer > 0) each
+// lane sorts its experts' rank keys once and a pick is one integer maximum over the group
+// (SortedCandidates: the same order as ranks_before, perf/NOTES.md step 13); the pick's score
+// comes from its lane, bit for bit. The group's lane 0 writes the raw scores as gates, then
+// rescales its own writes when normalising.
 template <int kPer>
 __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* logits, int64_t L, int64_t E, int64_t k,
                                     int width, int32_t* ids, float* gates, float* lse_out) {
@@ -45,27 +48,48 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
   const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
   const bool writer = g.live && g.sub == 0;
   const int64_t t = g.token;
-  float prev = 0.f, norm = 0.f;
-  int prev_i = -1;
-  for (int64_t j = 0; j < k; ++j) {
-    float best = 0.f;
-    int best_i = -1;
-    for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
-      const float s = score_of(i, e);
-      if (j > 0 && !ranks_before(prev, prev_i, s, e)) return;
-      if (ranks_before(s, e, best, best_i)) {
-        best = s;
-        best_i = static_cast<int>(e);
-      }
-    });
-    group_best(best, best_i, g.width);
+  float norm = 0.f;
+  auto emit = [&](int64_t j, int best_i, float best) {
     if (writer) {
       ids[t * k + j] = best_i;
       gates[t * k + j] = best;
     }
     norm += best;
-    prev = best;
-    prev_i = best_i;
+  };
+  if constexpr (kPer > 0) {
+    SortedCandidates<kPer> cand;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t e = g.sub + static_cast<int64_t>(i) * g.width;
+      cand.score[i] = e < E ? score_of(i, e) : 0.f;
+      cand.key[i] = e < E ? rank_key(cand.score[i], e) : 0;
+    }
+    cand.sort();
+    const int base = (threadIdx.x % 32) & ~(g.width - 1);  // the group's first lane
+    for (int64_t j = 0; j < k; ++j) {
+      float best;
+      const int best_i = rank_key_id(cand.pop(g.width, base, best));
+      emit(j, best_i, best);
+    }
+  } else {
+    float prev = 0.f;
+    int prev_i = -1;
+    for (int64_t j = 0; j < k; ++j) {
+      float best = 0.f;
+      int best_i = -1;
+      for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
+        const float s = score_of(i, e);
+        if (j > 0 && !ranks_before(prev, prev_i, s, e)) return;
+        if (ranks_before(s, e, best, best_i)) {
+          best = s;
+          best_i = static_cast<int>(e);
+        }
+      });
+      group_best(best, best_i, g.width);
+      emit(j, best_i, best);
+      prev = best;
+      prev_i = best_i;
+    }
   }
   if (writer) {
     if (normalize)

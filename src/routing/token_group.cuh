@@ -87,6 +87,56 @@ __device__ __forceinline__ void group_best(float& v, int& i, int width) {
   }
 }
 
+// The group's largest 64-bit key (routing/score_order.hpp, rank_key), in every lane of the group.
+__device__ __forceinline__ uint64_t group_max_key(uint64_t key, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) {
+    const uint64_t other = __shfl_xor_sync(0xffffffffu, key, o);
+    key = other > key ? other : key;
+  }
+  return key;
+}
+
+// A lane's candidates for top-k: its experts' rank keys, with their scores, sorted in
+// descending key order (an odd-even transposition network, once per token). Picks come out in
+// descending key order across the group, so the lane whose first key is the group's maximum owns
+// the pick: it drops it, and its first score is the pick's score, bit for bit. Each pick is one
+// integer butterfly, with no rescans and no ranks_before calls.
+template <int kPer>
+struct SortedCandidates {
+  uint64_t key[kPer];
+  float score[kPer];
+
+  __device__ __forceinline__ void sort() {
+#pragma unroll
+    for (int pass = 0; pass < kPer; ++pass)
+#pragma unroll
+      for (int i = 0; i + 1 < kPer; ++i)
+        if ((i & 1) == (pass & 1) && key[i] < key[i + 1]) {
+          const uint64_t k = key[i];
+          key[i] = key[i + 1];
+          key[i + 1] = k;
+          const float v = score[i];
+          score[i] = score[i + 1];
+          score[i + 1] = v;
+        }
+  }
+  // The group's best remaining candidate (its key, and its score from the owning lane, whose
+  // index in the warp is base + id % width); the owner drops it.
+  __device__ __forceinline__ uint64_t pop(int width, int base, float& s) {
+    const uint64_t best = group_max_key(key[0], width);
+    s = __shfl_sync(0xffffffffu, score[0], base + rank_key_id(best) % width);
+    if (key[0] == best) {
+#pragma unroll
+      for (int i = 0; i + 1 < kPer; ++i) {
+        key[i] = key[i + 1];
+        score[i] = score[i + 1];
+      }
+      key[kPer - 1] = 0;
+    }
+    return best;
+  }
+};
+
 // A value per expert of the lane, f(i, e): computed once into registers when kPer > 0, else
 // recomputed by f on each use (E > 32 * kMaxExpertsPerLane). Either way the same value.
 template <int kPer, class F>

@@ -1,0 +1,89 @@
+// The router's ranking rule (src/routing/score_order.hpp): rank_key, the 64-bit key the GPU
+// top-k compares as integers, must order every pair of (score, id) exactly as ranks_before
+// does, NaN, infinities, signed zeros, subnormals and ties included, and give back its id and
+// score.
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "routing/score_order.hpp"
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+extern "C" {
+#include <cmocka.h>
+}
+
+using namespace moeblaze::routing;
+
+namespace {
+
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// Scores that stress the order: specials, neighbours of each other, and random bit patterns.
+std::vector<float> score_pool(std::mt19937_64& rng) {
+  std::vector<float> v = {0.f, -0.f, INFINITY, -INFINITY, NAN, -NAN, from_bits(0x7f800001u), from_bits(0xffc12345u),
+                          FLT_MIN, -FLT_MIN, from_bits(1u), from_bits(0x80000001u), FLT_MAX, -FLT_MAX, 1.f, -1.f,
+                          0.5f, std::nextafter(0.5f, 1.f), std::nextafter(0.5f, 0.f), 1e-30f, -1e-30f};
+  std::uniform_int_distribution<uint32_t> any;
+  std::normal_distribution<float> normal;
+  for (int i = 0; i < 200; ++i) v.push_back(from_bits(any(rng)));
+  for (int i = 0; i < 200; ++i) v.push_back(normal(rng));
+  return v;
+}
+
+void key_order_is_ranks_before(void**) {
+  std::mt19937_64 rng(20261124);
+  const std::vector<float> pool = score_pool(rng);
+  const int64_t ids[] = {0, 1, 2, 7, 127, 128, 255, 1000, 65535, 2147483646, 2147483647};
+  int64_t checked = 0;
+  for (float a : pool)
+    for (float b : pool)
+      for (int64_t ia : ids)
+        for (int64_t ib : {int64_t{0}, int64_t{3}, int64_t{128}, int64_t{2147483647}}) {
+          if (ia == ib) continue;  // ids of one token's experts are distinct
+          const bool by_key = rank_key(a, ia) > rank_key(b, ib);
+          if (by_key != ranks_before(a, ia, b, ib))
+            fail_msg("(%a, %lld) vs (%a, %lld): key says %d, ranks_before %d", a, static_cast<long long>(ia), b,
+                     static_cast<long long>(ib), by_key, ranks_before(a, ia, b, ib));
+          ++checked;
+        }
+  assert_true(checked > 1000000);
+}
+
+void key_gives_back_id_and_score(void**) {
+  std::mt19937_64 rng(7);
+  for (float s : score_pool(rng))
+    for (int64_t id : {int64_t{0}, int64_t{5}, int64_t{255}, int64_t{2147483647}}) {
+      const uint64_t key = rank_key(s, id);
+      assert_int_equal(rank_key_id(key), id);
+      assert_true(key != 0);  // 0 is "no candidate": a real expert, even with a NaN score, ranks above it
+      const float back = rank_key_score(key);
+      if (std::isnan(s)) assert_true(std::isnan(back));
+      else if (s == 0.f) assert_int_equal(bits(back), 0u);  // -0 and +0 rank alike
+      else assert_int_equal(bits(back), bits(s));
+    }
+}
+
+}  // namespace
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(key_order_is_ranks_before),
+      cmocka_unit_test(key_gives_back_id_and_score),
+  };
+  return cmocka_run_group_tests(tests, nullptr, nullptr);
+}
