@@ -11,7 +11,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "util/dtype.hpp"
 
@@ -33,40 +32,17 @@ MOEBLAZE_HD bool ranks_before(float a, int64_t ia, float b, int64_t ib) {
 // (sign-magnitude bits turned into an unsigned order; -0 counts as +0; every NaN is 0, below
 // -inf), the low word the inverted id (a lower id wins a tie). Key 0 is "no candidate". The
 // GPU router's top-k picks with integer maxima of these keys (routing/token_group.cuh).
-MOEBLAZE_HD uint32_t float_bits(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-#endif
-}
-MOEBLAZE_HD float bits_float(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-#endif
-}
-
 MOEBLAZE_HD uint64_t rank_key(float s, int64_t id) {
   uint32_t hi = 0;
   if (s == s) {
-    const uint32_t u = float_bits(s + 0.0f);  // -0 -> +0
+    const uint32_t u = f32_bits(s + 0.0f);  // -0 -> +0
     hi = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   }
   return (static_cast<uint64_t>(hi) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(id));
 }
 
-// The id and score of a key (a NaN score comes back as the canonical quiet NaN).
+// The id of a key.
 MOEBLAZE_HD int32_t rank_key_id(uint64_t key) { return static_cast<int32_t>(~static_cast<uint32_t>(key)); }
-MOEBLAZE_HD float rank_key_score(uint64_t key) {
-  const uint32_t hi = static_cast<uint32_t>(key >> 32);
-  return bits_float(hi == 0 ? 0x7fc00000u : (hi & 0x80000000u) ? (hi & 0x7fffffffu) : ~hi);
-}
 
 // The row maximum used to shift logits before exp: NaN entries are skipped (fmax), so the
 // shift is the same for every engine; a NaN then reaches the normaliser and every score.
