@@ -10,7 +10,8 @@
 # engine under torch.compile and CUDA graphs).
 # example: examples/moe_lm.py in bf16, on the engine AUTO picks and on the fused engine under
 # torch.compile(reduce-overhead); matplotlib from wheels carried in .whl/ when the image has none.
-# gemm: the sm_90a grouped GEMMs alone: their kernel tests (varlen M and weight gradients), a
+# gemm: the sm_90a grouped GEMMs alone: their kernel tests (varlen M, weight gradients, the
+# activation-backward epilogue), a
 # SASS check (HGMMA, no local memory) and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g.
 # "--bn 256"; "skip" runs no bench); GEMM_SANITIZE="memcheck racecheck synccheck" runs the
 # kernel tests under those tools.
@@ -58,7 +59,7 @@ if want gemm; then
     cuobjdump -sass "$obj" > "$OUT/$(basename "$obj" .cu.o).sass" 2>&1
     summary+=("$(basename "$obj" .cu.o) SASS: HGMMA $(grep -c HGMMA "$OUT/$(basename "$obj" .cu.o).sass"), local-memory LDL/STL $(grep -cE 'LDL|STL' "$OUT/$(basename "$obj" .cu.o).sass")")
   done
-  for t in test_sm90_grouped_gemm test_sm90_weight_grad; do
+  for t in test_sm90_grouped_gemm test_sm90_weight_grad test_sm90_act_backward; do
     timeout 300 build-gpu/tests/kernels/$t > "$OUT/$t.log" 2>&1
     rc=$?
     grep -vE '^\[ *(RUN|  OK) *\]' "$OUT/$t.log" | tail -20

@@ -44,11 +44,16 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
   }
 }
 
-__global__ void to_token_order_kernel(const int32_t* map, const float* v, int64_t n, float* out) {
+__global__ void to_token_order_kernel(const int32_t* map, const float* v, int64_t n, int64_t parts, int64_t ld,
+                                      const int32_t* rows_done, float* out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int32_t pos = map[i];
-  out[i] = pos >= 0 && pos < n ? v[pos] : 0.f;  // a bad saved map reads nothing
+  const int64_t done = rows_done ? *rows_done : n;
+  float sum = 0.f;  // a bad saved map reads nothing; the parts in a fixed order
+  if (pos >= 0 && pos < n && pos < done)
+    for (int64_t c = 0; c < parts; ++c) sum += v[c * ld + pos];
+  out[i] = sum;
 }
 
 __global__ void store_rows_kernel(const float* src, int64_t rows, int64_t cols, char* out, DType t, int64_t stride,
@@ -82,10 +87,12 @@ void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_
   MOEBLAZE_CUDA_LAUNCH_CHECK("combine_rows");
 }
 
-void to_token_order_cuda(const int32_t* token_index_map, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s) {
+void to_token_order_cuda(const int32_t* token_index_map, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s,
+                        int64_t parts, int64_t ld, const int32_t* rows_done) {
   const int64_t n = L * k;
   if (n == 0) return;
-  to_token_order_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, s>>>(token_index_map, v, n, out);
+  to_token_order_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, s>>>(token_index_map, v, n, parts, ld,
+                                                                                rows_done, out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("to_token_order");
 }
 

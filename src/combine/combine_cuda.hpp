@@ -20,8 +20,11 @@ namespace combine {
 void combine_rows_cuda(const int32_t* token_index_map, const float* gates, int64_t L, int64_t k, int64_t d,
                        const void* src, const float* extra_f32, const View& out, cudaStream_t s);
 
-// out[t k + j] = v[token_index_map[t k + j]].
-void to_token_order_cuda(const int32_t* token_index_map, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s);
+// out[t k + j] = v[pos] with pos = token_index_map[t k + j]; with parts > 1, the sum of
+// v[c ld + pos] over c < parts in that order (per-column-block partial sums). A position past
+// *rows_done (when given: the rows the producing GEMM wrote) or outside [0, L k) gives 0.
+void to_token_order_cuda(const int32_t* token_index_map, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s,
+                         int64_t parts = 1, int64_t ld = 0, const int32_t* rows_done = nullptr);
 // Dense fp32 [rows, cols] into a caller view (its dtype, row stride, accumulate flag).
 void store_f32_rows_cuda(const float* src, int64_t rows, int64_t cols, const View& out, cudaStream_t s);
 

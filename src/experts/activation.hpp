@@ -24,27 +24,31 @@ MOEBLAZE_HD float sigmoid_f(float u) {
 #endif
 }
 
-// f(u) of the activation's nonlinearity (silu for SwiGLU, gelu for GeGLU).
-MOEBLAZE_HD float act_fn(Activation a, float u) {
+// f(u) and f'(u) of the activation's nonlinearity (silu for SwiGLU, gelu for GeGLU), the one
+// definition of both: the activation backward needs them together (one sigmoid or erf each),
+// and act_fn / act_grad take one half (the compiler drops the other).
+struct ActValueGrad {
+  float f, df;
+};
+MOEBLAZE_HD ActValueGrad act_value_grad(Activation a, float u) {
   switch (a) {
-    case Activation::kRelu: return u > 0.f ? u : 0.f;
-    case Activation::kGelu: case Activation::kGeglu: return 0.5f * u * (1.f + erff(u * 0.70710678118654752f));
-    default: return u * sigmoid_f(u);  // SiLU, SwiGLU
-  }
-}
-
-// f'(u).
-MOEBLAZE_HD float act_grad(Activation a, float u) {
-  switch (a) {
-    case Activation::kRelu: return u > 0.f ? 1.f : 0.f;
-    case Activation::kGelu: case Activation::kGeglu:
-      return 0.5f * (1.f + erff(u * 0.70710678118654752f)) + u * 0.39894228040143268f * expf(-0.5f * u * u);
-    default: {
+    case Activation::kRelu: return {u > 0.f ? u : 0.f, u > 0.f ? 1.f : 0.f};
+    case Activation::kGelu: case Activation::kGeglu: {
+      const float e = erff(u * 0.70710678118654752f);
+      return {0.5f * u * (1.f + e), 0.5f * (1.f + e) + u * 0.39894228040143268f * expf(-0.5f * u * u)};
+    }
+    default: {  // SiLU, SwiGLU
       const float s = sigmoid_f(u);
-      return s * (1.f + u * (1.f - s));
+      return {u * s, s * (1.f + u * (1.f - s))};
     }
   }
 }
+
+// f(u).
+MOEBLAZE_HD float act_fn(Activation a, float u) { return act_value_grad(a, u).f; }
+
+// f'(u).
+MOEBLAZE_HD float act_grad(Activation a, float u) { return act_value_grad(a, u).df; }
 
 }  // namespace v0
 }  // namespace moeblaze

@@ -64,6 +64,26 @@ void explicit_choices(void**) {
   expect(pick(4096, 4096, 0, EpilogueKind::kStore, bn), ConsumerSchedule::kCooperative, 128);
 }
 
+// The activation-backward epilogue has one kernel (ping-pong 128 x 128, its pre slots), whatever
+// is asked; the dact GEMM takes it for K <= 1024 (gemm/sm90/grouped_gemm.hpp).
+void activation_backward(void**) {
+  sm90::KernelChoice coop;
+  coop.schedule = ConsumerSchedule::kCooperative;
+  coop.block_n = 256;
+  expect(pick(1024, 512, 0, EpilogueKind::kActivationBackward), ConsumerSchedule::kPingPong, 128);
+  expect(pick(4096, 2048, 0, EpilogueKind::kActivationBackward, coop), ConsumerSchedule::kPingPong, 128);
+  if (std::getenv("MOEBLAZE_SM90_ACT_BACKWARD")) return;  // the knob overrides the rule
+  sm90::GroupedGemmParams p;
+  for (int32_t k : {8, 512, 1024}) {
+    p.k = k;
+    assert_true(sm90::act_backward_in_epilogue(p));
+  }
+  for (int32_t k : {1032, 2048, 7168}) {
+    p.k = k;
+    assert_false(sm90::act_backward_in_epilogue(p));
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -72,6 +92,7 @@ int main() {
     std::printf("MOEBLAZE_SM90_SCHEDULE is set: skipped\n");
     return 77;
   }
-  const struct CMUnitTest tests[] = {cmocka_unit_test(automatic), cmocka_unit_test(explicit_choices)};
+  const struct CMUnitTest tests[] = {cmocka_unit_test(automatic), cmocka_unit_test(explicit_choices),
+                                     cmocka_unit_test(activation_backward)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

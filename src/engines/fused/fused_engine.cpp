@@ -6,9 +6,10 @@
 //   forward, per window:  up GEMM gathering x rows, activation (and the save policy's pre, at
 //             the call's positions) in its epilogue; down GEMM with the gate in its epilogue;
 //             deterministic combine of the window's tokens.
-//   backward, per window: dact GEMM gathering dy rows; the fused activation backward (dg, dpre,
-//             g * act); varlen-K weight gradients gathering x and dy (summed over the windows in
-//             fp32, rounded once); dx GEMM; router backward of the window's tokens; combine.
+//   backward, per window: dact GEMM gathering dy rows; the activation backward (dg, dpre,
+//             g * act) in its epilogue (plain activations, d <= 1024) or as a fused pass;
+//             varlen-K weight gradients gathering x and dy (summed over the windows in fp32,
+//             rounded once); dx GEMM; router backward of the window's tokens; combine.
 // Nothing synchronises the host and nothing allocates: every call can be captured in a CUDA
 // graph. Bad caller ids and saved buffers that fail their checks are found on the device; the
 // call then fills its outputs with NaN and reports through STATUS (docs/errors.md).
@@ -52,7 +53,7 @@ struct FusedWork {
   void* out = nullptr;            // forward: [W k, d] gate-scaled expert outputs
   void* dpre = nullptr;           // backward: [W k, g h]
   void* dx_part = nullptr;        // backward: [W k, d]
-  float* dg_pos = nullptr;        // backward: [W k]
+  float* dg_pos = nullptr;        // backward: [fused_dg_parts, W k] partial sums (the separate pass: row 0)
   float* dg_tok = nullptr;        // backward: [L k]
   float* dw_gate_up32 = nullptr;  // backward, several windows: [E, d, g h] fp32 partial sums
   float* dw_down32 = nullptr;     // backward, several windows: [E, d, h] (dW_down transposed)
@@ -183,7 +184,7 @@ FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
     w.act = c.take<char>(Pw * static_cast<size_t>(h) * es);
     w.dpre = c.take<char>(Pw * static_cast<size_t>(gh) * es);
     w.dx_part = c.take<char>(Pw * static_cast<size_t>(d) * es);
-    w.dg_pos = c.take<float>(Pw);
+    w.dg_pos = c.take<float>(Pw * static_cast<size_t>(fused_dg_parts(cfg_)));
     w.dg_tok = c.take<float>(static_cast<size_t>(L * k));
     if (w.windows.count > 1) {  // fused_weight_grad_sum_bytes
       w.dw_gate_up32 = c.take<float>(static_cast<size_t>(E * d * gh));
@@ -282,8 +283,26 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   sm90::EpilogueParams dact_epi;
   dact_epi.c = w.dpre;
   dact_epi.ldc = gh;
-  // dx parts = dpre W_gate_up^T, per window row.
+  // ... or with the activation backward in its epilogue (dpre in place of dact, g * act, dg
+  // partial sums per column block) where that is faster and the kernel takes these tensors
+  // (plain activations; gemm/sm90/grouped_gemm.hpp).
   const int64_t W = w.windows.tokens * k;
+  sm90::EpilogueParams act_epi;
+  act_epi.kind = sm90::EpilogueKind::kActivationBackward;
+  act_epi.activation = cfg_.activation;
+  act_epi.c = w.dpre;
+  act_epi.ldc = gh;
+  act_epi.act = w.act;
+  act_epi.ld_act = h;
+  act_epi.row_scale = win.gate;
+  act_epi.pre = pre;
+  act_epi.ld_pre = gh;
+  act_epi.pre_expert_row = sv.preact ? win.expert_call_row : nullptr;
+  act_epi.pre_out_rows = sv.preact ? static_cast<int32_t>(L * k) : 0;
+  act_epi.dg = w.dg_pos;
+  act_epi.ld_dg = W;
+  const bool act_in_epilogue = sm90::act_backward_in_epilogue(dact) && !sm90::unsupported_reason(dt, dact, act_epi);
+  // dx parts = dpre W_gate_up^T, per window row.
   sm90::GroupedGemmParams dxg = expert_gemm(w.dpre, gh, nullptr, W, a.w_gate_up, sm90::Major::kK, d, gh);
   sm90::EpilogueParams dx_epi;
   dx_epi.c = w.dx_part;
@@ -300,7 +319,7 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
                               w.dw_gate_up32, i, w.windows.count, false);
   };
   if (needs.recompute_up) require(sm90::unsupported_reason(dt, up, up_epi), "recomputed up GEMM");
-  require(sm90::unsupported_reason(dt, dact, dact_epi), "dact GEMM");
+  if (!act_in_epilogue) require(sm90::unsupported_reason(dt, dact, dact_epi), "dact GEMM");
   if (a.dx.present) require(sm90::unsupported_reason(dt, dxg, dx_epi), "dx GEMM");
   if (a.d_w_down.present) require(sm90::weight_grad_unsupported_reason(dt, dwd(0)), "dW_down GEMM");
   if (a.d_w_gate_up.present) require(sm90::weight_grad_unsupported_reason(dt, dwgu(0)), "dW_gate_up GEMM");
@@ -317,11 +336,16 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     const sm90::Schedule sched = begin_window(w, plan, L, i, t0, rows, s);
     up.sched = dact.sched = dxg.sched = sched;
     if (needs.recompute_up) sm90::grouped_gemm(dt, up, up_epi, {}, s);
-    sm90::grouped_gemm(dt, dact, dact_epi, {}, s);
-    // dg, dpre (in place) and g * act (recomputed from pre) in one pass, over the rows the dact
-    // GEMM wrote (all of them, unless a bad plan's offsets end early).
-    experts::activation_backward_cuda(cfg_.activation, dt, rows * k, h, pre, pre_rows, win.gate, w.dpre, w.act,
-                                      w.dg_pos, s, sched.offsets + cfg_.num_experts);
+    // The rows the GEMMs cover: all of them, unless a bad plan's offsets end early.
+    const int32_t* rows_done = sched.offsets + cfg_.num_experts;
+    if (act_in_epilogue) {
+      sm90::grouped_gemm(dt, dact, act_epi, {}, s);
+    } else {
+      sm90::grouped_gemm(dt, dact, dact_epi, {}, s);
+      // dg, dpre (in place) and g * act (recomputed from pre) in one pass.
+      experts::activation_backward_cuda(cfg_.activation, dt, rows * k, h, pre, pre_rows, win.gate, w.dpre, w.act,
+                                        w.dg_pos, s, rows_done);
+    }
     if (a.d_w_down.present) {
       sm90::WeightGradParams p = dwd(i);
       p.sched = sched;
@@ -334,7 +358,9 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     }
     if (a.dx.present) sm90::grouped_gemm(dt, dxg, dx_epi, {}, s);
     float* dg_tok = w.dg_tok + t0 * k;
-    combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s);
+    if (act_in_epilogue) combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s,
+                                                      fused_dg_parts(cfg_), W, rows_done);
+    else combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s);
     const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
     if (a.dx.present)
       combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,

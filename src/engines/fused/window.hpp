@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/config.hpp"
+#include "gemm/sm90/tile_config.hpp"
 #include "util/align.hpp"
 #include "util/dtype.hpp"
 
@@ -19,13 +20,17 @@ constexpr int64_t kFusedWindowBudgetBytes = int64_t{2} << 30;
 // ... and never below this many tokens (smaller windows starve the GEMMs of rows).
 constexpr int64_t kFusedMinWindowTokens = 1024;
 
+// dg per position: fp32 partial sums, one per column block of the dact GEMM's activation
+// backward (gemm/sm90/tile_config.hpp).
+inline int64_t fused_dg_parts(const LayerConfig& cfg) { return gemm::sm90::act_backward_dg_parts(cfg.ffn_hidden); }
+
 // Bytes of a backward window's row buffers per token: recomputed pre (RECOMPUTE_UP), g * act,
-// dpre and the dx parts per position, the window plan, and the router backward's fp32 x and
-// dx rows.
+// dpre, the dx parts and the dg partial sums per position, the window plan, and the router
+// backward's fp32 x and dx rows.
 inline int64_t fused_window_bytes_per_token(const LayerConfig& cfg) {
   const int64_t es = static_cast<int64_t>(dtype_size(cfg.act_dtype)), gh = cfg.gate_up_cols();
   const int64_t rows = cfg.ffn_hidden + gh + cfg.hidden + (cfg.save_policy == SavePolicy::kRecomputeUp ? gh : 0);
-  return cfg.top_k * (rows * es + 5 * 4) + 2 * 4 * cfg.hidden;
+  return cfg.top_k * (rows * es + 4 * 4 + 4 * fused_dg_parts(cfg)) + 2 * 4 * cfg.hidden;
 }
 
 struct FusedWindows {

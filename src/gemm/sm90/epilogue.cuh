@@ -75,15 +75,15 @@ __device__ __forceinline__ void epilogue_store(const GroupedGemmParams& p, const
       });
 }
 
-// The kStore factors of a thread's two rows of fragment frag (1 without row_scale, and for rows
-// past the tile's share of its expert), loaded as soon as the tile is known so that their
-// latency hides under its MMAs.
+// The row factors (kStore: the gate of a position; kActivationBackward: g) of a thread's two
+// rows of fragment frag (1 without row_scale, and for rows past the tile's share of its
+// expert), loaded as soon as the tile is known so that their latency hides under its MMAs.
 struct RowScales {
   float v[2];
 };
 __device__ __forceinline__ RowScales load_row_scales(const EpilogueParams& e, const TileCoord& tc, int frag) {
   RowScales s{{1.f, 1.f}};
-  if (e.kind == EpilogueKind::kStore && e.row_scale) {
+  if (e.kind != EpilogueKind::kActivation && e.row_scale) {
     const int r = frag * 64 + ((threadIdx.x / 32) & 3) * 16 + (threadIdx.x & 31) / 4;
     if (r < tc.rows) s.v[0] = __ldg(e.row_scale + tc.row0 + r);
     if (r + 8 < tc.rows) s.v[1] = __ldg(e.row_scale + tc.row0 + r + 8);

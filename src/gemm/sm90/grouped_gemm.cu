@@ -10,6 +10,7 @@ namespace cubw = CUB_NS_QUALIFIER;
 
 #include "cuda/cuda_check.hpp"
 #include "gemm/sm90/epilogue.cuh"
+#include "gemm/sm90/epilogue_act_backward.cuh"
 #include "gemm/sm90/grouped_gemm.hpp"
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/mainloop.cuh"
@@ -71,6 +72,11 @@ __device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const Epilo
 //   turn[] alternates their MMAs: a warpgroup starts a tile's MMAs once the other has finished
 //   its previous tile's, so one's epilogue overlaps the other's MMAs. Its ring position is
 //   its tile's index times the K blocks per tile (the same for every tile).
+// The activation-backward epilogue runs under ping-pong only, with its pre slots
+// (ActBackwardConfig): its loads and math overlap the other warpgroup's MMAs.
+template <int BN, EpilogueKind Epi>
+using KernelConfig = std::conditional_t<Epi == EpilogueKind::kActivationBackward, ActBackwardConfig, TileConfig<BN>>;
+
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ OperandMaps ab,
@@ -78,7 +84,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // full[s]: the TMA expect_tx, + every producer thread's cp.async arrival when A is gathered.
-  const StageRing ring = init_ring<BN>(smem_raw, ab.a_by_tma ? 1 : 129, PingPong ? 4 : 8);
+  static_assert(Epi != EpilogueKind::kActivationBackward || (PingPong && BN == 128), "ping-pong 128 x 128 tiles");
+  const auto ring = init_ring<KernelConfig<BN, Epi>>(smem_raw, ab.a_by_tma ? 1 : 129, PingPong ? 4 : 8);
   const int wg = threadIdx.x / 128;
   // Every tile has K > 0 (unsupported_reason), so every tile fills a first stage and the
   // consumers' on_first reads its slot.
@@ -95,7 +102,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (PingPong) {
       const int me = wg - 1;
       float acc[2][BN / 2];
-      uint32_t round = 0;
+      uint32_t round = 0, pre_phase = 0;
+      const PreSlot pre_slot{smem_addr(ring.pre) + me * KernelConfig<BN, Epi>::kPreSlotBytes,
+                             smem_addr(&ring.pre_full[2 * me])};
       for (int64_t j = me; blockIdx.x + j * gridDim.x < total; j += 2, ++round) {
         // Tile j's MMAs wait for tile j - 1's (the other warpgroup's) to finish.
         if (j > 0) mbar_wait(&ring.turn[me], (me == 0 ? round - 1 : round) & 1);
@@ -106,12 +115,18 @@ __global__ void __launch_bounds__(kThreads, 1)
           tc = ring.tiles[j % kTileSlots];
           sc[0] = load_row_scales(e, tc, 0);
           sc[1] = load_row_scales(e, tc, 1);
+          if constexpr (Epi == EpilogueKind::kActivationBackward)
+            if (ts.leader) prefetch_pre(p, e, maps, tc, pre_slot);
         });
         if (threadIdx.x % 128 == 0) cuda::ptx::mbarrier_arrive(&ring.turn[me ^ 1]);
-        epilogue<T, BN, Epi>(p, e, maps, ts, tc, 0, sc[0], acc[0]);
-        epilogue<T, BN, Epi>(p, e, maps, ts, tc, 1, sc[1], acc[1]);
+        if constexpr (Epi == EpilogueKind::kActivationBackward) {
+          act_backward_tile<T>(p, e, maps, ts, tc, sc, pre_slot, pre_phase, acc);
+        } else {
+          epilogue<T, BN, Epi>(p, e, maps, ts, tc, 0, sc[0], acc[0]);
+          epilogue<T, BN, Epi>(p, e, maps, ts, tc, 1, sc[1], acc[1]);
+        }
       }
-    } else {
+    } else if constexpr (Epi != EpilogueKind::kActivationBackward) {
       uint32_t it = 0, j = 0;
       float acc[1][BN / 2];
       for (int64_t w = blockIdx.x; w < total; w += gridDim.x, ++j) {
@@ -133,12 +148,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 // addressed by TMA (16-byte aligned, row strides multiples of 16 bytes).
 EpilogueMaps epilogue_maps(DType dt, const GroupedGemmParams& p, const EpilogueParams& e) {
   EpilogueMaps m;
-  if (!staged_epilogue_allowed() || p.sched.m_total <= 0) return m;
+  if (p.sched.m_total <= 0) return m;
+  if (e.kind == EpilogueKind::kActivationBackward &&  // the loads' map (unsupported_reason checked TMA can)
+      !output_tensor_map(dt, e.pre, e.pre_out_rows ? e.pre_out_rows : p.sched.m_total, p.n, 1, e.ld_pre,
+                         &m.pre_load))
+    fail(Status::kInternalError, "the activation-backward epilogue's pre map could not be encoded");
+  if (!staged_epilogue_allowed()) return m;
   const int64_t act_rows = e.act_out_rows ? e.act_out_rows : p.sched.m_total;
   const int64_t pre_rows = e.pre_out_rows ? e.pre_out_rows : p.sched.m_total;
   bool ok;
   if (e.kind == EpilogueKind::kStore) {
     ok = output_tensor_map(dt, e.c, p.sched.m_total, p.n, 1, e.ldc, &m.out);
+  } else if (e.kind == EpilogueKind::kActivationBackward) {
+    ok = output_tensor_map(dt, e.act, p.sched.m_total, p.n, 1, e.ld_act, &m.out) &&
+         output_tensor_map(dt, e.c, p.sched.m_total, p.n, 1, e.ldc, &m.pre);
   } else {
     ok = e.act || e.pre;
     if (e.act) ok = ok && output_tensor_map(dt, e.act, act_rows, p.n, 1, e.ld_act, &m.out);
@@ -160,7 +183,7 @@ bool a_by_tma(const GroupedGemmParams& p) {
 
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
-  using Cfg = TileConfig<BN>;
+  using Cfg = KernelConfig<BN, Epi>;
   auto* kernel = grouped_gemm_kernel<T, BN, BMajor, Epi, PingPong>;
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound);
@@ -174,6 +197,13 @@ void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s)
 
 template <class T, int BN, bool PingPong>
 void dispatch_major(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
+  if constexpr (PingPong && BN == 128) {
+    if (e.kind == EpilogueKind::kActivationBackward) {
+      if (p.b_major == Major::kMN) launch<T, BN, Major::kMN, EpilogueKind::kActivationBackward, true>(p, e, s);
+      else launch<T, BN, Major::kK, EpilogueKind::kActivationBackward, true>(p, e, s);
+      return;
+    }
+  }
   const bool mn = p.b_major == Major::kMN, store = e.kind == EpilogueKind::kStore;
   if (mn && store) launch<T, BN, Major::kMN, EpilogueKind::kStore, PingPong>(p, e, s);
   else if (mn) launch<T, BN, Major::kMN, EpilogueKind::kActivation, PingPong>(p, e, s);
@@ -227,6 +257,16 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
   if (p.gated && e.kind != EpilogueKind::kActivation) return "gated tiles pair columns for the activation epilogue only";
   if (e.kind == EpilogueKind::kStore && (e.ldc % 2 || reinterpret_cast<uintptr_t>(e.c) % 4))
     return "the output's leading dimension must be even and the output 4-byte aligned";
+  if (e.kind == EpilogueKind::kActivationBackward) {
+    if (p.gated) return "the activation-backward epilogue's GEMM is not gated (dact = dy W_down^T, n = h)";
+    if (is_gated(e.activation)) return "the activation-backward epilogue takes the plain activations (ReLU, GELU, SiLU)";
+    if (!e.c || !e.act || !e.pre || !e.dg) return "the activation-backward epilogue needs pre, dpre, g act and dg";
+    if (!aligned16(e.pre) || e.ld_pre % 8 || e.ld_pre < p.n)
+      return "the activation-backward epilogue reads pre by TMA: 16-byte aligned rows of at least its columns";
+    if (e.ldc % 2 || e.ld_act % 2 || reinterpret_cast<uintptr_t>(e.c) % 4 || reinterpret_cast<uintptr_t>(e.act) % 4)
+      return "the activation-backward outputs' leading dimensions must be even and the outputs 4-byte aligned";
+    if (e.ld_dg < p.sched.m_total) return "the dg partial sums' leading dimension must cover the rows";
+  }
   if (e.kind == EpilogueKind::kActivation &&
       (e.ld_act % 2 || (e.pre && e.ld_pre % 2) || reinterpret_cast<uintptr_t>(e.act) % 4 ||
        reinterpret_cast<uintptr_t>(e.pre) % 4))
@@ -246,7 +286,8 @@ ConsumerSchedule schedule_override() {
   return forced;
 }
 
-KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind /*epilogue*/, KernelChoice kc) {
+KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc) {
+  if (epilogue == EpilogueKind::kActivationBackward) return {128, ConsumerSchedule::kPingPong};  // its only kernel
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
   // Measured (perf/NOTES.md, steps 6 and 9): ping-pong won on the short-K store epilogues (the
   // fine-grained down GEMMs, K = 256..768) only while the cooperative tile's epilogue stalled its
@@ -256,6 +297,14 @@ KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind /*epilogue*/
   if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;
   if (kc.block_n == 0) kc.block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
   return kc;
+}
+
+bool act_backward_in_epilogue(const GroupedGemmParams& dact) {
+  static const int forced = [] {  // 0: by the rule, 1: epilogue, -1: separate
+    const char* v = std::getenv("MOEBLAZE_SM90_ACT_BACKWARD");
+    return v && !std::strcmp(v, "separate") ? -1 : v && !std::strcmp(v, "epilogue") ? 1 : 0;
+  }();
+  return forced ? forced > 0 : dact.k <= 1024;
 }
 
 void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s) {

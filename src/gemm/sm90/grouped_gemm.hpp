@@ -39,6 +39,16 @@ struct KernelChoice {
 // The kernel a choice resolves to for these parameters and epilogue (every field set).
 KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc);
 
+// Whether the dact GEMM dact (K = hidden) should carry the activation backward in its epilogue
+// (EpilogueKind::kActivationBackward, when unsupported_reason allows it) rather than leave it to
+// a separate pass: for K <= 1024. Its ping-pong 128 x 128 tiles re-gather dy once per 128
+// columns, twice as often as the cooperative 128 x 256 tiles of the plain dact GEMM; measured
+// (perf/NOTES.md, step 14), dropping the pass wins at K = 512 and evens out at K = 1024, and the
+// mainloop loses more than the pass costs at K = 2048 and beyond.
+// MOEBLAZE_SM90_ACT_BACKWARD=separate|epilogue forces either (a measurement knob, not part of
+// the API).
+bool act_backward_in_epilogue(const GroupedGemmParams& dact);
+
 // Launches one persistent grid on the current device.
 void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s);
 

@@ -27,40 +27,46 @@ inline namespace v0 {
 namespace gemm {
 namespace sm90 {
 
+template <int Stages>
 struct StageRing {
+  static constexpr int kStages = Stages;
   uint8_t* ptr;     // stage 0 (1024-byte aligned), generic address
   uint32_t base;    // the same, shared address
   uint64_t* full;   // [stages]
   uint64_t* empty;  // [stages]
   uint64_t* turn;   // [2] ping-pong: warpgroup w may start its next tile's MMAs when turn[w] completes
   uint8_t* staging; // the epilogue's staging boxes (TileConfig::kStagingBytes, 1024-byte aligned)
+  uint8_t* pre;     // [2][TileConfig::kPreSlotBytes] the consumers' pre slots (none: nullptr)
+  uint64_t* pre_full; // [2][2] pre_full[2 w + b]: column half b of consumer w's pre slot has landed
   TileCoord* tiles; // [kTileSlots] the CTA's j-th tile's coordinates in slot j % kTileSlots
 };
 
-// Carves the ring from the dynamic shared memory (TileConfig<BN>::kSmemBytes) and initialises
-// its barriers: full[s] expects full_arrivals arrivals, empty[s] empty_arrivals (lane 0 of each
-// consumer warp that reads a stage), turn[w] one. Every thread of the block calls it (it ends
-// with a block barrier).
-template <int BN>
-__device__ __forceinline__ StageRing init_ring(uint8_t* smem_raw, uint32_t full_arrivals, uint32_t empty_arrivals = 8) {
-  using Cfg = TileConfig<BN>;
+// Carves the ring from the dynamic shared memory (Cfg::kSmemBytes, Cfg a TileConfig) and
+// initialises its barriers: full[s] expects full_arrivals arrivals, empty[s] empty_arrivals
+// (lane 0 of each consumer warp that reads a stage), turn[w] and pre_full[i] one. Every thread
+// of the block calls it (it ends with a block barrier).
+template <class Cfg, int S = Cfg::kStages>
+__device__ __forceinline__ StageRing<S> init_ring(uint8_t* smem_raw, uint32_t full_arrivals, uint32_t empty_arrivals = 8) {
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  StageRing ring;
+  StageRing<S> ring;
   ring.ptr = smem;
   ring.base = smem_addr(smem);
-  ring.staging = smem + Cfg::kStages * Cfg::kStageBytes;
-  ring.full = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes);
-  ring.empty = ring.full + Cfg::kStages;
-  ring.turn = ring.empty + Cfg::kStages;
-  ring.tiles = reinterpret_cast<TileCoord*>(ring.turn + 2);
+  ring.staging = smem + S * Cfg::kStageBytes;
+  ring.pre = Cfg::kPreSlotBytes ? ring.staging + Cfg::kStagingBytes : nullptr;
+  ring.full = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes + 2 * Cfg::kPreSlotBytes);
+  ring.empty = ring.full + S;
+  ring.turn = ring.empty + S;
+  ring.pre_full = ring.turn + 2;
+  ring.tiles = reinterpret_cast<TileCoord*>(ring.pre_full + 4);
   static_assert(sizeof(TileCoord) == kTileSlotBytes, "TileConfig sizes the tile slots");
   if (threadIdx.x == 0) {
-    for (int s = 0; s < Cfg::kStages; ++s) {
+    for (int s = 0; s < S; ++s) {
       cuda::ptx::mbarrier_init(&ring.full[s], full_arrivals);
       cuda::ptx::mbarrier_init(&ring.empty[s], empty_arrivals);
     }
     cuda::ptx::mbarrier_init(&ring.turn[0], 1);
     cuda::ptx::mbarrier_init(&ring.turn[1], 1);
+    for (int b = 0; b < 4; ++b) cuda::ptx::mbarrier_init(&ring.pre_full[b], 1);
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
   __syncthreads();
@@ -97,12 +103,11 @@ __device__ __forceinline__ TileCoord decode_tile_warp(int64_t work, const Schedu
 }
 
 // Stage s's B boxes for tile tc, k-block k0, by TMA (the elected producer thread).
-template <int BN, Major BMajor>
-__device__ __forceinline__ void issue_b(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing& ring,
+template <int BN, Major BMajor, int S>
+__device__ __forceinline__ void issue_b(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing<S>& ring,
                                        uint32_t s, const TileCoord& tc, int32_t k0) {
   using namespace cuda::ptx;
-  using Cfg = TileConfig<BN>;
-  uint8_t* b_ptr = ring.ptr + s * Cfg::kStageBytes + Cfg::kABytes;
+  uint8_t* b_ptr = ring.ptr + s * TileConfig<BN>::kStageBytes + TileConfig<BN>::kABytes;
   if constexpr (BMajor == Major::kMN) {  // smem [BN/64 boxes][64 k rows][128 B]
 #pragma unroll
     for (int box = 0; box < BN / 64; ++box) {
@@ -120,8 +125,8 @@ __device__ __forceinline__ void issue_b(const GroupedGemmParams& p, const TmaDes
 
 // Gathered A (a_index set): the producer warpgroup's 128 threads copy A rows with 16-byte
 // cp.async (full[s] counts their 128 arrivals + the elected thread's expect_tx).
-template <class T, int BN, Major BMajor>
-__device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing& ring) {
+template <class T, int BN, Major BMajor, int S>
+__device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing<S>& ring) {
   using Cfg = TileConfig<BN>;
   const int t = threadIdx.x;  // 0..127
   const T* A = static_cast<const T*>(p.a);
@@ -144,8 +149,8 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
     for (int i = 0; i < 8; ++i)
       if (src_row[i] >= p.a_rows) src_row[i] = -1;  // negative stays negative: a zero row
     for (int kb = 0; kb < num_kb; ++kb, ++it) {
-      const uint32_t s = it % Cfg::kStages;
-      mbar_wait(&ring.empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+      const uint32_t s = it % S;
+      mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
       const uint32_t a_dst = ring.base + s * Cfg::kStageBytes;
       const int32_t k0 = kb * kBlockK;
       {
@@ -175,9 +180,9 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
 // arrival). A partial tile's rows past its expert read the next expert's rows, or zeros past
 // a_rows (TMA's bounds): those accumulator rows are never stored, and every row outside
 // [0, a_rows) stays unread. The other producer warps have nothing to do and leave.
-template <class T, int BN, Major BMajor>
+template <class T, int BN, Major BMajor, int S>
 __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& amap, const TmaDescriptor& bmap,
-                              const StageRing& ring) {
+                              const StageRing<S>& ring) {
   using Cfg = TileConfig<BN>;
   if (threadIdx.x >= 32) return;
   const bool leader = threadIdx.x == 0;
@@ -190,8 +195,8 @@ __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& a
     if (leader) {
       using namespace cuda::ptx;
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
-        const uint32_t s = it % Cfg::kStages;
-        mbar_wait(&ring.empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+        const uint32_t s = it % S;
+        mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
         const int32_t k0 = kb * kBlockK;
         if (kb == 0) ring.tiles[j % kTileSlots] = tc;  // as in produce()
         mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, &ring.full[s], Cfg::kABytes + Cfg::kBBytes);
@@ -219,8 +224,8 @@ __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& a
 struct NoTileInfo {
   __device__ void operator()() const {}
 };
-template <class T, int BN, Major BMajor, Major AMajor = Major::kK, int Frags = 1, class OnFirst = NoTileInfo>
-__device__ __forceinline__ void consume_tile(const StageRing& ring, int frag0, int num_kb,
+template <class T, int BN, Major BMajor, Major AMajor = Major::kK, int Frags = 1, class OnFirst = NoTileInfo, int S>
+__device__ __forceinline__ void consume_tile(const StageRing<S>& ring, int frag0, int num_kb,
                                              uint32_t& it, float (&acc)[Frags][BN / 2], OnFirst&& on_first = {}) {
   using Cfg = TileConfig<BN>;
   constexpr int kTransA = AMajor == Major::kMN ? 1 : 0;
@@ -235,8 +240,8 @@ __device__ __forceinline__ void consume_tile(const StageRing& ring, int frag0, i
   }
   uint32_t prev = 0;
   for (int kb = 0; kb < num_kb; ++kb, ++it) {
-    const uint32_t s = it % Cfg::kStages;
-    mbar_wait(&ring.full[s], (it / Cfg::kStages) & 1);
+    const uint32_t s = it % S;
+    mbar_wait(&ring.full[s], (it / S) & 1);
     if (kb == 0) on_first();
     const uint32_t a0 = ring.base + s * Cfg::kStageBytes + frag0 * (64 * 128), b = ring.base + s * Cfg::kStageBytes + Cfg::kABytes;
 #pragma unroll

@@ -142,8 +142,8 @@ struct GradOperand {
 // map (GradOperand). Thread 0 issues the TMA boxes with expect_tx on full[s] (the barrier's
 // 129th arrival). Specialised per operand kind at compile time: the production case (A
 // gathered, B by TMA) keeps one operand's copies and no run-time branches per stage.
-template <class T, int BN, bool TmaA, bool TmaB>
-__device__ void produce_weight_grad(const WeightGradParams& p, const WeightGradMaps& maps, const StageRing& ring) {
+template <class T, int BN, bool TmaA, bool TmaB, int S>
+__device__ void produce_weight_grad(const WeightGradParams& p, const WeightGradMaps& maps, const StageRing<S>& ring) {
   using Cfg = TileConfig<BN>;
   const int t = threadIdx.x, chunk = t & 7, r0 = t >> 3;
   GradOperand<T, kBlockM / 64, TmaA> a{static_cast<const T*>(p.a), p.lda, p.a_index, p.a_rows};
@@ -161,11 +161,11 @@ __device__ void produce_weight_grad(const WeightGradParams& p, const WeightGradM
       b.fetch(tile.p0, tile.p1, r0);
     }
     for (int kb = 0; kb < num_kb; ++kb, ++it) {
-      const uint32_t s = it % Cfg::kStages;
+      const uint32_t s = it % S;
       const int32_t pos0 = tile.p0 + kb * kBlockK;
       const bool whole = pos0 + kBlockK <= tile.p1;
       const bool tma_a = TmaA && whole, tma_b = TmaB && whole;
-      mbar_wait(&ring.empty[s], ((it / Cfg::kStages) & 1) ^ 1);
+      mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
       int32_t qa[kGradRowPasses], qb[kGradRowPasses];
       if (!tma_a) a.resolve(pos0, tile.p1, r0, qa);
       if (!tma_b) b.resolve(pos0, tile.p1, r0, qb);

@@ -25,6 +25,10 @@ enum class Major : int32_t { kK = 0, kMN = 1 };
 enum class EpilogueKind : int32_t {
   kStore = 0,       // C[p, j] = row_scale[p] * acc (row_scale optional), rounded to the dtype
   kActivation = 1,  // pre (optional) and act = f(pre) or f(gate) * up, both rounded to the dtype
+  // The activation backward on the dact GEMM's product (dact = dy W_down^T, n = h, a plain
+  // activation): dpre, g * act and per-column-block partial sums of dg from dact and the saved
+  // pre (EpilogueParams says where each lies; gemm/sm90/epilogue_act_backward.cuh).
+  kActivationBackward = 2,
 };
 
 // The sanitised expert ranges and their row-block prefix (gemm/grouped_tiles.hpp), made on the
@@ -89,6 +93,15 @@ struct EpilogueParams {
   const int32_t* act_expert_row = nullptr;
   int32_t pre_out_rows = 0;
   int32_t act_out_rows = 0;
+  // kActivationBackward (n = h, a plain activation: ReLU, GELU, SiLU): with da = acc rounded
+  // to the dtype (dact), g = row_scale[p] and u = pre's column read at pre's placed row
+  // (pre_expert_row and pre_out_rows as above; pre is an input here, loaded by TMA),
+  // act = f(u) rounded:
+  //   c [m_total, ldc] (dpre): g da f'(u);   act [m_total, ld_act]: g act
+  //   dg[cb * ld_dg + p] = sum of da act over the columns of column block cb (kActBackwardBlockN wide)
+  // Rows and columns past the problem's are never written.
+  float* dg = nullptr;
+  int64_t ld_dg = 0;
 };
 
 // The epilogue's TMA store maps, encoded on the host per launch (gemm/sm90/tensor_map.hpp). With
@@ -97,9 +110,10 @@ struct EpilogueParams {
 // MMAs run; the last tile of each expert, and every tile without `enabled` (an output TMA cannot
 // address), stores from registers.
 struct EpilogueMaps {
-  TmaDescriptor out;  // kStore: C [rows][n]; kActivation: act [rows][n]
-  TmaDescriptor pre;  // kActivation: pre, [rows][2][n] when gated (clipped at n per half)
-  int32_t enabled = 0;
+  TmaDescriptor out;  // kStore: C [rows][n]; kActivation(Backward): act [rows][n]
+  TmaDescriptor pre;  // kActivation: pre, [rows][2][n] when gated (clipped at n per half); kActivationBackward: dpre
+  TmaDescriptor pre_load;  // kActivationBackward: the pre it reads, shaped as `pre` (always set)
+  int32_t enabled = 0;     // the stores' maps
 };
 
 // The weight-gradient shape (varlen K): for every expert e, over its positions

@@ -35,23 +35,42 @@ MOEBLAZE_HD int32_t column_blocks(int32_t n, int32_t gated, int bn) {
   return (n + tile_columns(gated, bn) - 1) / tile_columns(gated, bn);
 }
 
-template <int BN>
+// Operand stages per tile shape: 192 KB of operands either way.
+MOEBLAZE_HD constexpr int default_stages(int bn) { return bn == 256 ? 4 : 6; }
+
+// PreSlotBytes: per consumer warpgroup, a shared-memory slot that the activation-backward
+// epilogue loads the saved pre-activations into by TMA while the tile's MMAs run
+// (gemm/sm90/epilogue_act_backward.cuh); it costs operand stages.
+template <int BN, int Stages = default_stages(BN), int PreSlotBytes = 0>
 struct TileConfig {
   static_assert(BN == 128 || BN == 256, "block_n is 128 or 256");
   static constexpr int kBlockN = BN;
   static constexpr int kABytes = kBlockM * kBlockK * 2;  // 16 KB
   static constexpr int kBBytes = BN * kBlockK * 2;       // 16 or 32 KB
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = BN == 256 ? 4 : 6;      // 192 KB of operands either way
+  static constexpr int kStages = Stages;
+  static constexpr int kPreSlotBytes = PreSlotBytes;
   // The epilogue's staging boxes (gemm/sm90/epilogue_tma.cuh): two 64 x 64 boxes per consumer
   // warpgroup, 32 KB.
   static constexpr int kStagingBytes = kStagingBoxes * kStagingBoxBytes;
   // + 1 KB to align the stages to the 1024-byte swizzle atom, + the stage barriers, the two
-  // ping-pong turn barriers and the tile slots: 230,608 bytes of the 232,448 a block may have.
-  static constexpr int kSmemBytes =
-      kStages * kStageBytes + kStagingBytes + 1024 + 2 * kStages * 8 + 2 * 8 + kTileSlots * kTileSlotBytes;
+  // ping-pong turn barriers, the four pre-slot barriers and the tile slots (the default
+  // configurations: 230,640 bytes of the 232,448 a block may have).
+  static constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 2 * kPreSlotBytes + 1024 +
+                                    2 * kStages * 8 + 2 * 8 + 4 * 8 + kTileSlots * kTileSlotBytes;
   static_assert(kTileSlots >= kStages, "a tile slot must outlive the stages in flight");
+  static_assert(kSmemBytes <= 232448, "more shared memory than a block may have");
+  static_assert(kPreSlotBytes % 1024 == 0, "pre slots keep the 1024-byte swizzle alignment");
 };
+
+// The activation-backward dact GEMM (ping-pong 128 x 128 tiles): a slot of 32 KB per consumer
+// warpgroup (its tile's pre, 128 rows x 128 columns) for two operand stages.
+// Its dg partial sums come one per row and column block of kActBackwardBlockN columns.
+constexpr int kActBackwardBlockN = 128;
+using ActBackwardConfig = TileConfig<kActBackwardBlockN, 4, 32 * 1024>;
+MOEBLAZE_HD int32_t act_backward_dg_parts(int64_t h) {
+  return static_cast<int32_t>((h + kActBackwardBlockN - 1) / kActBackwardBlockN);
+}
 
 }  // namespace sm90
 }  // namespace gemm

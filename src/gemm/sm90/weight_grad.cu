@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kThreads, 1) weight_grad_kernel(const __grid_c
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // full[s]: every producer thread's cp.async arrival + thread 0's (with the TMA bytes, if any).
-  const StageRing ring = init_ring<BN>(smem_raw, 129);
+  const auto ring = init_ring<TileConfig<BN>>(smem_raw, 129);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dealloc<kProducerRegs>();
