@@ -41,6 +41,15 @@ inline bool have_sm90(cudaDeviceProp* prop) {
          prop->major == 9;
 }
 
+// The kernel tests' start: without an sm_90 GPU the test is skipped (exit code 77, ctest's
+// SKIP_RETURN_CODE).
+inline void skip_without_sm90() {
+  cudaDeviceProp prop;
+  if (have_sm90(&prop)) return;
+  std::printf("no sm_90 GPU: skipped\n");
+  std::exit(77);
+}
+
 inline uint16_t to_half_bits(float f, DType dt) {
   if (dt == DType::kBF16) return f32_to_bf16(f);
   __half h = __float2half_rn(f);

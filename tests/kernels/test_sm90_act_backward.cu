@@ -267,11 +267,7 @@ void deterministic(void**) {
 }  // namespace
 
 int main() {
-  cudaDeviceProp prop;
-  if (!have_sm90(&prop)) {
-    std::printf("no sm_90 GPU: skipped\n");
-    return 77;
-  }
+  skip_without_sm90();
   const struct CMUnitTest tests[] = {cmocka_unit_test(activations), cmocka_unit_test(refusals), cmocka_unit_test(shapes),
                                      cmocka_unit_test(placed_pre), cmocka_unit_test(registers_match_staged),
                                      cmocka_unit_test(deterministic)};

@@ -308,11 +308,7 @@ void no_rows(void**) {  // m_total = 0: no tiles, nothing launched past the sche
 }  // namespace
 
 int main() {
-  cudaDeviceProp prop;
-  if (!have_sm90(&prop)) {
-    std::printf("no sm_90 GPU: skipped\n");
-    return 77;
-  }
+  skip_without_sm90();
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(store_shapes),   cmocka_unit_test(many_experts),  cmocka_unit_test(bad_indices),
       cmocka_unit_test(activations),    cmocka_unit_test(padded_outputs), cmocka_unit_test(deterministic),

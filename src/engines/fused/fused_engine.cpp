@@ -358,9 +358,9 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     }
     if (a.dx.present) sm90::grouped_gemm(dt, dxg, dx_epi, {}, s);
     float* dg_tok = w.dg_tok + t0 * k;
-    if (act_in_epilogue) combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s,
-                                                      fused_dg_parts(cfg_), W, rows_done);
-    else combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s);
+    // dg: the epilogue's partial sums per column block, or the separate pass's one row.
+    combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s,
+                                 act_in_epilogue ? fused_dg_parts(cfg_) : 1, W, rows_done);
     const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
     if (a.dx.present)
       combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,

@@ -49,10 +49,15 @@ __device__ __forceinline__ void prefetch_pre(const GroupedGemmParams& p, const E
   const int32_t col = tc.col_block * kActBackwardBlockN;
   int32_t rows[2];
   for (int f = 0; f < 2; ++f) rows[f] = clamp_i32(placed_row(p, e.pre_expert_row, tc, tc.row0 + 64 * f));
-  cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<0>{});
+  using namespace cuda::ptx;
+  cp_async_bulk_wait_group_read(n32_t<0>{});
   for (int b = 0; b < 2; ++b) {
-    mbar_expect_tx_if(true, slot.bar(b), 2 * kPreBoxBytes);
-    for (int f = 0; f < 2; ++f) tma_load_2d_if(true, slot.box(f, b), &maps.pre_load, col + 64 * b, rows[f], slot.bar(b));
+    uint64_t* bar = static_cast<uint64_t*>(__cvta_shared_to_generic(slot.bar(b)));
+    mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, bar, 2 * kPreBoxBytes);
+    for (int f = 0; f < 2; ++f) {
+      const int32_t c[2] = {col + 64 * b, rows[f]};
+      cp_async_bulk_tensor(space_cluster, space_global, __cvta_shared_to_generic(slot.box(f, b)), &maps.pre_load, c, bar);
+    }
   }
 }
 

@@ -89,26 +89,6 @@ __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
-// TMA's 2-d tile load and mbarrier.arrive.expect_tx on shared addresses, issued only where
-// `pred` holds: predicated instructions rather than a branch around them (in an epilogue at the
-// register limit, a branch around such a call lengthened every thread's live ranges into
-// hundreds of bytes of spills).
-__device__ __forceinline__ void mbar_expect_tx_if(bool pred, uint32_t bar, uint32_t bytes) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.u32 p, %0, 0;\n"
-      " @p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n}\n" ::"r"(static_cast<uint32_t>(pred)),
-      "r"(bar), "r"(bytes)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_2d_if(bool pred, uint32_t dst, const void* map, int32_t c0, int32_t c1,
-                                               uint32_t bar) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.u32 p, %0, 0;\n"
-      " @p cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%1], [%2, {%3, %4}], [%5];\n}\n"
-      ::"r"(static_cast<uint32_t>(pred)), "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-
 // Two fp32 values to shared memory (8-byte aligned address).
 __device__ __forceinline__ void st_shared_v2(uint32_t addr, float2 v) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");

@@ -68,9 +68,7 @@ struct TileConfig {
 // Its dg partial sums come one per row and column block of kActBackwardBlockN columns.
 constexpr int kActBackwardBlockN = 128;
 using ActBackwardConfig = TileConfig<kActBackwardBlockN, 4, 32 * 1024>;
-MOEBLAZE_HD int32_t act_backward_dg_parts(int64_t h) {
-  return static_cast<int32_t>((h + kActBackwardBlockN - 1) / kActBackwardBlockN);
-}
+MOEBLAZE_HD int32_t act_backward_dg_parts(int64_t h) { return column_blocks(static_cast<int32_t>(h), 0, kActBackwardBlockN); }
 
 }  // namespace sm90
 }  // namespace gemm
