@@ -24,13 +24,13 @@ namespace sm90 {
 // reading its buffer (cp.async.bulk.wait_group.read 0 by the issuing thread, then the
 // warpgroup's barrier), so the buffer written next is free.
 struct TileStore {
-  uint8_t* buf;     // the warpgroup's first box (generic address); the second follows
+  uint32_t buf;     // the warpgroup's first box (shared address: one register); the second follows
   uint32_t count;   // boxes staged so far
   uint32_t bar_id;  // the warpgroup's named barrier
   bool leader;      // the thread that issues the stores
 
   __device__ __forceinline__ static TileStore make(uint8_t* staging, int consumer) {
-    return {staging + consumer * 2 * kStagingBoxBytes, 0u, 1u + static_cast<uint32_t>(consumer),
+    return {smem_addr(staging + consumer * 2 * kStagingBoxBytes), 0u, 1u + static_cast<uint32_t>(consumer),
             threadIdx.x % 128 == 0};
   }
 
@@ -97,13 +97,13 @@ struct TileStore {
   // its bulk store once the warpgroup is done writing.
   template <class Write, class Issue>
   __device__ __forceinline__ void put(Write&& write, Issue&& issue) {
-    uint8_t* b = buf + (count & 1) * kStagingBoxBytes;
-    write(smem_addr(b));
+    const uint32_t b_shared = buf + (count & 1) * kStagingBoxBytes;
+    write(b_shared);
     cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // the generic writes, before TMA reads them
     if (leader) cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<0>{});
     named_barrier_sync(bar_id, 128);
     if (leader) {
-      issue(b);
+      issue(static_cast<const uint8_t*>(__cvta_shared_to_generic(b_shared)));
       cuda::ptx::cp_async_bulk_commit_group();
     }
     ++count;

@@ -11,6 +11,7 @@ namespace cubw = CUB_NS_QUALIFIER;
 #include "cuda/cuda_check.hpp"
 #include "gemm/sm90/epilogue.cuh"
 #include "gemm/sm90/epilogue_act_backward.cuh"
+#include "gemm/sm90/epilogue_deferred.cuh"
 #include "gemm/sm90/grouped_gemm.hpp"
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/mainloop.cuh"
@@ -127,17 +128,33 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     } else if constexpr (Epi != EpilogueKind::kActivationBackward) {
-      uint32_t it = 0, j = 0;
+      uint32_t it = 0;
       float acc[1][BN / 2];
-      for (int64_t w = blockIdx.x; w < total; w += gridDim.x, ++j) {
-        TileCoord tc;
+      // kStore: a full tile's boxes are staged under the next tile's first k-blocks (registers
+      // are scarce beside them: the tile's coordinates are read from its slot after the
+      // mainloop, and its index from j).
+      DeferredBoxes<BN> deferred;
+      const bool defer = Epi == EpilogueKind::kStore && maps.defer;
+      for (uint32_t j = 0; blockIdx.x + static_cast<int64_t>(j) * gridDim.x < total; ++j) {
         RowScales sc;
-        consume_tile<T, BN, BMajor>(ring, wg - 1, num_kb, it, acc, [&] {
-          tc = ring.tiles[j % kTileSlots];
-          sc = load_row_scales(e, tc, wg - 1);
-        });
+        consume_tile<T, BN, BMajor>(
+            ring, wg - 1, num_kb, it, acc,
+            [&] { sc = load_row_scales(e, ring.tiles[j % kTileSlots], wg - 1); },
+            [&](int kb) {
+              if constexpr (Epi == EpilogueKind::kStore) deferred.stage_at(kb, maps.out, ts);
+            });
+        const TileCoord tc = ring.tiles[j % kTileSlots];
+        if constexpr (Epi == EpilogueKind::kStore) {
+          deferred.flush(maps.out, ts);  // a tile of fewer k-blocks than boxes
+          if (defer && tc.rows == kBlockM) {
+            keep_store<T, BN>(deferred, p, tc, wg - 1, sc, acc[0]);
+            continue;
+          }
+        }
         epilogue<T, BN, Epi>(p, e, maps, ts, tc, wg - 1, sc, acc[0]);
+        if constexpr (Epi == EpilogueKind::kStore) deferred.clear();
       }
+      if constexpr (Epi == EpilogueKind::kStore) deferred.flush(maps.out, ts);
     }
     ts.drain();
   }
@@ -168,6 +185,7 @@ EpilogueMaps epilogue_maps(DType dt, const GroupedGemmParams& p, const EpilogueP
     if (e.pre) ok = ok && output_tensor_map(dt, e.pre, pre_rows, p.n, p.gated ? 2 : 1, e.ld_pre, &m.pre);
   }
   m.enabled = ok;
+  m.defer = ok && e.kind == EpilogueKind::kStore && deferred_epilogue_allowed();
   return m;
 }
 

@@ -163,8 +163,9 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
         }
       }
       if (t == 0) {
-        // Slot j's readers of kTileSlots tiles ago are done: they read it before releasing that
-        // tile's first stage, and this stage's empty barrier waited for a later release.
+        // Slot j's readers of kTileSlots tiles ago are done: they read it before starting their
+        // next tile, and this stage's empty barrier waited for a release in that tile or later
+        // (TileConfig: kTileSlots - 1 >= kStages).
         if (kb == 0) ring.tiles[j % kTileSlots] = tc;
         cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
                                              &ring.full[s], Cfg::kBBytes);
@@ -221,12 +222,19 @@ __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& a
 // [2][64 k][64 rows] MN-major (the weight gradients, whose reduction runs over positions);
 // either way a fragment's 64 rows start 8 KB after the previous one's. on_first() runs once the
 // tile's first stage is full, before any stage is released (the moment to read the tile's slot).
+// after_issue(kb) runs once k-block kb's MMAs have been issued, while they run (the deferred
+// store epilogue's moment, gemm/sm90/epilogue_deferred.cuh).
 struct NoTileInfo {
   __device__ void operator()() const {}
 };
-template <class T, int BN, Major BMajor, Major AMajor = Major::kK, int Frags = 1, class OnFirst = NoTileInfo, int S>
-__device__ __forceinline__ void consume_tile(const StageRing<S>& ring, int frag0, int num_kb,
-                                             uint32_t& it, float (&acc)[Frags][BN / 2], OnFirst&& on_first = {}) {
+struct NoIssueHook {
+  __device__ void operator()(int) const {}
+};
+template <class T, int BN, Major BMajor, Major AMajor = Major::kK, int Frags = 1, class OnFirst = NoTileInfo,
+          class AfterIssue = NoIssueHook, int S>
+__device__ __forceinline__ void consume_tile(const StageRing<S>& ring, int frag0, int num_kb, uint32_t& it,
+                                             float (&acc)[Frags][BN / 2], OnFirst&& on_first = {},
+                                             AfterIssue&& after_issue = {}) {
   using Cfg = TileConfig<BN>;
   constexpr int kTransA = AMajor == Major::kMN ? 1 : 0;
   using Mma = Wgmma<T, BN, kTransA, 0>;   // B K-major
@@ -264,6 +272,7 @@ __device__ __forceinline__ void consume_tile(const StageRing<S>& ring, int frag0
     wgmma_commit();
 #pragma unroll
     for (int f = 0; f < Frags; ++f) fence_accumulators(acc[f]);
+    after_issue(kb);
     if (kb > 0) {  // the previous stage's MMAs are done: hand it back
       wgmma_wait<1>();
       if (lane0) cuda::ptx::mbarrier_arrive(&ring.empty[prev]);

@@ -114,6 +114,9 @@ struct EpilogueMaps {
   TmaDescriptor pre;  // kActivation: pre, [rows][2][n] when gated (clipped at n per half); kActivationBackward: dpre
   TmaDescriptor pre_load;  // kActivationBackward: the pre it reads, shaped as `pre` (always set)
   int32_t enabled = 0;     // the stores' maps
+  // kStore on the cooperative schedule, with `enabled`: a full tile's boxes are staged during
+  // the next tile's mainloop (gemm/sm90/epilogue_deferred.cuh).
+  int32_t defer = 0;
 };
 
 // The weight-gradient shape (varlen K): for every expert e, over its positions

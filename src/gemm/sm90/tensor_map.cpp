@@ -120,6 +120,14 @@ bool staged_epilogue_allowed() {
   return allowed;
 }
 
+bool deferred_epilogue_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("MOEBLAZE_SM90_EPILOGUE");
+    return !(v && !std::strcmp(v, "staged"));
+  }();
+  return allowed;
+}
+
 }  // namespace sm90
 }  // namespace gemm
 }  // namespace v0

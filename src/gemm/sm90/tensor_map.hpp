@@ -39,6 +39,11 @@ bool expert_matrices_tensor_map(DType dt, void* data, int64_t experts, int64_t r
 // stores, gemm/cublaslt.hpp; under it every output is stored from registers). Read once.
 bool staged_epilogue_allowed();
 
+// Whether the cooperative store epilogue may defer its staging into the next tile's mainloop
+// (gemm/sm90/epilogue_deferred.cuh): yes, unless MOEBLAZE_SM90_EPILOGUE=staged (the step-8
+// epilogue, a measurement knob). Read once.
+bool deferred_epilogue_allowed();
+
 }  // namespace sm90
 }  // namespace gemm
 }  // namespace v0

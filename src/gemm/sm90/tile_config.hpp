@@ -23,8 +23,10 @@ constexpr int kStagingBoxBytes = 64 * 128;
 constexpr int kStagingBoxes = 4;
 
 // The producer hands each tile's coordinates to the consumers through a ring of this many
-// 16-byte slots (gemm/sm90/mainloop.cuh: at least kStages, so a slot is rewritten only after
-// its readers are done with it).
+// 16-byte slots (gemm/sm90/mainloop.cuh). A consumer reads its tile's slot at any time before it
+// starts its next tile; the producer rewrites the slot kTileSlots tiles later, after waiting for
+// the release of the stage kStages iterations earlier, which belongs to that next tile or a later
+// one as long as kTileSlots - 1 >= kStages (every tile has at least one k-block).
 constexpr int kTileSlots = 8;
 constexpr int kTileSlotBytes = 16;
 
@@ -58,7 +60,7 @@ struct TileConfig {
   // configurations: 230,640 bytes of the 232,448 a block may have).
   static constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 2 * kPreSlotBytes + 1024 +
                                     2 * kStages * 8 + 2 * 8 + 4 * 8 + kTileSlots * kTileSlotBytes;
-  static_assert(kTileSlots >= kStages, "a tile slot must outlive the stages in flight");
+  static_assert(kTileSlots - 1 >= kStages, "a tile slot must outlive its readers' tile");
   static_assert(kSmemBytes <= 232448, "more shared memory than a block may have");
   static_assert(kPreSlotBytes % 1024 == 0, "pre slots keep the 1024-byte swizzle alignment");
 };
