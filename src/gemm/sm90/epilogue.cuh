@@ -91,6 +91,15 @@ __device__ __forceinline__ RowScales load_row_scales(const EpilogueParams& e, co
   return s;
 }
 
+// The store epilogue's packed pair (g, half) of staged box b: the row's scale times acc, rounded
+// (staged now, or kept for later by gemm/sm90/epilogue_deferred.cuh).
+template <class T, int BN>
+__device__ __forceinline__ uint32_t store_pair(const RowScales& scale, const float (&acc)[BN / 2], int b, int g,
+                                               int half) {
+  const int q = staged_acc(b, g, half);
+  return Elem<T>::pack2(scale.v[half] * acc[q], scale.v[half] * acc[q + 1]);
+}
+
 template <class T, int BN>
 __device__ __forceinline__ void epilogue_store_staged(const GroupedGemmParams& p, const EpilogueMaps& maps, TileStore& ts,
                                                       const TileCoord& tc, int frag, const RowScales& scale,
@@ -99,10 +108,7 @@ __device__ __forceinline__ void epilogue_store_staged(const GroupedGemmParams& p
 #pragma unroll
   for (int b = 0; b < BN / 64; ++b)
     if (col0 + 64 * b < p.n)
-      ts.box(maps.out, {col0 + 64 * b, row}, [&](int g, int half) {
-        const int q = staged_acc(b, g, half);
-        return Elem<T>::pack2(scale.v[half] * acc[q], scale.v[half] * acc[q + 1]);
-      });
+      ts.box(maps.out, {col0 + 64 * b, row}, [&](int g, int half) { return store_pair<T, BN>(scale, acc, b, g, half); });
 }
 
 // The activation epilogue's values: pre = acc rounded to T; act = f(pre) (plain) or f(gate) * up

@@ -5,8 +5,9 @@
 // MMAs finish (one 32-bit pair per two accumulators: 64 registers for a 64 x 256 fragment), and
 // box b is staged and stored right after the next tile's k-block b has been issued, under its
 // MMAs. Same values, same stores, same order per warpgroup: only the time they happen moves.
-// Used by the varlen-M store epilogue (C = scale * acc); the weight gradients' epilogue keeps
-// more state beside its accumulators and spills with it (perf/NOTES.md, step 15).
+// Used by the varlen-M store epilogue (C = scale * acc, epilogue.cuh's store_pair); the weight
+// gradients' consumer keeps more state beside its accumulators and spilled with it, and gained
+// nothing measurable (perf/NOTES.md, step 15).
 #pragma once
 
 #include <cstdint>
@@ -104,10 +105,7 @@ __device__ __forceinline__ void keep_store(DeferredBoxes<BN>& d, const GroupedGe
 #pragma unroll
   for (int b = 0; b < DeferredBoxes<BN>::kBoxes; ++b)
     if (col + 64 * b < p.n) boxes |= 1u << b;
-  d.keep(col, tc.row0 + frag * 64, boxes, [&](int b, int g, int half) {
-    const int q = staged_acc(b, g, half);
-    return Elem<T>::pack2(scale.v[half] * acc[q], scale.v[half] * acc[q + 1]);
-  });
+  d.keep(col, tc.row0 + frag * 64, boxes, [&](int b, int g, int half) { return store_pair<T, BN>(scale, acc, b, g, half); });
 }
 
 }  // namespace sm90
