@@ -26,14 +26,16 @@ float scores_of(const LayerConfig& cfg, const float* l, int64_t E, float* s) {
   return lse;
 }
 
-// The k first experts under routing::ranks_before, in rank order: pick j is the best of those
-// ranked after pick j - 1 (no taken-list; NaN scores rank last). O(k E).
-void top_k(const float* s, int64_t E, int64_t k, int32_t* ids) {
+// The k first experts under routing::ranks_before of their rank_value (logits l, scores s), in
+// rank order: pick j is the best of those ranked after pick j - 1 (no taken-list; NaN scores
+// rank last). O(k E).
+void top_k(const float* l, const float* s, int64_t E, int64_t k, int32_t* ids) {
+  auto r = [&](int64_t e) { return rank_value(l[e], s[e]); };
   for (int64_t j = 0; j < k; ++j) {
     int64_t best = -1;
     for (int64_t e = 0; e < E; ++e) {
-      if (j > 0 && !ranks_before(s[ids[j - 1]], ids[j - 1], s[e], e)) continue;
-      if (ranks_before(s[e], e, best >= 0 ? s[best] : 0.f, best)) best = e;
+      if (j > 0 && !ranks_before(r(ids[j - 1]), ids[j - 1], r(e), e)) continue;
+      if (ranks_before(r(e), e, best >= 0 ? r(best) : 0.f, best)) best = e;
     }
     ids[j] = static_cast<int32_t>(best);
   }
@@ -49,7 +51,7 @@ void route_tokens(const LayerConfig& cfg, const float* logits, int64_t t0, int64
     *lse_sq_sum += lse * lse;
     for (int64_t e = 0; e < E; ++e) score_sum[e] += s[e];
     int32_t* id = ids + t * k;
-    top_k(s, E, k, id);
+    top_k(logits + t * E, s, E, k, id);
     float norm = 0.f;
     for (int64_t j = 0; j < k; ++j) norm += s[id[j]];
     for (int64_t j = 0; j < k; ++j) gates[t * k + j] = cfg.normalize_topk ? s[id[j]] / norm : s[id[j]];

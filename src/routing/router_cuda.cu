@@ -31,7 +31,8 @@ __global__ void logits_to_f32_kernel(const char* src, DType t, int64_t stride, i
 }
 
 // One token per group of lanes (routing/token_group.cuh). Pick j is the group's best expert
-// among those ranked after pick j - 1 (the CPU engine's top_k): no taken-list, no shared memory,
+// (by rank_value: the logit, or a NaN score) among those ranked after pick j - 1 (the CPU
+// engine's top_k): no taken-list, no shared memory,
 // and every lane of the group agrees on each pick. With the scores in registers (kPer > 0) each
 // lane sorts its experts' rank keys once and a pick is one integer maximum over the group
 // (SortedCandidates: the same order as ranks_before, perf/NOTES.md step 13); the pick's score
@@ -62,7 +63,7 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
     for (int i = 0; i < kPer; ++i) {
       const int64_t e = g.sub + static_cast<int64_t>(i) * g.width;
       cand.score[i] = e < E ? score_of(i, e) : 0.f;
-      cand.key[i] = e < E ? rank_key(cand.score[i], e) : 0;
+      cand.key[i] = e < E ? rank_key(rank_value(logit(i, e), cand.score[i]), e) : 0;
     }
     cand.sort();
     const int base = (threadIdx.x % 32) & ~(g.width - 1);  // the group's first lane
@@ -72,21 +73,21 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
       emit(j, best_i, best);
     }
   } else {
-    float prev = 0.f;
+    float prev = 0.f;  // the previous pick's rank_value
     int prev_i = -1;
     for (int64_t j = 0; j < k; ++j) {
-      float best = 0.f;
+      float best = 0.f;  // rank_value
       int best_i = -1;
       for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
-        const float s = score_of(i, e);
-        if (j > 0 && !ranks_before(prev, prev_i, s, e)) return;
-        if (ranks_before(s, e, best, best_i)) {
-          best = s;
+        const float r = rank_value(logit(i, e), score_of(i, e));
+        if (j > 0 && !ranks_before(prev, prev_i, r, e)) return;
+        if (ranks_before(r, e, best, best_i)) {
+          best = r;
           best_i = static_cast<int>(e);
         }
       });
       group_best(best, best_i, g.width);
-      emit(j, best_i, best);
+      emit(j, best_i, g.live && best_i >= 0 ? score(fn, row[best_i], lse) : 0.f);  // as its lane computed it
       prev = best;
       prev_i = best_i;
     }

@@ -1,9 +1,12 @@
 // The one ranking rule of the router, shared by the CPU engine and the GPU kernels, so every
 // engine picks the same experts bit for bit, whatever the scores hold (docs/design.md,
-// "Non-finite router inputs"):
-//   - a higher score ranks first (+inf above every finite score, -inf below);
+// "Non-finite router inputs"). Experts are ranked by rank_value: the logit where the score is
+// a number (softmax and sigmoid are monotone in it, and the logits are the same bits in every
+// engine while the scores' last bits depend on how each engine rounds the softmax normaliser),
+// NaN where the score is NaN. Then:
+//   - a higher value ranks first (+inf above every finite value, -inf below);
 //   - NaN ranks below every number, -inf included;
-//   - equal scores, and two NaNs, go to the lower expert id.
+//   - equal values, and two NaNs, go to the lower expert id.
 // This is a strict total order on distinct ids, so top-k always names k distinct experts in
 // [0, E): a NaN or infinite logit never drops an assignment or yields an invalid id. The gates
 // carry the NaN on to that token's output, which is where the caller sees it.
@@ -17,6 +20,9 @@
 namespace moeblaze {
 inline namespace v0 {
 namespace routing {
+
+// The value an expert is ranked by: its logit, or its score when that is NaN.
+MOEBLAZE_HD float rank_value(float logit, float score) { return score != score ? score : logit; }
 
 // True when (a, ia) ranks strictly before (b, ib). An id < 0 marks "no candidate" and ranks last.
 MOEBLAZE_HD bool ranks_before(float a, int64_t ia, float b, int64_t ib) {

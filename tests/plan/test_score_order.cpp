@@ -1,6 +1,7 @@
 // The router's ranking rule (src/routing/score_order.hpp): rank_key, the 64-bit key the GPU
 // top-k compares as integers, must order every pair of (score, id) exactly as ranks_before
-// does, NaN, infinities, signed zeros, subnormals and ties included, and give back its id.
+// does, NaN, infinities, signed zeros, subnormals and ties included, and give back its id; and
+// rank_value makes the picks a function of the logits alone.
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -63,12 +64,35 @@ void key_gives_back_id(void**) {
     }
 }
 
+// The picks depend on the logits only: two near-equal logits whose softmax scores tie under one
+// normaliser and not under the next float up (the CPU and GPU engines round the normaliser
+// differently) still rank the same way under rank_value. The scan must find such splits, or the
+// test proves nothing.
+void rank_value_ignores_normaliser_rounding(void**) {
+  int splits = 0;
+  for (float a = 0.5f; a < 1.f; a *= 1.001f) {  // a - lse exact, scores near 1: 1-ulp ties common
+    const float b = std::nextafter(a, 2.f);
+    for (float lse = 0.5f; lse < 1.f; lse += 0.0137f) {
+      const float lse2 = std::nextafter(lse, 8.f);
+      const float sa1 = std::exp(a - lse), sb1 = std::exp(b - lse), sa2 = std::exp(a - lse2), sb2 = std::exp(b - lse2);
+      if ((sa1 == sb1) != (sa2 == sb2)) ++splits;  // the score order differs between the two normalisers
+      const bool first1 = ranks_before(rank_value(b, sb1), 1, rank_value(a, sa1), 0);
+      const bool first2 = ranks_before(rank_value(b, sb2), 1, rank_value(a, sa2), 0);
+      assert_true(first1 && first2);  // the larger logit first, whatever the scores' rounding
+    }
+  }
+  assert_true(splits > 0);
+  assert_true(std::isnan(rank_value(1.f, NAN)));  // a NaN score ranks as NaN: below every number
+  assert_true(rank_value(-INFINITY, 0.f) == -INFINITY);
+}
+
 }  // namespace
 
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(key_order_is_ranks_before),
       cmocka_unit_test(key_gives_back_id),
+      cmocka_unit_test(rank_value_ignores_normaliser_rounding),
   };
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }
