@@ -34,7 +34,7 @@ MOEBLAZE_HD bool ranks_before(float a, int64_t ia, float b, int64_t ib) {
 }
 
 // ranks_before as one 64-bit unsigned comparison: rank_key(a, ia) > rank_key(b, ib) exactly
-// when (a, ia) ranks before (b, ib), for ids in [0, 2^31). The high word orders the score
+// when (a, ia) ranks before (b, ib), for ids in [0, 2^31). The high word orders the rank value
 // (sign-magnitude bits turned into an unsigned order; -0 counts as +0; every NaN is 0, below
 // -inf), the low word the inverted id (a lower id wins a tie). Key 0 is "no candidate". The
 // GPU router's top-k picks with integer maxima of these keys (routing/token_group.cuh).

@@ -91,6 +91,12 @@ __device__ __forceinline__ RowScales load_row_scales(const EpilogueParams& e, co
   return s;
 }
 
+// Whether a tile's outputs go through shared memory and TMA stores: the maps allow it and all
+// 128 rows belong to the tile's expert (TMA clips only at the tensor's bounds).
+__device__ __forceinline__ bool tile_staged(const EpilogueMaps& maps, const TileCoord& tc) {
+  return maps.enabled && tc.rows == kBlockM;
+}
+
 // The store epilogue's packed pair (g, half) of staged box b: the row's scale times acc, rounded
 // (staged now, or kept for later by gemm/sm90/epilogue_deferred.cuh).
 template <class T, int BN>

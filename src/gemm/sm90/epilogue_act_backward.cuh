@@ -150,7 +150,7 @@ __device__ __forceinline__ void act_backward_tile_as(const GroupedGemmParams& p,
                                                      const EpilogueMaps& maps, TileStore& ts, const TileCoord& tc,
                                                      const RowScales (&gate)[2], const PreSlot& slot,
                                                      uint32_t& pre_phase, const float (&acc)[2][64]) {
-  const bool staged = maps.enabled && tc.rows == kBlockM;
+  const bool staged = tile_staged(maps, tc);
 #pragma unroll
   for (int frag = 0; frag < 2; ++frag) {
     float dot[2] = {0.f, 0.f};

@@ -57,7 +57,7 @@ template <class T, int BN, EpilogueKind Epi>
 __device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const EpilogueParams& e, const EpilogueMaps& maps,
                                          TileStore& ts, const TileCoord& tc, int frag, const RowScales& scale,
                                          const float (&acc)[BN / 2]) {
-  const bool staged = maps.enabled && tc.rows == kBlockM;
+  const bool staged = tile_staged(maps, tc);
   if constexpr (Epi == EpilogueKind::kStore) {
     if (staged) epilogue_store_staged<T, BN>(p, maps, ts, tc, frag, scale, acc);
     else epilogue_store<T, BN>(p, e, tc, frag, acc);
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const TileCoord tc = ring.tiles[j % kTileSlots];
         if constexpr (Epi == EpilogueKind::kStore) {
           deferred.flush(maps.out, ts);  // a tile of fewer k-blocks than boxes
-          if (defer && tc.rows == kBlockM) {
+          if (defer && tile_staged(maps, tc)) {
             keep_store<T, BN>(deferred, p, tc, wg - 1, sc, acc[0]);
             continue;
           }
