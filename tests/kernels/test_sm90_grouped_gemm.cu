@@ -177,17 +177,18 @@ std::vector<uint16_t> valid_bits(const void* d, int64_t rows, int64_t cols, int6
   return v;
 }
 
-// pre and act of the activation epilogue, valid columns as bits, with rows padded by ld_pad.
+// pre and act of the activation epilogue, valid columns as bits, with rows padded by ld_pad;
+// `outputs`: bit 0 pre, bit 1 act (an output left out is not written, its bits empty).
 void run_activation_bits(const Problem& P, Activation a, int bn, int64_t ld_pad, std::vector<uint16_t>* pre_bits,
-                         std::vector<uint16_t>* act_bits) {
+                         std::vector<uint16_t>* act_bits, int outputs = 3) {
   const int64_t n = P.s.n, nc = P.ncols(), ld_pre = nc + ld_pad, ld_act = n + ld_pad;
-  void* pre = alloc_poisoned(P.s.m_total * ld_pre);
-  void* act = alloc_poisoned(P.s.m_total * ld_act);
+  void* pre = outputs & 1 ? alloc_poisoned(P.s.m_total * ld_pre) : nullptr;
+  void* act = outputs & 2 ? alloc_poisoned(P.s.m_total * ld_act) : nullptr;
   const sm90::EpilogueParams e = activation_params(a, pre, ld_pre, act, ld_act);
   sm90::grouped_gemm(P.dt, P.params(), e, kernel_choice(bn), nullptr);
   GGP_CK(cudaDeviceSynchronize());
-  *pre_bits = valid_bits(pre, P.s.m_total, nc, ld_pre);
-  *act_bits = valid_bits(act, P.s.m_total, n, ld_act);
+  *pre_bits = pre ? valid_bits(pre, P.s.m_total, nc, ld_pre) : std::vector<uint16_t>{};
+  *act_bits = act ? valid_bits(act, P.s.m_total, n, ld_act) : std::vector<uint16_t>{};
   cudaFree(pre);
   cudaFree(act);
 }
@@ -217,6 +218,41 @@ void staged_matches_registers(void**) {
       assert_true(pre0 == pre2 && act0 == act2);
       free_problem(Q);
     }
+  }
+}
+
+// Many tiles per CTA (the persistent grid is at most one CTA per SM): full tiles keep their
+// store boxes for the next tile's mainloop (gemm/sm90/epilogue_deferred.cuh) between partial
+// ones (register path) and the last tile (flushed), and the staging buffers alternate across
+// tiles. The same bits as the register path, for the store (K = 136: three k-blocks, fewer
+// than a 128 x 256 tile's four boxes, so they are flushed before the next tile's epilogue) and
+// for the activation epilogue with pre and act, pre alone and act alone.
+void deferred_matches_registers(void**) {
+  uint64_t seed = 970;
+  for (int bn : kBlockNs) {
+    Problem P = make_problem({40000, 12000, 5, 264, 136, false, true, Major::kK, 0.3}, DType::kBF16, seed++);
+    Check c8, c2;
+    const std::vector<uint16_t> s8 = run_store(P, bn, true, &c8, 8), s2 = run_store(P, bn, true, &c2, 2);
+    assert_true(c8.rel_err <= tolerance(P.dt) && c8.unwritten == 0 && c8.clobbered == 0);
+    const int64_t n = P.s.n;
+    bool same = true;
+    for (int64_t p = 0; p < P.s.m_total && same; ++p)
+      same = std::equal(s8.begin() + p * (n + 8), s8.begin() + p * (n + 8) + n, s2.begin() + p * (n + 2));
+    if (!same) std::printf("deferred store != registers: bn=%d\n", bn);
+    assert_true(same);
+    free_problem(P);
+    for (Activation a : {Activation::kSwiglu, Activation::kSilu, Activation::kGeglu})
+      for (int outputs : {3, 1, 2}) {
+        const int32_t k = a == Activation::kSwiglu ? 520 : 72;
+        Problem Q = make_problem({50000, 16000, 4, 200, k, is_gated(a), true, Major::kMN, 0.4}, DType::kF16, seed++);
+        std::vector<uint16_t> pre0, act0, pre2, act2;
+        run_activation_bits(Q, a, bn, 0, &pre0, &act0, outputs);
+        run_activation_bits(Q, a, bn, 2, &pre2, &act2, outputs);
+        if (pre0 != pre2 || act0 != act2)
+          std::printf("deferred != registers: act %d bn=%d outputs=%d\n", static_cast<int>(a), bn, outputs);
+        assert_true(pre0 == pre2 && act0 == act2);
+        free_problem(Q);
+      }
   }
 }
 
@@ -312,6 +348,7 @@ int main() {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(store_shapes),   cmocka_unit_test(many_experts),  cmocka_unit_test(bad_indices),
       cmocka_unit_test(activations),    cmocka_unit_test(padded_outputs), cmocka_unit_test(deterministic),
-      cmocka_unit_test(no_rows),        cmocka_unit_test(staged_matches_registers), cmocka_unit_test(placed_rows)};
+      cmocka_unit_test(no_rows),        cmocka_unit_test(staged_matches_registers), cmocka_unit_test(deferred_matches_registers),
+      cmocka_unit_test(placed_rows)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }
