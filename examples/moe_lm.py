@@ -4,9 +4,10 @@ with ``moeblaze.torch.MoELayer`` and once with a pure-PyTorch MoE of the same ma
 router, top-k, renormalised gates, SwiGLU experts, gate-weighted combine). It prints both loss
 curves, their largest difference, tokens per second and peak memory, and draws them as a PNG
 when matplotlib is installed. In a 16-bit dtype it also trains the PyTorch model in fp32 and
-checks that MoEBlaze differs from the 16-bit PyTorch run by no more than the 16-bit PyTorch run
-differs from fp32 (the dtype's own noise, measured in the same run); in fp32 the tolerance is
-1e-3 per step. Parameters are trained by AdamW on fp32 master weights.
+checks that MoEBlaze's loss curve is about as far from that fp32 run as the 16-bit PyTorch
+run's (the dtype's own noise, measured in the same run: within 3x per step and 2x over 10-step
+means, the spread of that noise between runs); in fp32 the tolerance is 1e-3 per step.
+Parameters are trained by AdamW on fp32 master weights.
 
 The text is the licence texts that Debian's base-files package ships in
 /usr/share/common-licenses (character level, ~260 KB; nothing is downloaded).
@@ -42,6 +43,9 @@ ENGINES = {"auto": 0, "cpu": 1, "cublaslt": 2, "fused": 3}  # MOEBLAZE_ENGINE_*
 # fp32: the largest |loss difference| per step that the check accepts (and the floor of the
 # 16-bit tolerances, which are measured: see main).
 TOLERANCE = {"f32": 1e-3}
+# 16-bit: MoEBlaze's largest loss gap to the fp32 PyTorch run may be this many times the 16-bit
+# PyTorch run's gap to it, per step and over 10-step means (see main).
+NOISE_FACTOR = {"step": 3.0, "mean10": 2.0}
 
 
 def load_text(pattern):
@@ -235,13 +239,22 @@ def main():
     print("moeblaze vs pytorch (%s): largest |loss difference| %.4f per step, %.4f over 10-step means"
           % (args.dtype, diff, diff10))
     if c:
-        # Two correct 16-bit implementations differ by rounding order; the tolerance is how far
-        # the dtype itself moves the same PyTorch model from fp32, measured in this run.
+        # Two correct 16-bit implementations differ by rounding order, and their loss curves
+        # drift apart as training goes on. So both 16-bit runs are measured against the same
+        # fp32 run: MoEBlaze passes when it stays about as close to fp32 as the 16-bit PyTorch
+        # model. The margins are for the noise of that noise: the largest gap over hundreds of
+        # steps is an extreme value, and on the H100 the same PyTorch bf16/fp32 pair measured
+        # 0.145 and 0.350 per step in runs of one session (10-step means: 0.026 to 0.037), so
+        # comparing two such samples with no margin fails about half the time.
+        err, err10 = gap(a, c)
         noise, noise10 = gap(b, c)
+        print("moeblaze %s vs pytorch f32: %.4f per step, %.4f over 10-step means" % (args.dtype, err, err10))
         print("pytorch %s vs pytorch f32 (the %s noise): %.4f per step, %.4f over 10-step means"
               % (args.dtype, args.dtype, noise, noise10))
-        ok = diff <= max(noise, TOLERANCE["f32"]) and diff10 <= max(noise10, TOLERANCE["f32"])
-        print("tolerance: the %s noise above: %s" % (args.dtype, "PASS" if ok else "FAIL"))
+        ok = (err <= NOISE_FACTOR["step"] * max(noise, TOLERANCE["f32"]) and
+              err10 <= NOISE_FACTOR["mean10"] * max(noise10, TOLERANCE["f32"]))
+        print("tolerance: %g x the %s noise per step, %g x over 10-step means: %s"
+              % (NOISE_FACTOR["step"], args.dtype, NOISE_FACTOR["mean10"], "PASS" if ok else "FAIL"))
     else:
         tol = TOLERANCE[args.dtype]
         ok = diff <= tol

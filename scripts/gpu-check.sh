@@ -160,7 +160,7 @@ if want example; then  # the MoE language model, MoELayer vs pure PyTorch (loss 
     MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python${pyextra:+:$pyextra} \
       PYTHONUNBUFFERED=1 timeout 400 python3 examples/moe_lm.py --engine $variant --png "$OUT/moe_lm_$tag.png" \
       > "$OUT/moe_lm_$tag.txt" 2>&1
-    summary+=("example ($variant): rc=$?; $(grep -E 'largest' "$OUT/moe_lm_$tag.txt")")
+    summary+=("example ($variant): rc=$?; $(grep -E 'largest|^tolerance' "$OUT/moe_lm_$tag.txt" | tr '\n' ' ')")
     grep -vE 'Warning|warn\(' "$OUT/moe_lm_$tag.txt" | tail -30
   done
 fi
