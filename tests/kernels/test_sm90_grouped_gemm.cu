@@ -249,7 +249,7 @@ void deferred_matches_registers(void**) {
         run_activation_bits(Q, a, bn, 0, &pre0, &act0, outputs);
         run_activation_bits(Q, a, bn, 2, &pre2, &act2, outputs);
         if (pre0 != pre2 || act0 != act2)
-          std::printf("deferred != registers: act %d bn=%d outputs=%d\n", static_cast<int>(a), bn, outputs);
+          std::printf("many tiles, staged != registers: act %d bn=%d outputs=%d\n", static_cast<int>(a), bn, outputs);
         assert_true(pre0 == pre2 && act0 == act2);
         free_problem(Q);
       }
