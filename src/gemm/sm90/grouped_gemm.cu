@@ -133,8 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // kStore: a full tile's boxes are staged under the next tile's first k-blocks (registers
       // are scarce beside them: the tile's coordinates are read from its slot after the
       // mainloop, and its index from j).
-      DeferredBoxes<BN> deferred;
-      const bool defer = Epi == EpilogueKind::kStore && maps.defer;
+      DeferredBoxes<BN> deferred;  // maps.defer is set for kStore only (epilogue_maps)
       for (uint32_t j = 0; blockIdx.x + static_cast<int64_t>(j) * gridDim.x < total; ++j) {
         RowScales sc;
         consume_tile<T, BN, BMajor>(
@@ -146,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const TileCoord tc = ring.tiles[j % kTileSlots];
         if constexpr (Epi == EpilogueKind::kStore) {
           deferred.flush(maps.out, ts);  // a tile of fewer k-blocks than boxes
-          if (defer && tile_staged(maps, tc)) {
+          if (maps.defer && tile_staged(maps, tc)) {
             keep_store<T, BN>(deferred, p, tc, wg - 1, sc, acc[0]);
             continue;
           }
