@@ -193,6 +193,32 @@ void run_activation_bits(const Problem& P, Activation a, int bn, int64_t ld_pad,
   cudaFree(act);
 }
 
+// The store staged through TMA (rows padded to a multiple of 8 elements) and from registers (ld
+// not a multiple of 8): whether their valid columns are the same bits. *staged: the staged run
+// against the reference.
+bool store_paths_agree(const Problem& P, int bn, Check* staged) {
+  Check c2;
+  const std::vector<uint16_t> s8 = run_store(P, bn, true, staged, 8), s2 = run_store(P, bn, true, &c2, 2);
+  const int64_t n = P.s.n;
+  for (int64_t p = 0; p < P.s.m_total; ++p)
+    if (!std::equal(s8.begin() + p * (n + 8), s8.begin() + p * (n + 8) + n, s2.begin() + p * (n + 2))) {
+      std::printf("store: staged != registers: bn=%d\n", bn);
+      return false;
+    }
+  return true;
+}
+
+// The activation epilogue's outputs (run_activation_bits' `outputs`) staged and from registers:
+// whether they are the same bits.
+bool activation_paths_agree(const Problem& Q, Activation a, int bn, int outputs) {
+  std::vector<uint16_t> pre0, act0, pre2, act2;
+  run_activation_bits(Q, a, bn, 0, &pre0, &act0, outputs);
+  run_activation_bits(Q, a, bn, 2, &pre2, &act2, outputs);
+  if (pre0 == pre2 && act0 == act2) return true;
+  std::printf("activation: staged != registers: act %d bn=%d outputs=%d\n", static_cast<int>(a), bn, outputs);
+  return false;
+}
+
 // Full tiles go through shared memory and TMA stores when the outputs allow it (rows padded to a
 // multiple of 8 elements), from registers otherwise (ld not a multiple of 8): the same bits.
 void staged_matches_registers(void**) {
@@ -200,22 +226,11 @@ void staged_matches_registers(void**) {
   for (int bn : kBlockNs) {
     Problem P = make_problem({3000, 1000, 5, 200, 136, false, true, Major::kMN, 0.3}, DType::kBF16, seed++);
     Check c;
-    const std::vector<uint16_t> s8 = run_store(P, bn, true, &c, 8), s2 = run_store(P, bn, true, &c, 2);
-    const int64_t n = P.s.n;
-    std::vector<uint16_t> v8, v2;
-    for (int64_t p = 0; p < P.s.m_total; ++p) {
-      v8.insert(v8.end(), s8.begin() + p * (n + 8), s8.begin() + p * (n + 8) + n);
-      v2.insert(v2.end(), s2.begin() + p * (n + 2), s2.begin() + p * (n + 2) + n);
-    }
-    assert_true(v8 == v2);
+    assert_true(store_paths_agree(P, bn, &c));
     free_problem(P);
     for (Activation a : {Activation::kSwiglu, Activation::kGelu}) {
       Problem Q = make_problem({2500, 900, 4, 136, 264, is_gated(a), true, Major::kK, 0.4}, DType::kF16, seed++);
-      std::vector<uint16_t> pre0, act0, pre2, act2;
-      run_activation_bits(Q, a, bn, 0, &pre0, &act0);
-      run_activation_bits(Q, a, bn, 2, &pre2, &act2);
-      if (pre0 != pre2 || act0 != act2) std::printf("staged != registers: act %d bn=%d\n", static_cast<int>(a), bn);
-      assert_true(pre0 == pre2 && act0 == act2);
+      assert_true(activation_paths_agree(Q, a, bn, 3));
       free_problem(Q);
     }
   }
@@ -231,26 +246,15 @@ void deferred_matches_registers(void**) {
   uint64_t seed = 970;
   for (int bn : kBlockNs) {
     Problem P = make_problem({40000, 12000, 5, 264, 136, false, true, Major::kK, 0.3}, DType::kBF16, seed++);
-    Check c8, c2;
-    const std::vector<uint16_t> s8 = run_store(P, bn, true, &c8, 8), s2 = run_store(P, bn, true, &c2, 2);
+    Check c8;
+    assert_true(store_paths_agree(P, bn, &c8));
     assert_true(c8.rel_err <= tolerance(P.dt) && c8.unwritten == 0 && c8.clobbered == 0);
-    const int64_t n = P.s.n;
-    bool same = true;
-    for (int64_t p = 0; p < P.s.m_total && same; ++p)
-      same = std::equal(s8.begin() + p * (n + 8), s8.begin() + p * (n + 8) + n, s2.begin() + p * (n + 2));
-    if (!same) std::printf("deferred store != registers: bn=%d\n", bn);
-    assert_true(same);
     free_problem(P);
     for (Activation a : {Activation::kSwiglu, Activation::kSilu, Activation::kGeglu})
       for (int outputs : {3, 1, 2}) {
         const int32_t k = a == Activation::kSwiglu ? 520 : 72;
         Problem Q = make_problem({50000, 16000, 4, 200, k, is_gated(a), true, Major::kMN, 0.4}, DType::kF16, seed++);
-        std::vector<uint16_t> pre0, act0, pre2, act2;
-        run_activation_bits(Q, a, bn, 0, &pre0, &act0, outputs);
-        run_activation_bits(Q, a, bn, 2, &pre2, &act2, outputs);
-        if (pre0 != pre2 || act0 != act2)
-          std::printf("many tiles, staged != registers: act %d bn=%d outputs=%d\n", static_cast<int>(a), bn, outputs);
-        assert_true(pre0 == pre2 && act0 == act2);
+        assert_true(activation_paths_agree(Q, a, bn, outputs));
         free_problem(Q);
       }
   }
