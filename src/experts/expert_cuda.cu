@@ -10,18 +10,24 @@ inline namespace v0 {
 namespace experts {
 namespace {
 
-__global__ void gather_rows_kernel(const char* src, int64_t es, int64_t stride, const int32_t* rows, int64_t P,
-                                   int64_t d, char* out) {
-  const int64_t p = blockIdx.x;
-  if (p >= P) return;
-  const char* in = src + static_cast<int64_t>(rows[p]) * stride * es;
-  char* o = out + p * d * es;
-  const int64_t bytes = d * es;
-  if ((bytes % 16 == 0) && (reinterpret_cast<uintptr_t>(in) % 16 == 0) && (reinterpret_cast<uintptr_t>(o) % 16 == 0)) {
-    for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
-      reinterpret_cast<uint4*>(o)[i] = reinterpret_cast<const uint4*>(in)[i];
-  } else {
-    for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) o[i] = in[i];
+// One warp per output row (grid-stride), each lane moving 16-byte chunks (Vec) or elements;
+// an index outside [0, src_rows) (a window row no expert covers, or a bad plan) gives a zero row.
+template <class Vec>
+__global__ void gather_rows_kernel(const char* src, int64_t src_stride_bytes, int64_t src_rows, const int32_t* rows,
+                                   int64_t P, int64_t row_bytes, char* out) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t n = row_bytes / static_cast<int64_t>(sizeof(Vec));
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; p < P; p += warps) {
+    const int32_t r = rows[p];
+    const Vec* in = reinterpret_cast<const Vec*>(src + static_cast<int64_t>(r) * src_stride_bytes);
+    Vec* o = reinterpret_cast<Vec*>(out + p * row_bytes);
+    if (r >= 0 && r < src_rows) {
+#pragma unroll 4
+      for (int64_t i = lane; i < n; i += 32) o[i] = __ldg(in + i);
+    } else {
+      for (int64_t i = lane; i < n; i += 32) o[i] = Vec{};
+    }
   }
 }
 
@@ -123,8 +129,17 @@ unsigned grid_for(int64_t n, int threads) {
 
 void gather_rows_cuda(const View& src, const int32_t* rows, int64_t P, int64_t d, void* out, cudaStream_t s) {
   if (P == 0) return;
-  gather_rows_kernel<<<static_cast<unsigned>(P), 128, 0, s>>>(src.data, static_cast<int64_t>(src.elem()), src.stride[0],
-                                                              rows, P, d, static_cast<char*>(out));
+  const int64_t es = static_cast<int64_t>(src.elem()), row_bytes = d * es, stride = src.stride[0] * es;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(P, 8), int64_t{1} << 16));
+  const bool vec = row_bytes % 16 == 0 && stride % 16 == 0 && reinterpret_cast<uintptr_t>(src.data) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  if (vec) {
+    gather_rows_kernel<uint4><<<grid, 256, 0, s>>>(src.data, stride, src.shape[0], rows, P, row_bytes, static_cast<char*>(out));
+  } else if (es == 2) {
+    gather_rows_kernel<uint16_t><<<grid, 256, 0, s>>>(src.data, stride, src.shape[0], rows, P, row_bytes, static_cast<char*>(out));
+  } else {
+    gather_rows_kernel<uint32_t><<<grid, 256, 0, s>>>(src.data, stride, src.shape[0], rows, P, row_bytes, static_cast<char*>(out));
+  }
   MOEBLAZE_CUDA_LAUNCH_CHECK("gather_rows");
 }
 

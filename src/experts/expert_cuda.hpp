@@ -16,6 +16,7 @@ inline namespace v0 {
 namespace experts {
 
 // out[p, :] = src[expert_token_indices[p], :] for p in [0, P); out is dense [P, d] of src's dtype.
+// An index outside [0, src.shape[0]) gives a zero row (nothing outside src is read).
 void gather_rows_cuda(const View& src, const int32_t* expert_token_indices, int64_t P, int64_t d, void* out,
                       cudaStream_t s);
 

@@ -8,6 +8,7 @@
  * and the STATUS contract, and AUTO's engine choice. The suite runs once per CUDA engine that
  * the registry serves on this device (the fused engine runs the fp32 cases in bf16). Exits 77
  * (skipped) without a GPU. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -1132,19 +1133,25 @@ int main(void) {
       cmocka_unit_test(fused_workspace_bounded),
   };
   /* One suite, every CUDA engine that can serve this device (MOEBLAZE_TEST_ENGINE=cublaslt|fused|
-   * fused-windowed picks one); an engine the registry refuses here is reported, not failed.
-   * fused-windowed runs the fused engine on windows of 13 tokens: most cases then span several
-   * windows (weight gradients summed across them, saved pre read at the call's positions). */
-  static const struct { int64_t engine, window; const char* name; } engines[] = {
-      {MOEBLAZE_ENGINE_CUDA_CUBLASLT, 0, "cublaslt"},
-      {MOEBLAZE_ENGINE_CUDA_FUSED, 0, "fused"},
-      {MOEBLAZE_ENGINE_CUDA_FUSED, 13, "fused-windowed"}};
+   * fused-windowed|fused-pregather picks one); an engine the registry refuses here is reported,
+   * not failed. fused-windowed runs the fused engine on windows of 13 tokens: most cases then
+   * span several windows (weight gradients summed across them, saved pre read at the call's
+   * positions). fused-pregather runs those windows with the backward's copy of dy and x rows into
+   * expert order (MOEBLAZE_FUSED_PREGATHER=always, read when a handle is created), which the
+   * rule keeps for experts wider than these tests' (engines/fused/pregather.hpp). */
+  static const struct { int64_t engine, window; const char* name; int pregather; } engines[] = {
+      {MOEBLAZE_ENGINE_CUDA_CUBLASLT, 0, "cublaslt", 0},
+      {MOEBLAZE_ENGINE_CUDA_FUSED, 0, "fused", 0},
+      {MOEBLAZE_ENGINE_CUDA_FUSED, 13, "fused-windowed", 0},
+      {MOEBLAZE_ENGINE_CUDA_FUSED, 13, "fused-pregather", 1}};
   const char* only = getenv("MOEBLAZE_TEST_ENGINE");
   int failed = 0, ran = 0;
   for (size_t i = 0; i < sizeof engines / sizeof engines[0]; ++i) {
     if (only && strcmp(only, engines[i].name) != 0) continue;
     g_engine = engines[i].engine;
     g_window = engines[i].window;
+    if (engines[i].pregather) setenv("MOEBLAZE_FUSED_PREGATHER", "always", 1);
+    else unsetenv("MOEBLAZE_FUSED_PREGATHER");
     tu_layer probe = tu_layer_default(4, 2, 8, 16, 8, MOEBLAZE_ACTIVATION_SILU);
     probe.act_dtype = probe.weight_dtype = tu_bf16; /* every CUDA engine serves bf16 */
     moeblaze_handle_t h = NULL;

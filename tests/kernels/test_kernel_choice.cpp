@@ -65,7 +65,8 @@ void explicit_choices(void**) {
 }
 
 // The activation-backward epilogue has one kernel (ping-pong 128 x 128, its pre slots), whatever
-// is asked; the dact GEMM takes it for K <= 1024 (gemm/sm90/grouped_gemm.hpp).
+// is asked; the dact GEMM takes it for K <= 1024, or K <= 2048 with dy in expert order
+// (gemm/sm90/grouped_gemm.hpp).
 void activation_backward(void**) {
   sm90::KernelChoice coop;
   coop.schedule = ConsumerSchedule::kCooperative;
@@ -74,11 +75,22 @@ void activation_backward(void**) {
   expect(pick(4096, 2048, 0, EpilogueKind::kActivationBackward, coop), ConsumerSchedule::kPingPong, 128);
   if (std::getenv("MOEBLAZE_SM90_ACT_BACKWARD")) return;  // the knob overrides the rule
   sm90::GroupedGemmParams p;
+  const int32_t index[1] = {0};
+  p.a_index = index;  // dy gathered: K <= 1024
   for (int32_t k : {8, 512, 1024}) {
     p.k = k;
     assert_true(sm90::act_backward_in_epilogue(p));
   }
   for (int32_t k : {1032, 2048, 7168}) {
+    p.k = k;
+    assert_false(sm90::act_backward_in_epilogue(p));
+  }
+  p.a_index = nullptr;  // dy in expert order (by TMA): K <= 2048
+  for (int32_t k : {8, 1024, 1032, 2048}) {
+    p.k = k;
+    assert_true(sm90::act_backward_in_epilogue(p));
+  }
+  for (int32_t k : {2056, 4096, 7168}) {
     p.k = k;
     assert_false(sm90::act_backward_in_epilogue(p));
   }

@@ -5,7 +5,8 @@
 // experts (their gradient is zero, or left alone when accumulating); accumulate onto random
 // values; C stored transposed (with accumulate); out-of-range indices (zero rows); an expert with thousands of positions (the stage
 // ring wraps across tiles); bitwise determinism; padded gradient rows, stored by TMA and from
-// registers, bitwise equal; sums over token windows in fp32, staged and from registers. Exits 77 (skipped) without an sm_90 GPU.
+// registers, bitwise equal; sums over token windows in fp32, staged and from registers; both
+// operands in expert order (by TMA). Exits 77 (skipped) without an sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
 
 #include "gemm/sm90/weight_grad.hpp"
@@ -36,6 +37,7 @@ struct WgShape {
   int ld_pad = 0;           // extra elements per row of C_e (2: TMA cannot store it; registers do)
   int windows = 1;          // launches over consecutive position ranges, summed in fp32 (acc32)
   bool sums_misaligned = false;  // acc32 8- but not 16-byte aligned: its windows store from registers
+  bool expert_order = false;     // neither operand gathered (the engine's copy in expert order): both by TMA
 };
 
 // ref[e, i, j] = init[e, i, j] (accumulate) + sum over the expert's positions of A[ra, i] B[rb, j].
@@ -76,7 +78,8 @@ Result run(const WgShape& s, DType dt, uint64_t seed) {
     idx[0] = -1;
     idx[s.positions / 2] = static_cast<int32_t>(s.tokens);
   }
-  const int64_t a_rows = s.gather_a ? s.tokens : s.positions, b_rows = s.gather_a ? s.positions : s.tokens;
+  const bool ga = s.gather_a && !s.expert_order, gb = !s.gather_a && !s.expert_order;  // the gathered operand
+  const int64_t a_rows = ga ? s.tokens : s.positions, b_rows = gb ? s.tokens : s.positions;
   const int64_t c_elems = static_cast<int64_t>(s.E) * s.m * s.n;
   // C_e as stored: [c_rows][ldc], c_stride elements apart.
   const int64_t c_rows = s.transposed ? s.n : s.m, ldc = (s.transposed ? s.m : s.n) + s.ld_pad, c_stride = c_rows * ldc;
@@ -110,8 +113,8 @@ Result run(const WgShape& s, DType dt, uint64_t seed) {
   } else {
     GGP_CK(cudaMemset(d_c, 0xFF, 2 * c_alloc));  // NaN poison
   }
-  const int32_t* ai = s.gather_a ? d_idx : nullptr;
-  const int32_t* bi = s.gather_a ? nullptr : d_idx;
+  const int32_t* ai = ga ? d_idx : nullptr;
+  const int32_t* bi = gb ? d_idx : nullptr;
   dim3 grid((s.n + 127) / 128, s.m, s.E);
   if (dt == DType::kBF16)
     wgrad_reference_kernel<<<grid, 128>>>(static_cast<const __nv_bfloat16*>(d_a), ai, a_rows,
@@ -138,14 +141,14 @@ Result run(const WgShape& s, DType dt, uint64_t seed) {
     p.sched = sm90::make_schedule(s.windows > 1 ? d_off_w : d_off, s.E, end - start, d_sched, nullptr);
     p.m = s.m;
     p.n = s.n;
-    p.a = static_cast<const char*>(d_a) + (s.gather_a ? 0 : start * a_es);
+    p.a = static_cast<const char*>(d_a) + (ga ? 0 : start * a_es);
     p.lda = s.m;
     p.a_index = ai ? ai + start : nullptr;
-    p.a_rows = static_cast<int32_t>(s.gather_a ? a_rows : end - start);
-    p.b = static_cast<const char*>(d_b) + (s.gather_a ? start * b_es : 0);
+    p.a_rows = static_cast<int32_t>(ga ? a_rows : end - start);
+    p.b = static_cast<const char*>(d_b) + (gb ? 0 : start * b_es);
     p.ldb = s.n;
     p.b_index = bi ? bi + start : nullptr;
-    p.b_rows = static_cast<int32_t>(s.gather_a ? end - start : b_rows);
+    p.b_rows = static_cast<int32_t>(gb ? b_rows : end - start);
     p.c = d_c;
     p.ldc = ldc;
     p.c_expert_stride = c_stride;
@@ -192,9 +195,10 @@ double tolerance(DType dt) { return dt == DType::kBF16 ? 1e-2 : 2e-3; }
 void expect(const WgShape& s, DType dt, uint64_t seed) {
   const Result r = run(s, dt, seed);
   if (r.rel_err > tolerance(dt) || r.unwritten)
-    std::printf("wgrad P=%lld E=%d m=%d n=%d gather_a=%d skew=%g acc=%d transposed=%d windows=%d %s: rel %.3g unwritten %lld\n",
-                static_cast<long long>(s.positions), s.E, s.m, s.n, s.gather_a, s.skew, s.accumulate, s.transposed,
-                s.windows, dtype_name(dt),
+    std::printf("wgrad P=%lld E=%d m=%d n=%d gather_a=%d expert_order=%d skew=%g acc=%d transposed=%d windows=%d %s: "
+                "rel %.3g unwritten %lld\n",
+                static_cast<long long>(s.positions), s.E, s.m, s.n, s.gather_a, s.expert_order, s.skew, s.accumulate,
+                s.transposed, s.windows, dtype_name(dt),
                 r.rel_err, static_cast<long long>(r.unwritten));
   assert_true(r.rel_err <= tolerance(dt));
   assert_int_equal(r.unwritten, 0);
@@ -280,6 +284,28 @@ void windowed_sums(void**) {
     }
 }
 
+// Both operands in expert order, both by TMA (the fused engine's backward on a copy of dy's or
+// x's rows, engines/fused/pregather.hpp): whole k-blocks by TMA and each expert's last, partial
+// block by cp.async; tails, skew with empty experts, transposed, accumulate, windowed sums.
+void both_in_expert_order(void**) {
+  uint64_t seed = 601;
+  WgShape shapes[] = {
+      {4096, 4096, 8, 256, 512, true, 0.0, false, false},
+      {3000, 3000, 5, 136, 520, true, 1.2, false, false},
+      {2500, 2500, 6, 264, 200, true, 0.0, false, false, true},         // dW_down-like, transposed
+      {2000, 2000, 6, 136, 264, true, -1.0, true, false, false},        // accumulate, one expert
+      {3000, 3000, 5, 136, 264, true, 0.7, false, false, true, 0, 3},   // windowed sums
+      {2000, 2000, 4, 128, 256, true, 0.0, true, false, false, 0, 2},
+  };
+  for (WgShape& s : shapes) {
+    s.expert_order = true;
+    for (DType dt : kTypes) expect(s, dt, seed++);
+  }
+  WgShape s = shapes[4];
+  const Result a = run(s, DType::kBF16, 7), b = run(s, DType::kBF16, 7);
+  assert_true(a.bits == b.bits);
+}
+
 void deterministic(void**) {
   const WgShape s{6000, 1500, 8, 136, 520, true, 0.8, false, false};
   const Result a = run(s, DType::kBF16, 5), b = run(s, DType::kBF16, 5), c = run(s, DType::kBF16, 5);
@@ -299,6 +325,7 @@ int main() {
       cmocka_unit_test(deterministic),
       cmocka_unit_test(staged_matches_registers),
       cmocka_unit_test(windowed_sums),
+      cmocka_unit_test(both_in_expert_order),
   };
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

@@ -7,15 +7,19 @@
 //             the call's positions) in its epilogue; down GEMM with the gate in its epilogue;
 //             deterministic combine of the window's tokens.
 //   backward, per window: dact GEMM gathering dy rows; the activation backward (dg, dpre,
-//             g * act) in its epilogue (plain activations, d <= 1024) or as a fused pass;
+//             g * act) in its epilogue (plain activations, d <= 1024 or 2048) or as a pass;
 //             varlen-K weight gradients gathering x and dy (summed over the windows in fp32,
 //             rounded once); dx GEMM; router backward of the window's tokens; combine.
+//             Wide experts copy dy's and x's rows into expert order first, so that these GEMMs
+//             read them by TMA (engines/fused/pregather.hpp).
 // Nothing synchronises the host and nothing allocates: every call can be captured in a CUDA
 // graph. Bad caller ids and saved buffers that fail their checks are found on the device; the
 // call then fills its outputs with NaN and reports through STATUS (docs/errors.md).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 
 #include "combine/combine_cuda.hpp"
@@ -27,6 +31,7 @@
 #include "cuda/device_guard.hpp"
 #include "cuda/saved_header_cuda.hpp"
 #include "engines/cuda_router.hpp"
+#include "engines/fused/pregather.hpp"
 #include "engines/fused/window.hpp"
 #include "experts/expert_cuda.hpp"
 #include "gemm/cublaslt.hpp"
@@ -123,6 +128,13 @@ class FusedEngine final : public Engine {
     cuda::DeviceGuard guard(cfg_.device_id);
     gemm_ = std::make_unique<gemm::CublasLtGemm>();
     router_ = std::make_unique<CudaRouter>(cfg_, *gemm_);
+    // MOEBLAZE_FUSED_PREGATHER=always|never overrides the rule (a measurement and test knob,
+    // perf/NOTES.md; not part of the API), read once per handle.
+    pregather_ = fused_pregather_pays(cfg_);
+    if (const char* v = std::getenv("MOEBLAZE_FUSED_PREGATHER")) {
+      if (!std::strcmp(v, "always")) pregather_ = true;
+      if (!std::strcmp(v, "never")) pregather_ = false;
+    }
   }
   EngineKind kind() const override { return EngineKind::kCudaFused; }
   size_t workspace_size(Pass pass, int64_t L) const override { return carve(pass, L, nullptr).bytes; }
@@ -163,6 +175,7 @@ class FusedEngine final : public Engine {
   LayerConfig cfg_;
   std::unique_ptr<gemm::CublasLtGemm> gemm_;  // the router's logits GEMM
   std::unique_ptr<CudaRouter> router_;
+  bool pregather_ = false;  // the backward copies dy and x rows into expert order (pregather.hpp)
 };
 
 FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
@@ -278,15 +291,17 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   const int32_t* pre_rows = sv.preact ? win.call_row : nullptr;
   sm90::GroupedGemmParams up = up_gemm(a, win.token);
   const sm90::EpilogueParams up_epi = activation_epilogue(w.pre, nullptr, nullptr, nullptr, 0);
-  // dact = dy W_down^T (dy rows gathered) into the first h columns of dpre.
-  sm90::GroupedGemmParams dact = expert_gemm(a.dy.data, a.dy.stride[0], win.token, L, a.w_down, sm90::Major::kK, h, d);
+  // dact = dy W_down^T (dy rows gathered) into the first h columns of dpre; with the copy, dy's
+  // rows in expert order (dx_part, free until the dx GEMM) read by TMA.
+  const int64_t W = w.windows.tokens * k;
+  sm90::GroupedGemmParams dact = pregather_ ? expert_gemm(w.dx_part, d, nullptr, W, a.w_down, sm90::Major::kK, h, d)
+                                            : expert_gemm(a.dy.data, a.dy.stride[0], win.token, L, a.w_down, sm90::Major::kK, h, d);
   sm90::EpilogueParams dact_epi;
   dact_epi.c = w.dpre;
   dact_epi.ldc = gh;
   // ... or with the activation backward in its epilogue (dpre in place of dact, g * act, dg
   // partial sums per column block) where that is faster and the kernel takes these tensors
   // (plain activations; gemm/sm90/grouped_gemm.hpp).
-  const int64_t W = w.windows.tokens * k;
   sm90::EpilogueParams act_epi;
   act_epi.kind = sm90::EpilogueKind::kActivationBackward;
   act_epi.activation = cfg_.activation;
@@ -310,13 +325,18 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   // dW_down[e] = (g act)^T dy and dW_gate_up[e] = x^T dpre over the expert's window rows.
   // dW_down is computed as (dy^T (g act))^T: the gathered dy on the tile's 128-wide side halves
   // its copies per FLOP (perf/NOTES.md, weight-gradient kernel).
+  // With the copy, dy's and then x's rows in expert order (dx_part) instead of gathered.
   auto dwd = [&](int64_t i) {
-    return weight_grad_params(a.d_w_down, d, h, a.dy.data, a.dy.stride[0], win.token, L, w.act, h, nullptr, W,
-                              w.dw_down32, i, w.windows.count, true);
+    return pregather_ ? weight_grad_params(a.d_w_down, d, h, w.dx_part, d, nullptr, W, w.act, h, nullptr, W,
+                                           w.dw_down32, i, w.windows.count, true)
+                      : weight_grad_params(a.d_w_down, d, h, a.dy.data, a.dy.stride[0], win.token, L, w.act, h,
+                                           nullptr, W, w.dw_down32, i, w.windows.count, true);
   };
   auto dwgu = [&](int64_t i) {
-    return weight_grad_params(a.d_w_gate_up, d, gh, a.x.data, a.x.stride[0], win.token, L, w.dpre, gh, nullptr, W,
-                              w.dw_gate_up32, i, w.windows.count, false);
+    return pregather_ ? weight_grad_params(a.d_w_gate_up, d, gh, w.dx_part, d, nullptr, W, w.dpre, gh, nullptr, W,
+                                           w.dw_gate_up32, i, w.windows.count, false)
+                      : weight_grad_params(a.d_w_gate_up, d, gh, a.x.data, a.x.stride[0], win.token, L, w.dpre, gh,
+                                           nullptr, W, w.dw_gate_up32, i, w.windows.count, false);
   };
   if (needs.recompute_up) require(sm90::unsupported_reason(dt, up, up_epi), "recomputed up GEMM");
   if (!act_in_epilogue) require(sm90::unsupported_reason(dt, dact, dact_epi), "dact GEMM");
@@ -338,6 +358,7 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     if (needs.recompute_up) sm90::grouped_gemm(dt, up, up_epi, {}, s);
     // The rows the GEMMs cover: all of them, unless a bad plan's offsets end early.
     const int32_t* rows_done = sched.offsets + cfg_.num_experts;
+    if (pregather_) experts::gather_rows_cuda(a.dy, win.token, rows * k, d, w.dx_part, s);
     if (act_in_epilogue) {
       sm90::grouped_gemm(dt, dact, act_epi, {}, s);
     } else {
@@ -352,6 +373,7 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
       sm90::weight_grad(dt, p, s);
     }
     if (a.d_w_gate_up.present) {
+      if (pregather_) experts::gather_rows_cuda(a.x, win.token, rows * k, d, w.dx_part, s);
       sm90::WeightGradParams p = dwgu(i);
       p.sched = sched;
       sm90::weight_grad(dt, p, s);

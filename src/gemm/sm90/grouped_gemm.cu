@@ -321,7 +321,7 @@ bool act_backward_in_epilogue(const GroupedGemmParams& dact) {
     const char* v = std::getenv("MOEBLAZE_SM90_ACT_BACKWARD");
     return v && !std::strcmp(v, "separate") ? -1 : v && !std::strcmp(v, "epilogue") ? 1 : 0;
   }();
-  return forced ? forced > 0 : dact.k <= 1024;
+  return forced ? forced > 0 : dact.k <= (dact.a_index ? 1024 : 2048);
 }
 
 void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s) {

@@ -41,10 +41,12 @@ KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, Ke
 
 // Whether the dact GEMM dact (K = hidden) should carry the activation backward in its epilogue
 // (EpilogueKind::kActivationBackward, when unsupported_reason allows it) rather than leave it to
-// a separate pass: for K <= 1024. Its ping-pong 128 x 128 tiles re-gather dy once per 128
-// columns, twice as often as the cooperative 128 x 256 tiles of the plain dact GEMM; measured
-// (perf/NOTES.md, step 14), dropping the pass wins at K = 512 and evens out at K = 1024, and the
-// mainloop loses more than the pass costs at K = 2048 and beyond.
+// a separate pass: for K <= 1024, or K <= 2048 when dy comes in expert order (by TMA). Its
+// ping-pong 128 x 128 tiles re-gather dy once per 128 columns, twice as often as the
+// cooperative 128 x 256 tiles of the plain dact GEMM; measured (perf/NOTES.md, step 14), with
+// dy gathered, dropping the pass wins at K = 512 and evens out at K = 1024, and the mainloop
+// loses more than the pass costs at K = 2048 and beyond; with dy's rows copied into expert
+// order (step 17) it wins at K = 2048 too (fwd+bwd 1.5-3% at conf4 and conf7, SiLU).
 // MOEBLAZE_SM90_ACT_BACKWARD=separate|epilogue forces either (a measurement knob, not part of
 // the API).
 bool act_backward_in_epilogue(const GroupedGemmParams& dact);
