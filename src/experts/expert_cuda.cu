@@ -133,13 +133,13 @@ void gather_rows_cuda(const View& src, const int32_t* rows, int64_t P, int64_t d
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(P, 8), int64_t{1} << 16));
   const bool vec = row_bytes % 16 == 0 && stride % 16 == 0 && reinterpret_cast<uintptr_t>(src.data) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  if (vec) {
-    gather_rows_kernel<uint4><<<grid, 256, 0, s>>>(src.data, stride, src.shape[0], rows, P, row_bytes, static_cast<char*>(out));
-  } else if (es == 2) {
-    gather_rows_kernel<uint16_t><<<grid, 256, 0, s>>>(src.data, stride, src.shape[0], rows, P, row_bytes, static_cast<char*>(out));
-  } else {
-    gather_rows_kernel<uint32_t><<<grid, 256, 0, s>>>(src.data, stride, src.shape[0], rows, P, row_bytes, static_cast<char*>(out));
-  }
+  auto launch = [&](auto unit) {  // the copy unit: 16 bytes, or one element
+    gather_rows_kernel<decltype(unit)>
+        <<<grid, 256, 0, s>>>(src.data, stride, src.shape[0], rows, P, row_bytes, static_cast<char*>(out));
+  };
+  if (vec) launch(uint4{});
+  else if (es == 2) launch(uint16_t{});
+  else launch(uint32_t{});
   MOEBLAZE_CUDA_LAUNCH_CHECK("gather_rows");
 }
 

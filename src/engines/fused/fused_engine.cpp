@@ -291,11 +291,22 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   const int32_t* pre_rows = sv.preact ? win.call_row : nullptr;
   sm90::GroupedGemmParams up = up_gemm(a, win.token);
   const sm90::EpilogueParams up_epi = activation_epilogue(w.pre, nullptr, nullptr, nullptr, 0);
-  // dact = dy W_down^T (dy rows gathered) into the first h columns of dpre; with the copy, dy's
-  // rows in expert order (dx_part, free until the dx GEMM) read by TMA.
+  // The rows of dy or x at the window's positions: gathered through its tokens, or, with the
+  // copy (pregather.hpp), in expert order in dx_part (free until the dx GEMM), read by TMA.
   const int64_t W = w.windows.tokens * k;
-  sm90::GroupedGemmParams dact = pregather_ ? expert_gemm(w.dx_part, d, nullptr, W, a.w_down, sm90::Major::kK, h, d)
-                                            : expert_gemm(a.dy.data, a.dy.stride[0], win.token, L, a.w_down, sm90::Major::kK, h, d);
+  struct PositionRows {
+    const void* data;
+    int64_t ld;
+    const int32_t* index;
+    int64_t rows;
+  };
+  auto position_rows = [&](const View& v) {
+    return pregather_ ? PositionRows{w.dx_part, d, nullptr, W} : PositionRows{v.data, v.stride[0], win.token, L};
+  };
+  const PositionRows dy_rows = position_rows(a.dy), x_rows = position_rows(a.x);
+  // dact = dy W_down^T into the first h columns of dpre.
+  sm90::GroupedGemmParams dact =
+      expert_gemm(dy_rows.data, dy_rows.ld, dy_rows.index, dy_rows.rows, a.w_down, sm90::Major::kK, h, d);
   sm90::EpilogueParams dact_epi;
   dact_epi.c = w.dpre;
   dact_epi.ldc = gh;
@@ -325,18 +336,13 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   // dW_down[e] = (g act)^T dy and dW_gate_up[e] = x^T dpre over the expert's window rows.
   // dW_down is computed as (dy^T (g act))^T: the gathered dy on the tile's 128-wide side halves
   // its copies per FLOP (perf/NOTES.md, weight-gradient kernel).
-  // With the copy, dy's and then x's rows in expert order (dx_part) instead of gathered.
   auto dwd = [&](int64_t i) {
-    return pregather_ ? weight_grad_params(a.d_w_down, d, h, w.dx_part, d, nullptr, W, w.act, h, nullptr, W,
-                                           w.dw_down32, i, w.windows.count, true)
-                      : weight_grad_params(a.d_w_down, d, h, a.dy.data, a.dy.stride[0], win.token, L, w.act, h,
-                                           nullptr, W, w.dw_down32, i, w.windows.count, true);
+    return weight_grad_params(a.d_w_down, d, h, dy_rows.data, dy_rows.ld, dy_rows.index, dy_rows.rows, w.act, h,
+                              nullptr, W, w.dw_down32, i, w.windows.count, true);
   };
   auto dwgu = [&](int64_t i) {
-    return pregather_ ? weight_grad_params(a.d_w_gate_up, d, gh, w.dx_part, d, nullptr, W, w.dpre, gh, nullptr, W,
-                                           w.dw_gate_up32, i, w.windows.count, false)
-                      : weight_grad_params(a.d_w_gate_up, d, gh, a.x.data, a.x.stride[0], win.token, L, w.dpre, gh,
-                                           nullptr, W, w.dw_gate_up32, i, w.windows.count, false);
+    return weight_grad_params(a.d_w_gate_up, d, gh, x_rows.data, x_rows.ld, x_rows.index, x_rows.rows, w.dpre, gh,
+                              nullptr, W, w.dw_gate_up32, i, w.windows.count, false);
   };
   if (needs.recompute_up) require(sm90::unsupported_reason(dt, up, up_epi), "recomputed up GEMM");
   if (!act_in_epilogue) require(sm90::unsupported_reason(dt, dact, dact_epi), "dact GEMM");
