@@ -1,7 +1,7 @@
 // The activation backward in the dact GEMM's epilogue (EpilogueKind::kActivationBackward) against
 // a host reference built from the naive fp32 GEMM (grouped_gemm_problem.cuh) and
 // experts/activation.hpp: dpre, g act and the dg partial sums, for the plain activations (the
-// gated ones are refused), bf16 and fp16, both B layouts, h not a multiple of 64 or 128, skewed
+// gated ones are refused) with dy gathered or in expert order (read by TMA), bf16 and fp16, both B layouts, h not a multiple of 64 or 128, skewed
 // and single-expert routings, one row, the saved pre placed per expert (the fused engine's
 // windows) and hostile placements (nothing read or written outside the buffers), the staged
 // (TMA) path bitwise equal to the register one, and bitwise determinism. Outputs poisoned.
@@ -35,6 +35,7 @@ struct Case {
   double skew;
   int placed;     // 0: pre row p; 1: placed per expert; 2: hostile placements
   int64_t ld_pad; // extra output columns (2: outputs TMA cannot address, the register path)
+  bool expert_order = false;  // dy's rows in expert order (A by TMA, the fused engine's copy) instead of gathered
 };
 
 struct Outputs {
@@ -95,7 +96,8 @@ Outputs run(const Problem& P, const Case& c, const std::vector<uint16_t>& pre_h,
 }
 
 void expect(const Case& c, uint64_t seed) {
-  Problem P = make_problem({c.m, std::max<int64_t>(c.m / 2, 1), c.E, c.h, c.d, false, true, c.mj, c.skew}, c.dt, seed);
+  Problem P =
+      make_problem({c.m, std::max<int64_t>(c.m / 2, 1), c.E, c.h, c.d, false, !c.expert_order, c.mj, c.skew}, c.dt, seed);
   const int64_t m = c.m, h = c.h, ld_pre = h + 8, guard = 64;
   // pre: row p, or expert e's rows at place[e] + (p - offsets[e]) (reverse expert order after
   // guard rows); hostile: starts far outside pre.
@@ -177,6 +179,9 @@ void activations(void**) {
       expect({a, dt, Major::kK, 1200, 6, 200, 136, 0.7, 0, 0}, seed++);
   expect({Activation::kGelu, DType::kBF16, Major::kMN, 1000, 5, 136, 200, 0.3, 0, 0}, seed++);
   expect({Activation::kSilu, DType::kF16, Major::kMN, 1000, 5, 264, 72, 0.0, 0, 0}, seed++);
+  // dy in expert order (by TMA), K up to 2048 as the fused engine takes it
+  expect({Activation::kSilu, DType::kBF16, Major::kK, 1200, 6, 200, 2048, 0.7, 0, 0, true}, seed++);
+  expect({Activation::kGelu, DType::kF16, Major::kK, 1700, 6, 136, 264, 0.5, 1, 0, true}, seed++);
 }
 
 // Gated activations keep the separate pass: the epilogue refuses them, as it refuses a pre TMA
@@ -200,6 +205,12 @@ void refusals(void**) {
   e.ld_pre = 68;  // rows not 16-byte aligned
   assert_non_null(sm90::unsupported_reason(P.dt, P.params(), e));
   e.ld_pre = 64;
+  e.ldc = 56;  // dpre rows narrower than its columns
+  assert_non_null(sm90::unsupported_reason(P.dt, P.params(), e));
+  e.ldc = 64;
+  e.ld_act = 56;  // g act's likewise
+  assert_non_null(sm90::unsupported_reason(P.dt, P.params(), e));
+  e.ld_act = 64;
   e.ld_dg = 100;  // fewer than the rows
   assert_non_null(sm90::unsupported_reason(P.dt, P.params(), e));
   free_problem(P);

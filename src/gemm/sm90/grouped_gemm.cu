@@ -280,6 +280,8 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
     if (!e.c || !e.act || !e.pre || !e.dg) return "the activation-backward epilogue needs pre, dpre, g act and dg";
     if (!aligned16(e.pre) || e.ld_pre % 8 || e.ld_pre < p.n)
       return "the activation-backward epilogue reads pre by TMA: 16-byte aligned rows of at least its columns";
+    if (e.ldc < p.n || e.ld_act < p.n)
+      return "the activation-backward outputs' leading dimensions must cover their columns";
     if (e.ldc % 2 || e.ld_act % 2 || reinterpret_cast<uintptr_t>(e.c) % 4 || reinterpret_cast<uintptr_t>(e.act) % 4)
       return "the activation-backward outputs' leading dimensions must be even and the outputs 4-byte aligned";
     if (e.ld_dg < p.sched.m_total) return "the dg partial sums' leading dimension must cover the rows";
