@@ -1,9 +1,10 @@
 // The activation backward in the dact GEMM's epilogue (EpilogueKind::kActivationBackward) against
 // a host reference built from the naive fp32 GEMM (grouped_gemm_problem.cuh) and
 // experts/activation.hpp: dpre, g act and the dg partial sums, for the plain activations (the
-// gated ones are refused) with dy gathered or in expert order (read by TMA), bf16 and fp16, both B layouts, h not a multiple of 64 or 128, skewed
-// and single-expert routings, one row, the saved pre placed per expert (the fused engine's
-// windows) and hostile placements (nothing read or written outside the buffers), the staged
+// gated ones are refused) with dy gathered or in expert order (read by TMA), bf16 and fp16, both
+// B layouts, h not a multiple of 64 or 128, skewed and single-expert routings, one row, the saved
+// pre placed per expert (the fused engine's windows) and hostile placements (nothing read or
+// written outside the buffers), output rows narrower than their columns refused, the staged
 // (TMA) path bitwise equal to the register one, and bitwise determinism. Outputs poisoned.
 // Exits 77 without an sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
@@ -35,7 +36,7 @@ struct Case {
   double skew;
   int placed;     // 0: pre row p; 1: placed per expert; 2: hostile placements
   int64_t ld_pad; // extra output columns (2: outputs TMA cannot address, the register path)
-  bool expert_order = false;  // dy's rows in expert order (A by TMA, the fused engine's copy) instead of gathered
+  bool expert_order = false;  // dy's rows in expert order (A by TMA, the fused engine's copy), not gathered
 };
 
 struct Outputs {
