@@ -1,7 +1,8 @@
 // perf/grouped-gemm-bench: the sm_90a grouped GEMM (gemm/sm90) against cuBLASLt per-expert GEMMs
 // (what the cuBLASLt engine runs: one GEMM per expert on pre-gathered rows, offsets on the host)
 // and against one dense cuBLASLt GEMM of the same FLOPs, on the MoE layer's two forward GEMMs:
-//   up:   pre/act = SwiGLU(x[idx] W_gate_up[e])  gathered A, gated, activation epilogue (fused)
+//   up:   pre/act = SwiGLU(x[idx] W_gate_up[e])  gathered A, gated, activation epilogue (fused;
+//         --act geglu|silu|gelu|relu: that activation instead, plain ones on n columns)
 //   down: out = act W_down[e]                    contiguous A, store epilogue
 // and on its two weight-gradient GEMMs (varlen K, gemm/sm90/weight_grad):
 //   dW_up:   x[idx]^T dpre per expert      A gathered, B in expert order
@@ -57,7 +58,7 @@ struct Row {
   double pp_ms = 0;    // forward GEMMs: ours with the ping-pong consumer schedule
   double pp_rel = 0;   // its relative difference from cuBLASLt
   // --diag, up GEMMs: the same launch without the gather (A pre-gathered, read in order), with
-  // act only, with pre only, and as a plain store of the 2n columns (no activation, no pairing)
+  // act only, with pre only, and as a plain store of pre's columns (no activation, no pairing)
   double no_gather_ms = 0, act_only_ms = 0, pre_only_ms = 0, plain_ms = 0;
 };
 
@@ -90,9 +91,11 @@ double rel_diff(const void* x, const void* y, int64_t count) {
   return h[1] > 0 ? std::sqrt(h[0] / h[1]) : -1.0;  // -1: the reference is all zeros (a broken run)
 }
 
-Row run(const Config& c, bool up, double skew, int bn, int reps, bool diag, const gemm::CublasLtGemm& lt, void* lt_ws) {
+Row run(const Config& c, bool up, double skew, int bn, int reps, bool diag, Activation act_kind, const gemm::CublasLtGemm& lt,
+        void* lt_ws) {
   const int64_t m = c.T * c.K;
-  Shape s = up ? Shape{m, c.T, static_cast<int32_t>(c.E), static_cast<int32_t>(c.n), static_cast<int32_t>(c.d), true, true, Major::kMN, skew}
+  const bool gated = is_gated(act_kind);
+  Shape s = up ? Shape{m, c.T, static_cast<int32_t>(c.E), static_cast<int32_t>(c.n), static_cast<int32_t>(c.d), gated, true, Major::kMN, skew}
                : Shape{m, m, static_cast<int32_t>(c.E), static_cast<int32_t>(c.d), static_cast<int32_t>(c.n), false, false, Major::kMN, skew};
   Problem P = make_problem(s, DType::kBF16, 7, false, false);
   const int64_t N = P.ncols(), K = s.k;
@@ -108,7 +111,7 @@ Row run(const Config& c, bool up, double skew, int bn, int reps, bool diag, cons
   sm90::EpilogueParams e;
   if (up) {
     e.kind = sm90::EpilogueKind::kActivation;
-    e.activation = Activation::kSwiglu;
+    e.activation = act_kind;
     e.pre = out;
     e.ld_pre = N;
     e.act = act;
@@ -156,7 +159,7 @@ Row run(const Config& c, bool up, double skew, int bn, int reps, bool diag, cons
     plain.c = out;
     plain.ldc = N;
     sm90::GroupedGemmParams plain_p = gp;
-    plain_p.gated = 0;
+    plain_p.gated = 0;  // pre's N columns (2n when gated) as one plain output
     plain_p.n = static_cast<int32_t>(N);
     r.no_gather_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, in_order, e, kc, nullptr); }, reps);
     r.act_only_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, gp, act_only, kc, nullptr); }, reps);
@@ -276,11 +279,27 @@ Row run_wgrad(const Config& c, bool up, double skew, int reps, const gemm::Cubla
   return r;
 }
 
+// The up GEMM's activation by name (--act); false for an unknown name.
+bool parse_activation(const char* name, Activation* out) {
+  static const struct {
+    const char* name;
+    Activation a;
+  } kNames[] = {{"swiglu", Activation::kSwiglu}, {"geglu", Activation::kGeglu}, {"silu", Activation::kSilu},
+                {"gelu", Activation::kGelu},     {"relu", Activation::kRelu}};
+  for (const auto& n : kNames)
+    if (!std::strcmp(name, n.name)) {
+      *out = n.a;
+      return true;
+    }
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int bn = 0, reps = 20;
   bool quick = false, fwd = true, wgrad = true, diag = false;
+  Activation act_kind = Activation::kSwiglu;
   const char* only = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--bn") && i + 1 < argc) bn = std::atoi(argv[++i]);
@@ -289,8 +308,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd")) wgrad = false;
     else if (!std::strcmp(argv[i], "--diag")) diag = true;
+    else if (!std::strcmp(argv[i], "--act") && i + 1 < argc && parse_activation(argv[i + 1], &act_kind)) ++i;
     else {
       std::fprintf(stderr, "usage: grouped-gemm-bench [--bn 128|256] [--quick] [--fwd | --wgrad] [--only CONFIG] [--diag]\n"
+                           "                          [--act swiglu|geglu|silu|gelu|relu]\n"
                            "  --quick: uniform routing only; without --only, the first two configs\n"
                            "  --diag: up GEMMs also timed without the gather, act only, pre only, plain store\n");
       return 2;
@@ -305,7 +326,8 @@ int main(int argc, char** argv) {
                         {"qwen3_30b_a3b", 32768, 2048, 768, 128, 8},   {"sonic_30B_n512", 32768, 4096, 512, 128, 8},
                         {"sonic_120B_n1024", 32768, 4096, 1024, 128, 8}, {"conf4", 16384, 2048, 8192, 16, 4},
                         {"conf1", 65536, 512, 2048, 4, 1},               {"conf2", 65536, 1024, 4096, 8, 2},
-                        {"conf3", 65536, 1024, 4096, 16, 4},             {"conf7", 8192, 2048, 8192, 8, 4}};
+                        {"conf3", 65536, 1024, 4096, 16, 4},             {"conf7", 8192, 2048, 8192, 8, 4},
+                        {"conf6", 16384, 1024, 4096, 16, 4}};
   gemm::CublasLtGemm lt;
   void* lt_ws = nullptr;
   GGP_CK(cudaMalloc(&lt_ws, gemm::CublasLtGemm::kWorkspaceBytes));
@@ -319,12 +341,12 @@ int main(int argc, char** argv) {
       for (int g = 0; g < 4; ++g) {
         const bool up = g % 2 == 0, is_wgrad = g >= 2;
         if ((is_wgrad && !wgrad) || (!is_wgrad && !fwd)) continue;
-        const Row r = is_wgrad ? run_wgrad(c, up, skew, reps, lt, lt_ws) : run(c, up, skew, bn, reps, diag, lt, lt_ws);
+        const Row r = is_wgrad ? run_wgrad(c, up, skew, reps, lt, lt_ws) : run(c, up, skew, bn, reps, diag, act_kind, lt, lt_ws);
         std::printf("%-28s %9.3f %9.3f %9.3f %8.1f %7.2fx %7.1f%% %9.2e %10.3f %9.3f\n", r.what.c_str(), r.ours_ms, r.lt_ms,
                     r.dense_ms, r.flops / r.ours_ms / 1e9, r.lt_ms / r.ours_ms, 100.0 * r.dense_ms / r.ours_ms, r.rel,
                     is_wgrad ? r.copy_ms : r.pp_ms, is_wgrad ? r.tma_ms : r.pp_rel);
         if (r.plain_ms > 0)
-          std::printf("  diag %s: in order %.3f, act only %.3f, pre only %.3f, plain store of 2n %.3f ms\n", r.what.c_str(),
+          std::printf("  diag %s: in order %.3f, act only %.3f, pre only %.3f, plain store of pre %.3f ms\n", r.what.c_str(),
                       r.no_gather_ms, r.act_only_ms, r.pre_only_ms, r.plain_ms);
         std::fflush(stdout);
       }
