@@ -10,15 +10,20 @@
 namespace moeblaze {
 inline namespace v0 {
 
-// On the device: ex2.approx and rcp.approx (__expf, __fdividef), a few instructions instead of
-// expf's range reduction and the IEEE division's Newton steps and slow path. The fused up GEMM
-// computes it in an epilogue that no MMA overlaps, where it was ~30 instructions per element
-// (perf/NOTES.md, step 10). Its relative error (__expf's 2 + 1.2|u| ulps) stays under 1e-6 for
-// |u| < 10 and 1e-5 anywhere, far below bf16/fp16 rounding; exp(-u) overflowing to inf still
-// gives 0. Every device path (epilogues, elementwise kernels) shares it.
+// On the device: ex2.approx and rcp.approx, a few instructions instead of expf's range reduction
+// and the IEEE division's Newton steps and slow path. The fused up GEMM computes it in an
+// epilogue that no MMA overlaps, where it was ~30 instructions per element (perf/NOTES.md, step
+// 10). Its relative error (ex2.approx's 2 + 1.2|u| ulps) stays under 1e-6 for |u| < 10 and 1e-5
+// anywhere, far below bf16/fp16 rounding; exp(-u) overflowing to inf still gives 0. The .ftz
+// forms (step 20): without them ex2 costs three more instructions (a range test and two scalings,
+// for results below 2^-126), and those results vanish in 1 + e anyway, so the sigmoid is the
+// same bits. Every device path (epilogues, elementwise kernels) shares it.
 MOEBLAZE_HD float sigmoid_f(float u) {
 #ifdef __CUDA_ARCH__
-  return __fdividef(1.f, 1.f + __expf(-u));
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
+  return s;
 #else
   return 1.f / (1.f + expf(-u));
 #endif
@@ -38,8 +43,8 @@ MOEBLAZE_HD ActValueGrad act_value_grad(Activation a, float u) {
       return {0.5f * u * (1.f + e), 0.5f * (1.f + e) + u * 0.39894228040143268f * expf(-0.5f * u * u)};
     }
     default: {  // SiLU, SwiGLU
-      const float s = sigmoid_f(u);
-      return {u * s, s * (1.f + u * (1.f - s))};
+      const float s = sigmoid_f(u), f = u * s;
+      return {f, s + f * (1.f - s)};  // s (1 + u (1 - s)), one instruction fewer
     }
   }
 }
