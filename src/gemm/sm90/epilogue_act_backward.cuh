@@ -4,9 +4,9 @@
 // two 64-row fragments and a 32 KB pre slot of four 8 KB boxes (64 rows x 64 columns, one per
 // fragment and 64-column half of the tile). While the tile's MMAs run, the warpgroup's leader
 // loads the tile's saved pre into the slot by TMA, column half b on barrier pre_full[2 w + b].
-// The epilogue reads each thread's pairs from the slot, writes dpre back in place (the same
-// swizzled positions, each thread its own) and stores those boxes by TMA from there, g * act
-// through the staging boxes. dact never reaches memory: the separate pass's read and write of
+// The epilogue reads each thread's pairs from the slot (ldmatrix, in the accumulators' layout),
+// writes dpre back in place (stmatrix, the same swizzled positions) and stores those boxes by
+// TMA from there, g * act through the staging boxes. dact never reaches memory: the separate pass's read and write of
 // it, and that pass, are gone. Gated activations would need twice the slot (gate and up) and a
 // reload inside the epilogue; measured slower than the separate pass (perf/NOTES.md, step 14),
 // they keep it.
@@ -92,17 +92,31 @@ __device__ __forceinline__ void act_backward_half(const GroupedGemmParams& p, co
   // Pair (g, half): columns 64 b + 8 g + 2 (lane % 4), +1 and row rr + 8 half of the fragment,
   // at the same offset in the pre box, the staged boxes and (in place) the dpre box.
   auto offset = [&](int g, int half) { return sw128_offset(rr + 8 * half, g) + 4 * (lane & 3); };
-  auto pair = [&](int g, int half) {
+  auto pair = [&](int g, int half, uint32_t pre) {
     const int q = staged_acc(b, g, half);
     const bool valid = 64 * b + 8 * g + 2 * (lane & 3) < cols && (Staged || 64 * frag + rr + 8 * half < tc.rows);
-    return BackwardPair<T, A>(acc[q], acc[q + 1], ld_shared_b32(box + offset(g, half)), gate.v[half], valid, dot[half]);
+    return BackwardPair<T, A>(acc[q], acc[q + 1], pre, gate.v[half], valid, dot[half]);
   };
   if constexpr (Staged) {
-    ts.box(maps.out, {col0 + 64 * b, row}, [&](int g, int half) {
-      const BackwardPair<T, A> r = pair(g, half);
-      st_shared_b32(box + offset(g, half), r.dpre);
-      return r.gact;
-    });
+    // The box's pre by four ldmatrix, its 16 pairs as independent chains, dpre back in place by
+    // four stmatrix: one load -> math -> store chain per pair (shared-memory accesses are ordered
+    // asm) kept one warp's latencies in series (perf/NOTES.md, step 20).
+    const int j = lane / 8;
+    auto matrices = [&](int g) { return box + sw128_offset(16 * warp + (j & 1) * 8 + (lane & 7), g + (j >> 1)); };
+    uint32_t v[8][2], gact[8][2];
+#pragma unroll
+    for (int g = 0; g < 8; g += 2) ldmatrix_x4(matrices(g), v[g][0], v[g][1], v[g + 1][0], v[g + 1][1]);
+#pragma unroll
+    for (int g = 0; g < 8; ++g)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const BackwardPair<T, A> r = pair(g, half, v[g][half]);
+        v[g][half] = r.dpre;
+        gact[g][half] = r.gact;
+      }
+#pragma unroll
+    for (int g = 0; g < 8; g += 2) stmatrix_x4(matrices(g), v[g][0], v[g][1], v[g + 1][0], v[g + 1][1]);
+    ts.box(maps.out, {col0 + 64 * b, row}, [&](int g, int half) { return gact[g][half]; });
     // ts.box fenced every thread's writes (the dpre ones too) and synced the warpgroup.
     if (ts.leader) {
       const int32_t c[2] = {col0 + 64 * b, row};
@@ -119,7 +133,7 @@ __device__ __forceinline__ void act_backward_half(const GroupedGemmParams& p, co
 #pragma unroll
       for (int g = 0; g < 8; ++g) {
         const int c = 64 * b + 8 * g + 2 * (lane & 3);
-        const BackwardPair<T, A> v = pair(g, half);
+        const BackwardPair<T, A> v = pair(g, half, ld_shared_b32(box + offset(g, half)));
         if (r < tc.rows && c < cols) {
           *reinterpret_cast<uint32_t*>(d + c) = v.dpre;
           *reinterpret_cast<uint32_t*>(a + c) = v.gact;

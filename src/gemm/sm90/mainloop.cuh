@@ -252,19 +252,20 @@ __device__ __forceinline__ void consume_tile(const StageRing<S>& ring, int frag0
     mbar_wait(&ring.full[s], (it / S) & 1);
     if (kb == 0) on_first();
     const uint32_t a0 = ring.base + s * Cfg::kStageBytes + frag0 * (64 * 128), b = ring.base + s * Cfg::kStageBytes + Cfg::kABytes;
+    // The stage's first descriptors; a k-step moves 16 rows (MN-major) or 32 bytes (K-major).
+    const uint64_t da0 = AMajor == Major::kMN ? sw128_desc(a0, kBlockK * 128, 1024) : sw128_desc(a0, 16, 1024);
+    const uint64_t db0 = BMajor == Major::kMN ? sw128_desc(b, kBlockK * 128, 1024) : sw128_desc(b, 16, 1024);
+    constexpr uint32_t kStepA = AMajor == Major::kMN ? 16 * 128 : 32, kStepB = BMajor == Major::kMN ? 16 * 128 : 32;
 #pragma unroll
     for (int f = 0; f < Frags; ++f) fence_accumulators(acc[f]);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
       const int accumulate = (kb | kk) != 0;
-      const uint64_t db = BMajor == Major::kMN ? sw128_desc(b + kk * 16 * 128, kBlockK * 128, 1024)
-                                               : sw128_desc(b + kk * 32, 16, 1024);
+      const uint64_t db = desc_advance(db0, kk * kStepB);
 #pragma unroll
       for (int f = 0; f < Frags; ++f) {
-        const uint32_t a = a0 + f * (64 * 128);
-        const uint64_t da = AMajor == Major::kMN ? sw128_desc(a + kk * 16 * 128, kBlockK * 128, 1024)
-                                                 : sw128_desc(a + kk * 32, 16, 1024);
+        const uint64_t da = desc_advance(da0, f * (64 * 128) + kk * kStepA);
         if constexpr (BMajor == Major::kMN) MmaT::mma(acc[f], da, db, accumulate);
         else Mma::mma(acc[f], da, db, accumulate);
       }

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) device primitives of the grouped GEMM: shared-memory matrix descriptors,
-// warpgroup MMA control, cp.async with zero fill, mbarrier waits, stmatrix and named barriers. mbarrier and proxy
-// fences come from the Toolkit's CCCL (cuda::ptx); wgmma and cp.async are inline PTX. Included
+// warpgroup MMA control, cp.async with zero fill, mbarrier waits, ldmatrix / stmatrix and named barriers. mbarrier
+// and proxy fences come from the Toolkit's CCCL (cuda::ptx); wgmma and cp.async are inline PTX. Included
 // only by sources compiled for sm_90a.
 #pragma once
 
@@ -25,6 +25,15 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
          (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// The descriptor of the operand `bytes` further on (a later k-step or fragment of the same
+// stage): only the start-address field moves, and it cannot carry (shared memory ends below
+// 256 KB), so one 32-bit add on the low word. Rebuilding each descriptor from its address cost
+// ~10 instructions per wgmma, which made the ping-pong mainloop issue-bound (perf/NOTES.md,
+// step 20).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + (bytes >> 4));
 }
 
 // Byte offset of 16-byte chunk `chunk` (0..7) of row `row` inside a 128-byte-swizzled block of
@@ -76,6 +85,15 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
 __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
                "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// stmatrix_x4's inverse: lane 8 j + i addresses row i of matrix j, and each thread receives
+// its accumulator-layout pair of each matrix (row lane / 4, columns 2 (lane % 4), +1).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr)
                : "memory");
 }
 
