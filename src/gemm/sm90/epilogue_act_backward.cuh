@@ -6,10 +6,10 @@
 // loads the tile's saved pre into the slot by TMA, column half b on barrier pre_full[2 w + b].
 // The epilogue reads each thread's pairs from the slot (ldmatrix, in the accumulators' layout),
 // writes dpre back in place (stmatrix, the same swizzled positions) and stores those boxes by
-// TMA from there, g * act through the staging boxes. dact never reaches memory: the separate pass's read and write of
-// it, and that pass, are gone. Gated activations would need twice the slot (gate and up) and a
-// reload inside the epilogue; measured slower than the separate pass (perf/NOTES.md, step 14),
-// they keep it.
+// TMA from there, g * act through the staging boxes. dact never reaches memory: the separate
+// pass's read and write of it, and that pass, are gone. Gated activations would need twice the
+// slot (gate and up) and a reload inside the epilogue; measured slower than the separate pass
+// (perf/NOTES.md, step 14), they keep it.
 #pragma once
 
 #include <cuda/ptx>
@@ -99,8 +99,9 @@ __device__ __forceinline__ void act_backward_half(const GroupedGemmParams& p, co
   };
   if constexpr (Staged) {
     // The box's pre by four ldmatrix, its 16 pairs as independent chains, dpre back in place by
-    // four stmatrix: one load -> math -> store chain per pair (shared-memory accesses are ordered
-    // asm) kept one warp's latencies in series (perf/NOTES.md, step 20).
+    // four stmatrix: 8 shared-memory instructions instead of 32, and no load -> math -> store
+    // chain per pair (shared-memory accesses are ordered asm); ~1% on the dact GEMM
+    // (perf/NOTES.md, step 20).
     const int j = lane / 8;
     auto matrices = [&](int g) { return box + sw128_offset(16 * warp + (j & 1) * 8 + (lane & 7), g + (j >> 1)); };
     uint32_t v[8][2], gact[8][2];

@@ -30,8 +30,8 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint
 // The descriptor of the operand `bytes` further on (a later k-step or fragment of the same
 // stage): only the start-address field moves, and it cannot carry (shared memory ends below
 // 256 KB), so one 32-bit add on the low word. Rebuilding each descriptor from its address cost
-// ~10 instructions per wgmma, which made the ping-pong mainloop issue-bound (perf/NOTES.md,
-// step 20).
+// ~10 instructions per wgmma, a large share of the ping-pong mainloop's issue time
+// (perf/NOTES.md, step 20).
 __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
   return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + (bytes >> 4));
 }
