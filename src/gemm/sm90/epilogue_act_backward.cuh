@@ -102,11 +102,9 @@ __device__ __forceinline__ void act_backward_half(const GroupedGemmParams& p, co
     // four stmatrix: 8 shared-memory instructions instead of 32, and no load -> math -> store
     // chain per pair (shared-memory accesses are ordered asm); ~1% on the dact GEMM
     // (perf/NOTES.md, step 20).
-    const int j = lane / 8;
-    auto matrices = [&](int g) { return box + sw128_offset(16 * warp + (j & 1) * 8 + (lane & 7), g + (j >> 1)); };
     uint32_t v[8][2], gact[8][2];
 #pragma unroll
-    for (int g = 0; g < 8; g += 2) ldmatrix_x4(matrices(g), v[g][0], v[g][1], v[g + 1][0], v[g + 1][1]);
+    for (int g = 0; g < 8; g += 2) ldmatrix_x4(box_matrices(box, g), v[g][0], v[g][1], v[g + 1][0], v[g + 1][1]);
 #pragma unroll
     for (int g = 0; g < 8; ++g)
 #pragma unroll
@@ -116,7 +114,7 @@ __device__ __forceinline__ void act_backward_half(const GroupedGemmParams& p, co
         gact[g][half] = r.gact;
       }
 #pragma unroll
-    for (int g = 0; g < 8; g += 2) stmatrix_x4(matrices(g), v[g][0], v[g][1], v[g + 1][0], v[g + 1][1]);
+    for (int g = 0; g < 8; g += 2) stmatrix_x4(box_matrices(box, g), v[g][0], v[g][1], v[g + 1][0], v[g + 1][1]);
     ts.box(maps.out, {col0 + 64 * b, row}, [&](int g, int half) { return gact[g][half]; });
     // ts.box fenced every thread's writes (the dpre ones too) and synced the warpgroup.
     if (ts.leader) {

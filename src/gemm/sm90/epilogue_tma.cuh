@@ -19,6 +19,15 @@ inline namespace v0 {
 namespace gemm {
 namespace sm90 {
 
+// The address this thread gives ldmatrix_x4 / stmatrix_x4 for column groups g and g + 1 of a
+// 64 x 64 swizzled box at `base`: lanes 8 j .. 8 j + 7 address matrix j's rows, the matrices
+// being groups g (j = 0, 1) and g + 1 (j = 2, 3), rows 0-7 (j even) and 8-15 (j odd) of the
+// warp's 16. Each thread's registers are then its pairs (g, 0), (g, 1), (g + 1, 0), (g + 1, 1).
+__device__ __forceinline__ uint32_t box_matrices(uint32_t base, int g) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, j = lane / 8;
+  return base + sw128_offset(warp * 16 + (j & 1) * 8 + (lane & 7), g + (j >> 1));
+}
+
 // One consumer warpgroup's two staging boxes. Box b of the warpgroup's sequence (across tiles)
 // uses buffer b % 2; before a box's store is issued, the previous box's store has finished
 // reading its buffer (cp.async.bulk.wait_group.read 0 by the issuing thread, then the
@@ -84,8 +93,7 @@ struct TileStore {
           const uint32_t addr = base + sw128_offset(8 * (g + (j >> 1)) + (lane & 7), 2 * warp + (j & 1));
           stmatrix_x4_trans(addr, pair(g, 0), pair(g, 1), pair(g + 1, 0), pair(g + 1, 1));
         } else {
-          const uint32_t addr = base + sw128_offset(warp * 16 + (j & 1) * 8 + (lane & 7), g + (j >> 1));
-          stmatrix_x4(addr, pair(g, 0), pair(g, 1), pair(g + 1, 0), pair(g + 1, 1));
+          stmatrix_x4(box_matrices(base, g), pair(g, 0), pair(g, 1), pair(g + 1, 0), pair(g + 1, 1));
         }
       }
     }, [&](const uint8_t* b) {
