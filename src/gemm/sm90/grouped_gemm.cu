@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         TileCoord tc;
         RowScales sc[2];
         consume_tile<T, BN, BMajor, Major::kK, 2>(ring, 0, num_kb, it, acc, [&] {
-          tc = ring.tiles[j % kTileSlots];
+          tc = read_tile_slot(ring.tiles, j);
           sc[0] = load_row_scales(e, tc, 0);
           sc[1] = load_row_scales(e, tc, 1);
           if constexpr (Epi == EpilogueKind::kActivationBackward)
@@ -138,11 +138,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         RowScales sc;
         consume_tile<T, BN, BMajor>(
             ring, wg - 1, num_kb, it, acc,
-            [&] { sc = load_row_scales(e, ring.tiles[j % kTileSlots], wg - 1); },
+            [&] { sc = load_row_scales(e, read_tile_slot(ring.tiles, j), wg - 1); },
             [&](int kb) {
               if constexpr (Epi == EpilogueKind::kStore) deferred.stage_at(kb, maps.out, ts);
             });
-        const TileCoord tc = ring.tiles[j % kTileSlots];
+        const TileCoord tc = read_tile_slot(ring.tiles, j);
         if constexpr (Epi == EpilogueKind::kStore) {
           deferred.flush(maps.out, ts);  // a tile of fewer k-blocks than boxes
           if (maps.defer && tile_staged(maps, tc)) {

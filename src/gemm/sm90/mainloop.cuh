@@ -59,6 +59,7 @@ __device__ __forceinline__ StageRing<S> init_ring(uint8_t* smem_raw, uint32_t fu
   ring.pre_full = ring.turn + 2;
   ring.tiles = reinterpret_cast<TileCoord*>(ring.pre_full + 4);
   static_assert(sizeof(TileCoord) == kTileSlotBytes, "TileConfig sizes the tile slots");
+  static_assert((2 * S + 2 + 4) * 8 % 16 == 0, "the tile slots are 16-byte aligned (read_tile_slot)");
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       cuda::ptx::mbarrier_init(&ring.full[s], full_arrivals);
@@ -100,6 +101,18 @@ __device__ __forceinline__ TileCoord decode_tile_warp(int64_t work, const Schedu
     span = min(step, num_experts - lo);
   }
   return expert_tile(work, lo, sc.offsets, prefix, kBlockM, col_blocks, sc.raster_group);
+}
+
+// The CTA's j-th tile's coordinates, from its slot, for a whole warp (every lane calls it):
+// lane 0 reads the slot and the other lanes get it by shuffle. The producer rewrites the slot
+// kTileSlots tiles later, ordered after the read by the empty-barrier arrivals that lane 0 makes
+// after it (TileConfig's kTileSlots comment); a lane that read the slot itself would reach those
+// arrivals only through warp convergence, which compute-sanitizer's racecheck does not follow.
+__device__ __forceinline__ TileCoord read_tile_slot(const TileCoord* slots, int64_t j) {
+  int4 v = make_int4(0, 0, 0, 0);
+  if ((threadIdx.x & 31) == 0) v = *reinterpret_cast<const int4*>(slots + j % kTileSlots);
+  return {__shfl_sync(0xffffffffu, v.x, 0), __shfl_sync(0xffffffffu, v.y, 0), __shfl_sync(0xffffffffu, v.z, 0),
+          __shfl_sync(0xffffffffu, v.w, 0)};
 }
 
 // Stage s's B boxes for tile tc, k-block k0, by TMA (the elected producer thread).
