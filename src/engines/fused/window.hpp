@@ -19,6 +19,11 @@ inline namespace v0 {
 constexpr int64_t kFusedWindowBudgetBytes = int64_t{2} << 30;
 // ... and never below this many tokens (smaller windows starve the GEMMs of rows).
 constexpr int64_t kFusedMinWindowTokens = 1024;
+// A call whose rows fit one window of at most this many bytes runs as one window: windows cost
+// 3-9% of a coarse layer's step (per-window GEMM tails and launches, the fp32 weight-gradient
+// sums; perf/NOTES.md, step 21), and below this size the bound they buy is not needed. Larger
+// calls (where the token capacity is decided) keep the 2 GiB windows.
+constexpr int64_t kFusedOneWindowBytes = int64_t{8} << 30;
 
 // dg per position: fp32 partial sums, one per column block of the dact GEMM's activation
 // backward (gemm/sm90/tile_config.hpp).
@@ -44,13 +49,15 @@ inline int64_t fused_weight_grad_sum_bytes(const LayerConfig& cfg) {
 }
 
 // WINDOW_TOKENS when set; else windows of the budget, unless one window of the whole call
-// needs no more than those windows plus the fp32 sums they bring.
+// needs no more than kFusedOneWindowBytes, or no more than those windows plus the fp32 sums they
+// bring. Either way the row buffers stay below max(kFusedOneWindowBytes, budget + sums), a
+// bound independent of L.
 inline FusedWindows fused_windows(const LayerConfig& cfg, int64_t L) {
   int64_t w = cfg.window_tokens;
   if (w == 0) {
     const int64_t per_token = fused_window_bytes_per_token(cfg);
     w = std::max(kFusedMinWindowTokens, kFusedWindowBudgetBytes / per_token);
-    if (L * per_token <= w * per_token + fused_weight_grad_sum_bytes(cfg)) w = L;
+    if (L * per_token <= std::max(kFusedOneWindowBytes, w * per_token + fused_weight_grad_sum_bytes(cfg))) w = L;
   }
   w = std::max<int64_t>(1, std::min(w, L));
   return {w, std::max<int64_t>(1, ceil_div(L, w))};

@@ -1,0 +1,108 @@
+// The fused engine's automatic token windows (engines/fused/window.hpp), host only: one window for
+// the coarse layers at their benchmark sizes, 2 GiB windows where the token capacity is decided,
+// the row buffers bounded independently of L, and WINDOW_TOKENS taken as given. docs/memory.md
+// states the rule; perf/NOTES.md (step 21) the measurements behind it.
+#include <algorithm>
+#include <cstdint>
+
+#include "engines/fused/window.hpp"
+
+// cmocka.h defines a fail() macro: include it after the library headers.
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+extern "C" {
+#include <cmocka.h>
+}
+
+using moeblaze::Activation;
+using moeblaze::DType;
+using moeblaze::FusedWindows;
+using moeblaze::LayerConfig;
+using moeblaze::SavePolicy;
+
+namespace {
+
+LayerConfig layer(int64_t E, int64_t k, int64_t d, int64_t h, Activation a, SavePolicy pol = SavePolicy::kSavePreact) {
+  LayerConfig c{};
+  c.num_experts = E;
+  c.top_k = k;
+  c.hidden = d;
+  c.ffn_hidden = h;
+  c.activation = a;
+  c.act_dtype = c.weight_dtype = DType::kBF16;
+  c.accum_dtype = DType::kF32;
+  c.save_policy = pol;
+  return c;
+}
+
+// The row bytes a window of w tokens holds (what the budget bounds).
+int64_t row_bytes(const LayerConfig& c, int64_t w) { return w * moeblaze::fused_window_bytes_per_token(c); }
+
+void coarse_layers_run_one_window(void**) {
+  // the paper's conf2/3/4 at their benchmark sizes: 3-9% faster as one window (step 21)
+  for (Activation a : {Activation::kSilu, Activation::kSwiglu}) {
+    const FusedWindows conf2 = moeblaze::fused_windows(layer(8, 2, 1024, 4096, a), 65536);
+    const FusedWindows conf3 = moeblaze::fused_windows(layer(16, 4, 1024, 4096, a), 65536);
+    const FusedWindows conf4 = moeblaze::fused_windows(layer(16, 4, 2048, 8192, a), 32768);
+    assert_int_equal(conf2.count, 1);
+    assert_int_equal(conf3.count, 1);
+    assert_int_equal(conf4.count, 1);
+    assert_int_equal(conf4.tokens, 32768);
+  }
+  // conf4 SwiGLU's one window holds ~7 GiB of rows: no more than the cap
+  assert_true(row_bytes(layer(16, 4, 2048, 8192, Activation::kSwiglu), 32768) <= moeblaze::kFusedOneWindowBytes);
+}
+
+void large_calls_keep_budget_windows(void**) {
+  // the max-tokens shape (conf4 SwiGLU) near its capacity, and RECOMPUTE_UP already at 32,768
+  for (const auto& [c, L] : {std::pair{layer(16, 4, 2048, 8192, Activation::kSwiglu), int64_t{491520}},
+                             std::pair{layer(16, 4, 2048, 8192, Activation::kSwiglu, SavePolicy::kRecomputeUp), int64_t{32768}}}) {
+    const FusedWindows w = moeblaze::fused_windows(c, L);
+    const int64_t per_token = moeblaze::fused_window_bytes_per_token(c);
+    assert_true(w.count > 1);
+    assert_int_equal(w.tokens, std::max(moeblaze::kFusedMinWindowTokens, moeblaze::kFusedWindowBudgetBytes / per_token));
+    assert_true(row_bytes(c, w.tokens) <= moeblaze::kFusedWindowBudgetBytes);
+    assert_int_equal(w.count, (L + w.tokens - 1) / w.tokens);
+  }
+}
+
+void rows_bounded_independently_of_l(void**) {
+  const LayerConfig layers[] = {layer(16, 4, 2048, 8192, Activation::kSwiglu), layer(128, 8, 4096, 1024, Activation::kSwiglu),
+                                layer(4, 1, 512, 2048, Activation::kSilu),
+                                layer(64, 8, 2048, 1024, Activation::kGelu, SavePolicy::kRecomputeUp)};
+  for (const LayerConfig& c : layers) {
+    const int64_t bound = std::max(moeblaze::kFusedOneWindowBytes,
+                                   moeblaze::kFusedWindowBudgetBytes + moeblaze::fused_weight_grad_sum_bytes(c));
+    for (int64_t L = 1; L <= (int64_t{1} << 26); L = L * 3 / 2 + 1) {
+      const FusedWindows w = moeblaze::fused_windows(c, L);
+      assert_true(w.tokens >= 1 && w.tokens <= L);
+      assert_int_equal(w.count, (L + w.tokens - 1) / w.tokens);
+      // a window never holds more rows than the bound (the minimum window aside)
+      if (w.tokens > moeblaze::kFusedMinWindowTokens) assert_true(row_bytes(c, w.tokens) <= bound);
+    }
+  }
+}
+
+void window_tokens_as_given(void**) {
+  LayerConfig c = layer(16, 4, 2048, 8192, Activation::kSwiglu);
+  c.window_tokens = 4096;
+  FusedWindows w = moeblaze::fused_windows(c, 32768);
+  assert_int_equal(w.tokens, 4096);
+  assert_int_equal(w.count, 8);
+  w = moeblaze::fused_windows(c, 1000);  // fewer tokens than the window
+  assert_int_equal(w.tokens, 1000);
+  assert_int_equal(w.count, 1);
+  c.window_tokens = 0;
+  w = moeblaze::fused_windows(c, 0);  // no tokens: one empty window
+  assert_int_equal(w.tokens, 1);
+  assert_int_equal(w.count, 1);
+}
+
+}  // namespace
+
+int main() {
+  const struct CMUnitTest tests[] = {cmocka_unit_test(coarse_layers_run_one_window), cmocka_unit_test(large_calls_keep_budget_windows),
+                                     cmocka_unit_test(rows_bounded_independently_of_l), cmocka_unit_test(window_tokens_as_given)};
+  return cmocka_run_group_tests(tests, nullptr, nullptr);
+}
