@@ -295,7 +295,7 @@ typedef enum moeblaze_engine {
   MOEBLAZE_ENGINE_AUTO = 0,          /**< The best engine for the device (resolved at create). */
   MOEBLAZE_ENGINE_CPU = 1,           /**< The multi-threaded CPU reference engine. */
   MOEBLAZE_ENGINE_CUDA_CUBLASLT = 2, /**< CUDA: cuBLASLt per-expert GEMMs (portable, sm_80+). */
-  MOEBLAZE_ENGINE_CUDA_FUSED = 3,    /**< CUDA: fused grouped GEMMs (sm_90a; bf16/fp16; d, h multiples of 8). Sync-free and graph-capturable. AUTO picks it on sm_90 for fine-grained layers (ffn_hidden <= 1024, E >= 32) and small ones (hidden <= 512, ffn_hidden <= 2048), where it was measured faster; elsewhere choose it explicitly. */
+  MOEBLAZE_ENGINE_CUDA_FUSED = 3,    /**< CUDA: fused grouped GEMMs (sm_90a; bf16/fp16; d, h multiples of 8). Sync-free and graph-capturable. AUTO picks it on sm_90 for layers with ffn_hidden <= 8192, where it was measured at least as fast as cuBLASLt; for wider experts choose it explicitly. */
   MOEBLAZE_ENGINE__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_engine_t;
 

@@ -31,18 +31,12 @@ const char* fused_refuses(const LayerConfig& cfg, const cuda::DeviceInfo* info) 
   return fused_engine_refuses(cfg, info ? info->sm_major : 0);
 }
 
-// AUTO takes the fused engine where it was measured faster than cuBLASLt (H100, bf16 fwd+bwd,
-// both engines in one session, perf/RESULTS.md):
-// - fine-grained experts, n <= 1024 with E >= 32 ("step 9": from 1.04x at n = 1024 to 2.5x at
-//   n = 256);
-// - a small model dimension, d <= 512 with n <= 2048 ("step 16": the paper's conf1 and conf5,
-//   E = 4 and 16, 1.08-1.23x, as in step 14's run), where the cuBLASLt engine's gather and
-//   elementwise passes and its host synchronisation weigh most against short-K GEMMs.
-// Elsewhere cuBLASLt is faster (coarse layers, 0.86-0.97x) or even (conf6, E = 64 at n = 2048:
-// 0.99-1.03x), and AUTO keeps it.
-bool fused_auto(const LayerConfig& cfg) {
-  return (cfg.ffn_hidden <= 1024 && cfg.num_experts >= 32) || (cfg.hidden <= 512 && cfg.ffn_hidden <= 2048);
-}
+// AUTO takes the fused engine where it was measured at least as fast as cuBLASLt (H100, bf16
+// fwd+bwd, both engines in one session, perf/RESULTS.md "after step 21"): every layer with
+// ffn_hidden <= 8192 that was benchmarked, from the coarse conf4 (E = 16, h = 8192: 0.98-1.02x)
+// and conf2 (E = 8: 0.99-1.09x) to the fine-grained ones (up to 2.6x at n = 256). Wider experts
+// (Mixtral's h = 14,336: 0.95x in step 17) keep cuBLASLt.
+bool fused_auto(const LayerConfig& cfg) { return cfg.ffn_hidden <= 8192; }
 bool always(const LayerConfig&) { return true; }
 
 const char* cublaslt_refuses(const LayerConfig& cfg, const cuda::DeviceInfo*) {
