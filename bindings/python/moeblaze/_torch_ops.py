@@ -365,6 +365,9 @@ def _setup_context(ctx, inputs, output):
     ctx.layer, ctx.mode = layer, mode
     ctx.save_for_backward(x, router, topk_ids, topk_weights, w_gate_up, w_down, saved)
     ctx.mark_non_differentiable(ids, gates, counts, saved)
+    # Outputs without a gradient reach _backward as None, not as zero tensors: autograd would
+    # otherwise allocate one the size of `saved` (as large as the saved activations) per backward.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, d_aux, d_z, _d_ids, _d_gates, _d_counts, _d_saved):

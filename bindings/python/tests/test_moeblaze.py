@@ -1386,6 +1386,38 @@ class TestTorchCuda(unittest.TestCase):
             with self.subTest(weight_layout=layout):
                 self._fused_layer(torch, MoELayer, layout)
 
+    def test_backward_allocates_no_saved_sized_gradient(self):
+        """Backward's peak above the forward's memory is its workspace and the gradients: the
+        saved buffer's output gets no zero gradient from autograd (it is as large as the saved
+        activations; before the fix this halved the tokens a training step fits)."""
+        torch = self.torch
+        from moeblaze.torch import MoE
+        E, k, d, h, L = 8, 2, 256, 1024, 16384
+        moe = MoE(num_experts=E, top_k=k, hidden_size=d, ffn_hidden_size=h, max_tokens=L,
+                  activation="swiglu", activation_dtype="bf16", weight_dtype="bf16",
+                  engine=moeblaze.Engine.CUDA_FUSED)
+        try:
+            bf = dict(device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(L, d, **bf).requires_grad_()
+            logits = torch.randn(L, E, **bf).requires_grad_()
+            wgu = (torch.randn(E, d, 2 * h, **bf) * d ** -0.5).requires_grad_()
+            wd = (torch.randn(E, h, d, **bf) * h ** -0.5).requires_grad_()
+            y = moe(x, wgu, wd, router_logits=logits)
+            dy = torch.randn_like(y)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            y.backward(dy)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - base
+            workspace = moe.handle_for(x.device).workspace_size(moeblaze.Pass.BACKWARD, L)
+            grads = sum(t.numel() * t.element_size() for t in (x, logits, wgu, wd))
+            saved = k * 2 * h * 2 * L  # SAVE_PREACT's pre rows alone
+            self.assertLess(extra, workspace + grads + 2 ** 20 + saved // 2,
+                            "backward allocated %d bytes above the forward's memory" % extra)
+        finally:
+            moe.close()
+
     def _fused_layer(self, torch, MoELayer, layout):
         kw = dict(hidden_size=256, ffn_hidden_size=128, num_experts=16, top_k=4, max_tokens=512,
                   weight_layout=layout)
