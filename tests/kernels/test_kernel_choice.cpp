@@ -64,15 +64,16 @@ void explicit_choices(void**) {
   expect(pick(4096, 4096, 0, EpilogueKind::kStore, bn), ConsumerSchedule::kCooperative, 128);
 }
 
-// The activation-backward epilogue has one kernel (ping-pong 128 x 128, its pre slots), whatever
-// is asked; the dact GEMM takes it for K <= 1024, or K <= 2048 with dy in expert order
-// (gemm/sm90/grouped_gemm.hpp).
+// The activation-backward epilogue runs on cooperative tiles (its pre stages follow each tile's
+// k-blocks), 256 wide from 256 columns, whatever is asked; the dact GEMM takes it for K <= 1024,
+// or K <= 2048 with dy in expert order (gemm/sm90/grouped_gemm.hpp).
 void activation_backward(void**) {
-  sm90::KernelChoice coop;
-  coop.schedule = ConsumerSchedule::kCooperative;
-  coop.block_n = 256;
-  expect(pick(1024, 512, 0, EpilogueKind::kActivationBackward), ConsumerSchedule::kPingPong, 128);
-  expect(pick(4096, 2048, 0, EpilogueKind::kActivationBackward, coop), ConsumerSchedule::kPingPong, 128);
+  sm90::KernelChoice pp;
+  pp.schedule = ConsumerSchedule::kPingPong;
+  pp.block_n = 128;
+  expect(pick(1024, 512, 0, EpilogueKind::kActivationBackward), ConsumerSchedule::kCooperative, 256);
+  expect(pick(4096, 2048, 0, EpilogueKind::kActivationBackward, pp), ConsumerSchedule::kCooperative, 256);
+  expect(pick(136, 512, 0, EpilogueKind::kActivationBackward), ConsumerSchedule::kCooperative, 128);
   if (std::getenv("MOEBLAZE_SM90_ACT_BACKWARD")) return;  // the knob overrides the rule
   sm90::GroupedGemmParams p;
   const int32_t index[1] = {0};

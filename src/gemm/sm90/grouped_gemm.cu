@@ -73,11 +73,15 @@ __device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const Epilo
 //   turn[] alternates their MMAs: a warpgroup starts a tile's MMAs once the other has finished
 //   its previous tile's, so one's epilogue overlaps the other's MMAs. Its ring position is
 //   its tile's index times the K blocks per tile (the same for every tile).
-// The activation-backward epilogue runs under ping-pong only, with its pre slots
-// (ActBackwardConfig): its loads and math overlap the other warpgroup's MMAs.
-template <int BN, EpilogueKind Epi>
-using KernelConfig = std::conditional_t<Epi == EpilogueKind::kActivationBackward, ActBackwardConfig, TileConfig<BN>>;
+// The producer's epilogue loads (mainloop.cuh): the activation backward's saved pre, or none.
+template <class Loads>
+__device__ __forceinline__ Loads make_loads(const GroupedGemmParams& p, const EpilogueParams& e, const EpilogueMaps& maps) {
+  if constexpr (std::is_same_v<Loads, NoEpilogueLoads>) return {};
+  else return Loads{p, e, maps};
+}
 
+// The activation-backward epilogue runs on the cooperative schedule only, its saved pre
+// loaded into the ring after each tile's k-blocks (PreLoads).
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ OperandMaps ab,
@@ -85,15 +89,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // full[s]: the TMA expect_tx, + every producer thread's cp.async arrival when A is gathered.
-  static_assert(Epi != EpilogueKind::kActivationBackward || (PingPong && BN == 128), "ping-pong 128 x 128 tiles");
-  const auto ring = init_ring<KernelConfig<BN, Epi>>(smem_raw, ab.a_by_tma ? 1 : 129, PingPong ? 4 : 8);
+  constexpr bool kActBackward = Epi == EpilogueKind::kActivationBackward;
+  static_assert(!kActBackward || !PingPong, "the activation backward runs on cooperative tiles");
+  const auto ring = init_ring<TileConfig<BN>>(smem_raw, ab.a_by_tma ? 1 : 129, PingPong ? 4 : 8, kActBackward ? 32 : 1);
   const int wg = threadIdx.x / 128;
   // Every tile has K > 0 (unsupported_reason), so every tile fills a first stage and the
   // consumers' on_first reads its slot.
   if (wg == 0) {
     regs_dealloc<kProducerRegs>();
-    if (ab.a_by_tma) produce_tma_a<T, BN, BMajor>(p, ab.a, ab.b, ring);
-    else produce<T, BN, BMajor>(p, ab.b, ring);
+    using Loads = std::conditional_t<kActBackward, PreLoads<BN>, NoEpilogueLoads>;
+    const Loads loads = make_loads<Loads>(p, e, maps);
+    if (ab.a_by_tma) produce_tma_a<T, BN, BMajor, Loads>(p, ab.a, ab.b, ring, loads);
+    else produce<T, BN, BMajor, Loads>(p, ab.b, ring, loads);
   } else {
     regs_alloc<kConsumerRegs>();
     TileStore ts = TileStore::make(ring.staging, wg - 1);
@@ -103,9 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (PingPong) {
       const int me = wg - 1;
       float acc[2][BN / 2];
-      uint32_t round = 0, pre_phase = 0;
-      const PreSlot pre_slot{smem_addr(ring.pre) + me * KernelConfig<BN, Epi>::kPreSlotBytes,
-                             smem_addr(&ring.pre_full[2 * me])};
+      uint32_t round = 0;
       for (int64_t j = me; blockIdx.x + j * gridDim.x < total; j += 2, ++round) {
         // Tile j's MMAs wait for tile j - 1's (the other warpgroup's) to finish.
         if (j > 0) mbar_wait(&ring.turn[me], (me == 0 ? round - 1 : round) & 1);
@@ -116,18 +121,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           tc = read_tile_slot(ring.tiles, j);
           sc[0] = load_row_scales(e, tc, 0);
           sc[1] = load_row_scales(e, tc, 1);
-          if constexpr (Epi == EpilogueKind::kActivationBackward)
-            if (ts.leader) prefetch_pre(p, e, maps, tc, pre_slot);
         });
         if (threadIdx.x % 128 == 0) cuda::ptx::mbarrier_arrive(&ring.turn[me ^ 1]);
-        if constexpr (Epi == EpilogueKind::kActivationBackward) {
-          act_backward_tile<T>(p, e, maps, ts, tc, sc, pre_slot, pre_phase, acc);
-        } else {
-          epilogue<T, BN, Epi>(p, e, maps, ts, tc, 0, sc[0], acc[0]);
-          epilogue<T, BN, Epi>(p, e, maps, ts, tc, 1, sc[1], acc[1]);
-        }
+        epilogue<T, BN, Epi>(p, e, maps, ts, tc, 0, sc[0], acc[0]);
+        epilogue<T, BN, Epi>(p, e, maps, ts, tc, 1, sc[1], acc[1]);
       }
-    } else if constexpr (Epi != EpilogueKind::kActivationBackward) {
+    } else {
       uint32_t it = 0;
       float acc[1][BN / 2];
       // kStore: a full tile's boxes are staged under the next tile's first k-blocks (registers
@@ -143,15 +142,19 @@ __global__ void __launch_bounds__(kThreads, 1)
               if constexpr (Epi == EpilogueKind::kStore) deferred.stage_at(kb, maps.out, ts);
             });
         const TileCoord tc = read_tile_slot(ring.tiles, j);
-        if constexpr (Epi == EpilogueKind::kStore) {
-          deferred.flush(maps.out, ts);  // a tile of fewer k-blocks than boxes
-          if (maps.defer && tile_staged(maps, tc)) {
-            keep_store<T, BN>(deferred, p, tc, wg - 1, sc, acc[0]);
-            continue;
+        if constexpr (kActBackward) {
+          act_backward_fragment<T, BN>(p, e, maps, ts, ring, it, tc, wg - 1, sc, acc[0]);
+        } else {
+          if constexpr (Epi == EpilogueKind::kStore) {
+            deferred.flush(maps.out, ts);  // a tile of fewer k-blocks than boxes
+            if (maps.defer && tile_staged(maps, tc)) {
+              keep_store<T, BN>(deferred, p, tc, wg - 1, sc, acc[0]);
+              continue;
+            }
           }
+          epilogue<T, BN, Epi>(p, e, maps, ts, tc, wg - 1, sc, acc[0]);
+          if constexpr (Epi == EpilogueKind::kStore) deferred.clear();
         }
-        epilogue<T, BN, Epi>(p, e, maps, ts, tc, wg - 1, sc, acc[0]);
-        if constexpr (Epi == EpilogueKind::kStore) deferred.clear();
       }
       if constexpr (Epi == EpilogueKind::kStore) deferred.flush(maps.out, ts);
     }
@@ -200,7 +203,7 @@ bool a_by_tma(const GroupedGemmParams& p) {
 
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
-  using Cfg = KernelConfig<BN, Epi>;
+  using Cfg = TileConfig<BN>;
   auto* kernel = grouped_gemm_kernel<T, BN, BMajor, Epi, PingPong>;
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound);
@@ -214,10 +217,10 @@ void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s)
 
 template <class T, int BN, bool PingPong>
 void dispatch_major(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
-  if constexpr (PingPong && BN == 128) {
+  if constexpr (!PingPong) {
     if (e.kind == EpilogueKind::kActivationBackward) {
-      if (p.b_major == Major::kMN) launch<T, BN, Major::kMN, EpilogueKind::kActivationBackward, true>(p, e, s);
-      else launch<T, BN, Major::kK, EpilogueKind::kActivationBackward, true>(p, e, s);
+      if (p.b_major == Major::kMN) launch<T, BN, Major::kMN, EpilogueKind::kActivationBackward, false>(p, e, s);
+      else launch<T, BN, Major::kK, EpilogueKind::kActivationBackward, false>(p, e, s);
       return;
     }
   }
@@ -306,7 +309,8 @@ ConsumerSchedule schedule_override() {
 }
 
 KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc) {
-  if (epilogue == EpilogueKind::kActivationBackward) return {128, ConsumerSchedule::kPingPong};  // its only kernel
+  // The activation backward: cooperative tiles only (its pre stages follow each tile's k-blocks).
+  if (epilogue == EpilogueKind::kActivationBackward) return {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative};
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
   // Measured (perf/NOTES.md, steps 6 and 9): ping-pong won on the short-K store epilogues (the
   // fine-grained down GEMMs, K = 256..768) only while the cooperative tile's epilogue stalled its

@@ -36,38 +36,39 @@ struct StageRing {
   uint64_t* empty;  // [stages]
   uint64_t* turn;   // [2] ping-pong: warpgroup w may start its next tile's MMAs when turn[w] completes
   uint8_t* staging; // the epilogue's staging boxes (TileConfig::kStagingBytes, 1024-byte aligned)
-  uint8_t* pre;     // [2][TileConfig::kPreSlotBytes] the consumers' pre slots (none: nullptr)
-  uint64_t* pre_full; // [2][2] pre_full[2 w + b]: column half b of consumer w's pre slot has landed
   TileCoord* tiles; // [kTileSlots] the CTA's j-th tile's coordinates in slot j % kTileSlots
+  uint32_t release; // the arrivals on empty[s] that a consumer warp's lane 0 makes for its warp
 };
 
 // Carves the ring from the dynamic shared memory (Cfg::kSmemBytes, Cfg a TileConfig) and
 // initialises its barriers: full[s] expects full_arrivals arrivals, empty[s] empty_arrivals
-// (lane 0 of each consumer warp that reads a stage), turn[w] and pre_full[i] one. Every thread
-// of the block calls it (it ends with a block barrier).
+// warps' (lane 0 of each consumer warp that reads a stage, arriving `release` times), turn[w]
+// one. release = 32 counts threads, so that a stage whose bytes every consumer thread read
+// (an epilogue's loads) can be released by each thread's own arrival: compute-sanitizer's
+// racecheck orders a thread's accesses before the producer's refill only through that
+// thread's arrival. Every thread of the block calls it (it ends with a block barrier).
 template <class Cfg, int S = Cfg::kStages>
-__device__ __forceinline__ StageRing<S> init_ring(uint8_t* smem_raw, uint32_t full_arrivals, uint32_t empty_arrivals = 8) {
+__device__ __forceinline__ StageRing<S> init_ring(uint8_t* smem_raw, uint32_t full_arrivals, uint32_t empty_arrivals = 8,
+                                                  uint32_t release = 1) {
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   StageRing<S> ring;
   ring.ptr = smem;
   ring.base = smem_addr(smem);
   ring.staging = smem + S * Cfg::kStageBytes;
-  ring.pre = Cfg::kPreSlotBytes ? ring.staging + Cfg::kStagingBytes : nullptr;
-  ring.full = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes + 2 * Cfg::kPreSlotBytes);
+  ring.full = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes);
   ring.empty = ring.full + S;
   ring.turn = ring.empty + S;
-  ring.pre_full = ring.turn + 2;
-  ring.tiles = reinterpret_cast<TileCoord*>(ring.pre_full + 4);
+  ring.tiles = reinterpret_cast<TileCoord*>(ring.turn + 2);
+  ring.release = release;
   static_assert(sizeof(TileCoord) == kTileSlotBytes, "TileConfig sizes the tile slots");
-  static_assert((2 * S + 2 + 4) * 8 % 16 == 0, "the tile slots are 16-byte aligned (read_tile_slot)");
+  static_assert((2 * S + 2) * 8 % 16 == 0, "the tile slots are 16-byte aligned (read_tile_slot)");
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       cuda::ptx::mbarrier_init(&ring.full[s], full_arrivals);
-      cuda::ptx::mbarrier_init(&ring.empty[s], empty_arrivals);
+      cuda::ptx::mbarrier_init(&ring.empty[s], empty_arrivals * release);
     }
     cuda::ptx::mbarrier_init(&ring.turn[0], 1);
     cuda::ptx::mbarrier_init(&ring.turn[1], 1);
-    for (int b = 0; b < 4; ++b) cuda::ptx::mbarrier_init(&ring.pre_full[b], 1);
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
   __syncthreads();
@@ -136,10 +137,23 @@ __device__ __forceinline__ void issue_b(const GroupedGemmParams& p, const TmaDes
   }
 }
 
+// What a tile's epilogue reads besides its accumulators, loaded by TMA into Loads::kStages more
+// ring stages after the tile's k-blocks (kBytes each): issue(q, stage, tile, full barrier) by
+// the elected producer thread. The consumers take those stages after their MMAs, in ring order,
+// and release them like operand stages (gemm/sm90/epilogue_act_backward.cuh: the saved pre).
+// Most epilogues read nothing.
+struct NoEpilogueLoads {
+  static constexpr int kStages = 0;
+  static constexpr uint32_t kBytes = 0;
+  __device__ void issue(int, uint8_t*, const TileCoord&, uint64_t*) const {}
+};
+
 // Gathered A (a_index set): the producer warpgroup's 128 threads copy A rows with 16-byte
-// cp.async (full[s] counts their 128 arrivals + the elected thread's expect_tx).
-template <class T, int BN, Major BMajor, int S>
-__device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing<S>& ring) {
+// cp.async (full[s] counts their 128 arrivals + the elected thread's expect_tx; an epilogue
+// stage, their plain arrivals and its expect_tx).
+template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads, int S>
+__device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing<S>& ring,
+                        const Loads& loads = {}) {
   using Cfg = TileConfig<BN>;
   const int t = threadIdx.x;  // 0..127
   const T* A = static_cast<const T*>(p.a);
@@ -186,6 +200,16 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
       }
       cuda::ptx::cp_async_mbarrier_arrive_noinc(&ring.full[s]);
     }
+    for (int q = 0; q < Loads::kStages; ++q, ++it) {
+      const uint32_t s = it % S;
+      mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
+      if (t == 0) {
+        cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
+                                             &ring.full[s], uint32_t{Loads::kBytes});
+        loads.issue(q, ring.ptr + s * Cfg::kStageBytes, tc, &ring.full[s]);
+      }
+      cuda::ptx::mbarrier_arrive(&ring.full[s]);
+    }
   }
 }
 
@@ -194,9 +218,9 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
 // arrival). A partial tile's rows past its expert read the next expert's rows, or zeros past
 // a_rows (TMA's bounds): those accumulator rows are never stored, and every row outside
 // [0, a_rows) stays unread. The other producer warps have nothing to do and leave.
-template <class T, int BN, Major BMajor, int S>
+template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads, int S>
 __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& amap, const TmaDescriptor& bmap,
-                              const StageRing<S>& ring) {
+                              const StageRing<S>& ring, const Loads& loads = {}) {
   using Cfg = TileConfig<BN>;
   if (threadIdx.x >= 32) return;
   const bool leader = threadIdx.x == 0;
@@ -221,6 +245,12 @@ __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& a
           cp_async_bulk_tensor(space_cluster, space_global, a_ptr + h * (64 * 128), &amap, c, &ring.full[s]);
         }
         issue_b<BN, BMajor>(p, bmap, ring, s, tc, k0);
+      }
+      for (int q = 0; q < Loads::kStages; ++q, ++it) {
+        const uint32_t s = it % S;
+        mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
+        mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, &ring.full[s], uint32_t{Loads::kBytes});
+        loads.issue(q, ring.ptr + s * Cfg::kStageBytes, tc, &ring.full[s]);
       }
     }
     __syncwarp();
@@ -289,12 +319,12 @@ __device__ __forceinline__ void consume_tile(const StageRing<S>& ring, int frag0
     after_issue(kb);
     if (kb > 0) {  // the previous stage's MMAs are done: hand it back
       wgmma_wait<1>();
-      if (lane0) cuda::ptx::mbarrier_arrive(&ring.empty[prev]);
+      if (lane0) cuda::ptx::mbarrier_arrive(&ring.empty[prev], ring.release);
     }
     prev = s;
   }
   wgmma_wait<0>();
-  if (num_kb > 0 && lane0) cuda::ptx::mbarrier_arrive(&ring.empty[prev]);
+  if (num_kb > 0 && lane0) cuda::ptx::mbarrier_arrive(&ring.empty[prev], ring.release);
 #pragma unroll
   for (int f = 0; f < Frags; ++f) fence_accumulators(acc[f]);
 }

@@ -40,10 +40,7 @@ MOEBLAZE_HD int32_t column_blocks(int32_t n, int32_t gated, int bn) {
 // Operand stages per tile shape: 192 KB of operands either way.
 MOEBLAZE_HD constexpr int default_stages(int bn) { return bn == 256 ? 4 : 6; }
 
-// PreSlotBytes: per consumer warpgroup, a shared-memory slot that the activation-backward
-// epilogue loads the saved pre-activations into by TMA while the tile's MMAs run
-// (gemm/sm90/epilogue_act_backward.cuh); it costs operand stages.
-template <int BN, int Stages = default_stages(BN), int PreSlotBytes = 0>
+template <int BN, int Stages = default_stages(BN)>
 struct TileConfig {
   static_assert(BN == 128 || BN == 256, "block_n is 128 or 256");
   static constexpr int kBlockN = BN;
@@ -51,25 +48,27 @@ struct TileConfig {
   static constexpr int kBBytes = BN * kBlockK * 2;       // 16 or 32 KB
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = Stages;
-  static constexpr int kPreSlotBytes = PreSlotBytes;
   // The epilogue's staging boxes (gemm/sm90/epilogue_tma.cuh): two 64 x 64 boxes per consumer
   // warpgroup, 32 KB.
   static constexpr int kStagingBytes = kStagingBoxes * kStagingBoxBytes;
   // + 1 KB to align the stages to the 1024-byte swizzle atom, + the stage barriers, the two
-  // ping-pong turn barriers, the four pre-slot barriers and the tile slots (the default
-  // configurations: 230,640 bytes of the 232,448 a block may have).
-  static constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 2 * kPreSlotBytes + 1024 +
-                                    2 * kStages * 8 + 2 * 8 + 4 * 8 + kTileSlots * kTileSlotBytes;
+  // ping-pong turn barriers and the tile slots (the default configurations: 230,608 bytes of the
+  // 232,448 a block may have).
+  static constexpr int kSmemBytes =
+      kStages * kStageBytes + kStagingBytes + 1024 + 2 * kStages * 8 + 2 * 8 + kTileSlots * kTileSlotBytes;
   static_assert(kTileSlots - 1 >= kStages, "a tile slot must outlive its readers' tile");
   static_assert(kSmemBytes <= 232448, "more shared memory than a block may have");
-  static_assert(kPreSlotBytes % 1024 == 0, "pre slots keep the 1024-byte swizzle alignment");
 };
 
-// The activation-backward dact GEMM (ping-pong 128 x 128 tiles): a slot of 32 KB per consumer
-// warpgroup (its tile's pre, 128 rows x 128 columns) for two operand stages.
-// Its dg partial sums come one per row and column block of kActBackwardBlockN columns.
+// The activation-backward dact GEMM (cooperative tiles, gemm/sm90/epilogue_act_backward.cuh):
+// after a tile's k-blocks the producer loads the tile's saved pre into BN / 128 further ring
+// stages, each holding 128 columns of the tile's 128 rows as four 64 x 64 boxes (32 KB of a
+// stage), which the epilogue reads, overwrites with dpre and stores from.
+// Its dg partial sums come one per row and kActBackwardBlockN columns (one per pre stage).
 constexpr int kActBackwardBlockN = 128;
-using ActBackwardConfig = TileConfig<kActBackwardBlockN, 4, 32 * 1024>;
+constexpr int kPreBoxBytes = 64 * 128;  // 64 rows x 64 columns of bf16/fp16
+MOEBLAZE_HD constexpr int pre_stages(int bn) { return bn / kActBackwardBlockN; }
+static_assert(4 * kPreBoxBytes <= TileConfig<128>::kStageBytes, "a pre stage's boxes fit an operand stage");
 MOEBLAZE_HD int32_t act_backward_dg_parts(int64_t h) { return column_blocks(static_cast<int32_t>(h), 0, kActBackwardBlockN); }
 
 }  // namespace sm90
