@@ -27,7 +27,7 @@ enum class ValueType : int32_t { kI64 = 0, kF64 = 1, kDType = 2 };
 constexpr int32_t kDeviceCpu = 1;
 constexpr int32_t kDeviceCuda = 2;
 
-MOEBLAZE_HD bool is_gated(Activation a) { return a == Activation::kSwiglu || a == Activation::kGeglu; }
+MOEBLAZE_HD constexpr bool is_gated(Activation a) { return a == Activation::kSwiglu || a == Activation::kGeglu; }
 
 struct AttrInfo {
   const char* name;

@@ -66,7 +66,7 @@ void explicit_choices(void**) {
 
 // The activation-backward epilogue runs on cooperative tiles (its pre stages follow each tile's
 // k-blocks), 256 wide from 256 columns, whatever is asked; the dact GEMM takes it for K <= 1024,
-// or K <= 2048 with dy in expert order (gemm/sm90/grouped_gemm.hpp).
+// or K <= 2048 with dy in expert order, gated activations from h = 2048 (gemm/sm90/grouped_gemm.hpp).
 void activation_backward(void**) {
   sm90::KernelChoice pp;
   pp.schedule = ConsumerSchedule::kPingPong;
@@ -78,22 +78,33 @@ void activation_backward(void**) {
   sm90::GroupedGemmParams p;
   const int32_t index[1] = {0};
   p.a_index = index;  // dy gathered: K <= 1024
+  p.n = 2048;  // h: gated from 2048
   for (int32_t k : {8, 512, 1024}) {
     p.k = k;
-    assert_true(sm90::act_backward_in_epilogue(p));
+    assert_true(sm90::act_backward_in_epilogue(p, false));
+    assert_true(sm90::act_backward_in_epilogue(p, true));
   }
   for (int32_t k : {1032, 2048, 7168}) {
     p.k = k;
-    assert_false(sm90::act_backward_in_epilogue(p));
+    assert_false(sm90::act_backward_in_epilogue(p, false));
+    assert_false(sm90::act_backward_in_epilogue(p, true));
   }
   p.a_index = nullptr;  // dy in expert order (by TMA): K <= 2048
   for (int32_t k : {8, 1024, 1032, 2048}) {
     p.k = k;
-    assert_true(sm90::act_backward_in_epilogue(p));
+    assert_true(sm90::act_backward_in_epilogue(p, false));
+    assert_true(sm90::act_backward_in_epilogue(p, true));
   }
   for (int32_t k : {2056, 4096, 7168}) {
     p.k = k;
-    assert_false(sm90::act_backward_in_epilogue(p));
+    assert_false(sm90::act_backward_in_epilogue(p, false));
+    assert_false(sm90::act_backward_in_epilogue(p, true));
+  }
+  p.k = 768;  // narrow gated experts keep the pass (SonicMoE's n = 256); plain ones take the epilogue
+  for (int32_t n : {256, 1024, 2040}) {
+    p.n = n;
+    assert_true(sm90::act_backward_in_epilogue(p, false));
+    assert_false(sm90::act_backward_in_epilogue(p, true));
   }
 }
 

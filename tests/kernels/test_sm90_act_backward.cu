@@ -1,7 +1,8 @@
 // The activation backward in the dact GEMM's epilogue (EpilogueKind::kActivationBackward) against
 // a host reference built from the naive fp32 GEMM (grouped_gemm_problem.cuh) and
-// experts/activation.hpp: dpre, g act and the dg partial sums, for the plain activations (the
-// gated ones are refused) with dy gathered or in expert order (read by TMA), bf16 and fp16, both
+// experts/activation.hpp: dpre, g act and the dg partial sums, for every activation (the gated
+// ones read gate and up and write both halves of dpre) with dy gathered or in expert order
+// (read by TMA), bf16 and fp16, both
 // B layouts, h not a multiple of 64 or 128, skewed and single-expert routings, one row, the saved
 // pre placed per expert (the fused engine's windows) and hostile placements (nothing read or
 // written outside the buffers), output rows narrower than their columns refused, the staged
@@ -39,6 +40,9 @@ struct Case {
   bool expert_order = false;  // dy's rows in expert order (A by TMA, the fused engine's copy), not gathered
 };
 
+// pre's and dpre's columns: gate and up halves when gated.
+int64_t pre_cols(const Case& c) { return (moeblaze::is_gated(c.a) ? 2 : 1) * int64_t{c.h}; }
+
 struct Outputs {
   std::vector<uint16_t> dpre, gact;
   std::vector<float> dg;  // summed over the column blocks, in order
@@ -47,8 +51,8 @@ struct Outputs {
 // Runs the epilogue; fills the host pre it drew and the placement it used.
 Outputs run(const Problem& P, const Case& c, const std::vector<uint16_t>& pre_h, int64_t pre_rows,
             const std::vector<int32_t>& place) {
-  const int64_t m = P.s.m_total, h = c.h, ld_pre = h + 8;
-  const int64_t ldc = h + c.ld_pad, ld_act = h + c.ld_pad, parts = sm90::act_backward_dg_parts(h);
+  const int64_t m = P.s.m_total, h = c.h, ld_pre = pre_cols(c) + 8;
+  const int64_t ldc = pre_cols(c) + c.ld_pad, ld_act = h + c.ld_pad, parts = sm90::act_backward_dg_parts(h);
   void* pre = alloc_poisoned(pre_rows * ld_pre);
   GGP_CK(cudaMemcpy(pre, pre_h.data(), pre_rows * ld_pre * 2, cudaMemcpyHostToDevice));
   void* dpre = alloc_poisoned(m * ldc);
@@ -99,7 +103,8 @@ Outputs run(const Problem& P, const Case& c, const std::vector<uint16_t>& pre_h,
 void expect(const Case& c, uint64_t seed) {
   Problem P =
       make_problem({c.m, std::max<int64_t>(c.m / 2, 1), c.E, c.h, c.d, false, !c.expert_order, c.mj, c.skew}, c.dt, seed);
-  const int64_t m = c.m, h = c.h, ld_pre = h + 8, guard = 64;
+  const int64_t m = c.m, h = c.h, cols = pre_cols(c), ld_pre = cols + 8, guard = 64;
+  const bool gated = moeblaze::is_gated(c.a);
   // pre: row p, or expert e's rows at place[e] + (p - offsets[e]) (reverse expert order after
   // guard rows); hostile: starts far outside pre.
   std::vector<int32_t> place;
@@ -119,21 +124,19 @@ void expect(const Case& c, uint64_t seed) {
   std::vector<uint16_t> pre_h(pre_rows * ld_pre);
   for (auto& v : pre_h) v = to_half_bits(nd(rng), c.dt);
   const Outputs o = run(P, c, pre_h, pre_rows, place);
-  const int64_t ldc = h + c.ld_pad, ld_act = h + c.ld_pad;
+  const int64_t ldc = cols + c.ld_pad, ld_act = h + c.ld_pad;
   if (c.placed == 2) {  // hostile: no reference, but every output element is written and finite
     // (pre rows outside the buffer read as zeros; compute-sanitizer memcheck sees no stray access)
     for (int64_t p = 0; p < m; ++p) {
       assert_false(std::isnan(o.dg[p]));
-      for (int64_t j = 0; j < h; ++j) {
-        assert_false(std::isnan(from_half_bits(o.gact[p * ld_act + j], c.dt)));
-        assert_false(std::isnan(from_half_bits(o.dpre[p * ldc + j], c.dt)));
-      }
+      for (int64_t j = 0; j < h; ++j) assert_false(std::isnan(from_half_bits(o.gact[p * ld_act + j], c.dt)));
+      for (int64_t j = 0; j < cols; ++j) assert_false(std::isnan(from_half_bits(o.dpre[p * ldc + j], c.dt)));
     }
     free_problem(P);
     return;
   }
   const std::vector<float> ref = reference(P), sc = scales(P);
-  std::vector<float> want_dpre(std::max<int64_t>(m * h, 1)), want_gact(std::max<int64_t>(m * h, 1)), want_dg(m);
+  std::vector<float> want_dpre(std::max<int64_t>(m * cols, 1)), want_gact(std::max<int64_t>(m * h, 1)), want_dg(m);
   int e = 0;
   for (int64_t p = 0; p < m; ++p) {
     while (P.offsets[e + 1] <= p) ++e;
@@ -142,15 +145,17 @@ void expect(const Case& c, uint64_t seed) {
     for (int64_t j = 0; j < h; ++j) {
       const float da = round_to(ref[p * h + j], c.dt), g = sc[p];
       const float u = from_half_bits(pre_h[r * ld_pre + j], c.dt);
+      const float b = gated ? from_half_bits(pre_h[r * ld_pre + h + j], c.dt) : 1.f;  // up
       const ActValueGrad v = act_value_grad(c.a, u);
-      const float act = round_to(v.f, c.dt);
+      const float act = round_to(gated ? v.f * b : v.f, c.dt);
       dot += static_cast<double>(da) * act;
-      want_dpre[p * h + j] = g * da * v.df;
+      want_dpre[p * cols + j] = g * da * b * v.df;
+      if (gated) want_dpre[p * cols + h + j] = g * da * v.f;
       want_gact[p * h + j] = g * act;
     }
     want_dg[p] = static_cast<float>(dot);
   }
-  const Check cd = compare_bits(o.dpre, m, h, ldc, c.dt, want_dpre), ca = compare_bits(o.gact, m, h, ld_act, c.dt, want_gact);
+  const Check cd = compare_bits(o.dpre, m, cols, ldc, c.dt, want_dpre), ca = compare_bits(o.gact, m, h, ld_act, c.dt, want_gact);
   double num = 0, den = 0;
   int64_t dg_nan = 0;
   for (int64_t p = 0; p < m; ++p) {
@@ -176,8 +181,11 @@ void expect(const Case& c, uint64_t seed) {
 void activations(void**) {
   uint64_t seed = 10;
   for (DType dt : {DType::kBF16, DType::kF16})
-    for (Activation a : {Activation::kRelu, Activation::kGelu, Activation::kSilu})
+    for (Activation a : {Activation::kRelu, Activation::kGelu, Activation::kSilu, Activation::kSwiglu, Activation::kGeglu})
       expect({a, dt, Major::kK, 1200, 6, 200, 136, 0.7, 0, 0}, seed++);
+  expect({Activation::kSwiglu, DType::kF16, Major::kMN, 1000, 5, 264, 72, 0.0, 0, 0}, seed++);
+  expect({Activation::kSwiglu, DType::kBF16, Major::kK, 1200, 6, 200, 2048, 0.7, 0, 0, true}, seed++);
+  expect({Activation::kGeglu, DType::kBF16, Major::kK, 1700, 6, 520, 264, 0.5, 1, 0, true}, seed++);
   expect({Activation::kGelu, DType::kBF16, Major::kMN, 1000, 5, 136, 200, 0.3, 0, 0}, seed++);
   expect({Activation::kSilu, DType::kF16, Major::kMN, 1000, 5, 264, 72, 0.0, 0, 0}, seed++);
   // dy in expert order (by TMA), K up to 2048 as the fused engine takes it
@@ -185,8 +193,8 @@ void activations(void**) {
   expect({Activation::kGelu, DType::kF16, Major::kK, 1700, 6, 136, 264, 0.5, 1, 0, true}, seed++);
 }
 
-// Gated activations keep the separate pass: the epilogue refuses them, as it refuses a pre TMA
-// cannot read.
+// A pre TMA cannot read, or outputs narrower than their columns (gated: pre and dpre have 2 h),
+// are refused.
 void refusals(void**) {
   Problem P = make_problem({256, 128, 2, 64, 64, false, true, Major::kK, 0.0}, DType::kBF16, 7);
   sm90::EpilogueParams e;
@@ -200,7 +208,10 @@ void refusals(void**) {
   assert_null(sm90::unsupported_reason(P.dt, P.params(), e));
   for (Activation a : {Activation::kSwiglu, Activation::kGeglu}) {
     e.activation = a;
-    assert_non_null(sm90::unsupported_reason(P.dt, P.params(), e));
+    assert_non_null(sm90::unsupported_reason(P.dt, P.params(), e));  // pre and dpre rows of 64 < 2 h
+    e.ld_pre = e.ldc = 128;
+    assert_null(sm90::unsupported_reason(P.dt, P.params(), e));
+    e.ld_pre = e.ldc = 64;
   }
   e.activation = Activation::kSilu;
   e.ld_pre = 68;  // rows not 16-byte aligned
@@ -223,6 +234,8 @@ void shapes(void**) {
   expect({Activation::kGelu, DType::kBF16, Major::kK, 2000, 12, 64, 128, -1.0, 0, 0}, seed++);     // one expert, h = 64
   expect({Activation::kRelu, DType::kF16, Major::kK, 1, 1, 8, 8, 0.0, 0, 0}, seed++);              // one row
   expect({Activation::kSilu, DType::kBF16, Major::kK, 3000, 64, 136, 64, 1.2, 0, 0}, seed++);       // many partial tiles
+  expect({Activation::kSwiglu, DType::kBF16, Major::kK, 4000, 16, 1024, 512, 0.0, 0, 0}, seed++);  // gated, whole boxes
+  expect({Activation::kSwiglu, DType::kBF16, Major::kK, 3000, 64, 136, 64, 1.2, 0, 0}, seed++);
 }
 
 void placed_pre(void**) {
@@ -231,26 +244,28 @@ void placed_pre(void**) {
   expect({Activation::kRelu, DType::kF16, Major::kK, 1700, 6, 136, 200, 0.5, 1, 0}, seed++);
   expect({Activation::kSilu, DType::kBF16, Major::kK, 1700, 6, 200, 136, 0.5, 2, 0}, seed++);
   expect({Activation::kGelu, DType::kBF16, Major::kK, 900, 4, 136, 72, 0.5, 2, 2}, seed++);
+  expect({Activation::kSwiglu, DType::kBF16, Major::kK, 1700, 6, 200, 136, 0.5, 1, 0}, seed++);
+  expect({Activation::kSwiglu, DType::kF16, Major::kK, 900, 4, 136, 72, 0.5, 2, 2}, seed++);
 }
 
 // Outputs TMA cannot address (ld not a multiple of 8): every tile from registers, the same bits.
 void registers_match_staged(void**) {
   uint64_t seed = 300;
-  for (Activation a : {Activation::kSilu, Activation::kGelu}) {
+  for (Activation a : {Activation::kSilu, Activation::kGelu, Activation::kSwiglu}) {
     const Case staged{a, DType::kBF16, Major::kK, 2500, 4, 264, 136, 0.4, 0, 0};
     Case regs = staged;
     regs.ld_pad = 2;
     expect(regs, seed);
     Problem P = make_problem({staged.m, staged.m / 2, staged.E, staged.h, staged.d, false, true, staged.mj, staged.skew},
                              staged.dt, seed++);
-    const int64_t h = staged.h, ld_pre = h + 8;
+    const int64_t cols = pre_cols(staged), ld_pre = cols + 8;
     std::vector<uint16_t> pre_h(staged.m * ld_pre);
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.5f);
     for (auto& v : pre_h) v = to_half_bits(nd(rng), staged.dt);
     const Outputs s = run(P, staged, pre_h, staged.m, {}), r = run(P, regs, pre_h, staged.m, {});
     for (int64_t p = 0; p < staged.m; ++p) {
-      assert_memory_equal(&s.dpre[p * h], &r.dpre[p * (h + 2)], h * 2);
+      assert_memory_equal(&s.dpre[p * cols], &r.dpre[p * (cols + 2)], cols * 2);
       assert_memory_equal(&s.gact[p * staged.h], &r.gact[p * (staged.h + 2)], staged.h * 2);
     }
     assert_memory_equal(s.dg.data(), r.dg.data(), staged.m * 4);
@@ -259,21 +274,23 @@ void registers_match_staged(void**) {
 }
 
 void deterministic(void**) {
-  const Case c{Activation::kSilu, DType::kBF16, Major::kK, 5000, 16, 512, 256, 0.9, 1, 0};
-  Problem P = make_problem({c.m, c.m / 2, c.E, c.h, c.d, false, true, c.mj, c.skew}, c.dt, 42);
-  const int64_t pre_rows = c.m + 128, ld_pre = c.h + 8;
-  std::vector<int32_t> place(c.E);
-  for (int e = 0; e < c.E; ++e) place[e] = static_cast<int32_t>(64 + (c.m - P.offsets[e + 1]));
-  std::vector<uint16_t> pre_h(pre_rows * ld_pre);
-  std::mt19937_64 rng(5);
-  std::normal_distribution<float> nd(0.f, 1.5f);
-  for (auto& v : pre_h) v = to_half_bits(nd(rng), c.dt);
-  const Outputs a = run(P, c, pre_h, pre_rows, place), b = run(P, c, pre_h, pre_rows, place),
-                d = run(P, c, pre_h, pre_rows, place);
-  assert_true(a.dpre == b.dpre && b.dpre == d.dpre && a.gact == b.gact && b.gact == d.gact);
-  assert_memory_equal(a.dg.data(), b.dg.data(), c.m * 4);
-  assert_memory_equal(a.dg.data(), d.dg.data(), c.m * 4);
-  free_problem(P);
+  for (Activation act : {Activation::kSilu, Activation::kSwiglu}) {
+    const Case c{act, DType::kBF16, Major::kK, 5000, 16, 512, 256, 0.9, 1, 0};
+    Problem P = make_problem({c.m, c.m / 2, c.E, c.h, c.d, false, true, c.mj, c.skew}, c.dt, 42);
+    const int64_t pre_rows = c.m + 128, ld_pre = pre_cols(c) + 8;
+    std::vector<int32_t> place(c.E);
+    for (int e = 0; e < c.E; ++e) place[e] = static_cast<int32_t>(64 + (c.m - P.offsets[e + 1]));
+    std::vector<uint16_t> pre_h(pre_rows * ld_pre);
+    std::mt19937_64 rng(5);
+    std::normal_distribution<float> nd(0.f, 1.5f);
+    for (auto& v : pre_h) v = to_half_bits(nd(rng), c.dt);
+    const Outputs a = run(P, c, pre_h, pre_rows, place), b = run(P, c, pre_h, pre_rows, place),
+                  d = run(P, c, pre_h, pre_rows, place);
+    assert_true(a.dpre == b.dpre && b.dpre == d.dpre && a.gact == b.gact && b.gact == d.gact);
+    assert_memory_equal(a.dg.data(), b.dg.data(), c.m * 4);
+    assert_memory_equal(a.dg.data(), d.dg.data(), c.m * 4);
+    free_problem(P);
+  }
 }
 
 }  // namespace

@@ -312,7 +312,7 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   dact_epi.ldc = gh;
   // ... or with the activation backward in its epilogue (dpre in place of dact, g * act, dg
   // partial sums per column block) where that is faster and the kernel takes these tensors
-  // (plain activations; gemm/sm90/grouped_gemm.hpp).
+  // (gemm/sm90/grouped_gemm.hpp).
   sm90::EpilogueParams act_epi;
   act_epi.kind = sm90::EpilogueKind::kActivationBackward;
   act_epi.activation = cfg_.activation;
@@ -327,7 +327,8 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   act_epi.pre_out_rows = sv.preact ? static_cast<int32_t>(L * k) : 0;
   act_epi.dg = w.dg_pos;
   act_epi.ld_dg = W;
-  const bool act_in_epilogue = sm90::act_backward_in_epilogue(dact) && !sm90::unsupported_reason(dt, dact, act_epi);
+  const bool act_in_epilogue =
+      sm90::act_backward_in_epilogue(dact, is_gated(cfg_.activation)) && !sm90::unsupported_reason(dt, dact, act_epi);
   // dx parts = dpre W_gate_up^T, per window row.
   sm90::GroupedGemmParams dxg = expert_gemm(w.dpre, gh, nullptr, W, a.w_gate_up, sm90::Major::kK, d, gh);
   sm90::EpilogueParams dx_epi;

@@ -1,17 +1,17 @@
 // The activation backward in the dact GEMM's epilogue (EpilogueKind::kActivationBackward,
-// gemm/sm90/params.hpp says what it computes), for the plain activations (ReLU, GELU, SiLU), on
-// the cooperative tiles (each consumer warpgroup one 64-row fragment of BN columns). The saved
-// pre comes through the operand ring: after a tile's k-blocks the producer loads it by TMA into
-// pre_stages(BN) further stages (PreLoads), 128 columns each, as four 64 x 64 boxes (fragment f,
-// column box b at 8 KB (2 f + b)), issued a few k-blocks before the consumers get there. The
-// epilogue reads each thread's pairs from its boxes (ldmatrix, in the accumulators' layout),
-// writes dpre back in place (stmatrix, the same swizzled positions) and stores those boxes by TMA
-// from there, g * act through the staging boxes, then releases the stage once its stores have
-// read it. dact never reaches memory. Until step 22 this ran on ping-pong 128 x 128 tiles with a
-// 32 KB pre slot per warpgroup (four operand stages); the ping-pong mainloop's operand rate
-// capped it near half the tensor pipe (perf/NOTES.md, steps 19-22). Gated activations would need
-// gate and up (twice the stages); measured slower than the separate pass on the ping-pong tiles
-// (step 14, 18), they keep it.
+// gemm/sm90/params.hpp says what it computes), on the cooperative tiles (each consumer warpgroup
+// one 64-row fragment of BN columns). The saved pre comes through the operand ring: after a
+// tile's k-blocks the producer loads it by TMA into pre_stages(BN, gated) further stages
+// (PreLoads), issued a few k-blocks before the consumers get there, each of four 64 x 64 boxes
+// at 8 KB (2 f + j) for fragment f: plain (ReLU, GELU, SiLU), j = the column box of the stage's
+// 128 columns; gated (SwiGLU, GeGLU), the gate (j = 0) and up (j = 1) boxes of the stage's 64
+// columns. The epilogue reads each thread's pairs from its boxes (ldmatrix, in the
+// accumulators' layout), writes dpre back in place (stmatrix, the same swizzled positions) and
+// stores those boxes by TMA from there, g * act through the staging boxes, then releases the
+// stage once its stores have read it. dact never reaches memory. Until step 22 the plain ones
+// ran on ping-pong 128 x 128 tiles with a 32 KB pre slot per warpgroup (the ping-pong mainloop
+// held it near half the tensor pipe, perf/NOTES.md steps 19-22), and the gated ones, which
+// need twice the bytes, in a separate pass.
 #pragma once
 
 #include <cuda/ptx>
@@ -32,26 +32,34 @@ __device__ __forceinline__ int32_t clamp_i32(int64_t v) {
 }
 
 // The producer's loads of a tile's pre (mainloop.cuh's Loads): stage q holds columns
-// [128 q, 128 q + 128) of the tile. A box reaching past pre's rows or past n is zero-filled by
-// TMA, whatever the placed row (a bad plan's included): nothing outside pre is read, and every
-// box counts its full bytes.
+// [128 q, 128 q + 128) of the tile, or, gated, the gate and up halves of columns [64 q, 64 q + 64)
+// (pre_load is then pre's [rows][2][n] map). A box reaching past pre's rows or past n is
+// zero-filled by TMA, whatever the placed row (a bad plan's included): nothing outside pre is
+// read, and every box counts its full bytes.
 template <int BN>
 struct PreLoads {
-  static constexpr int kStages = pre_stages(BN);
   static constexpr uint32_t kBytes = 4 * kPreBoxBytes;
   const GroupedGemmParams& p;
   const EpilogueParams& e;
   const EpilogueMaps& maps;
+  __device__ __forceinline__ int stages() const { return pre_stages(BN, is_gated(e.activation)); }
   __device__ __forceinline__ void issue(int q, uint8_t* stage, const TileCoord& tc, uint64_t* bar) const {
-    const int32_t col = tc.col_block * BN + kActBackwardBlockN * q;
+    using namespace cuda::ptx;
+    const bool gated = is_gated(e.activation);
+    const int32_t col = tc.col_block * BN + (gated ? 64 : kActBackwardBlockN) * q;
 #pragma unroll
     for (int f = 0; f < 2; ++f) {
       const int32_t row = clamp_i32(placed_row(p, e.pre_expert_row, tc, tc.row0 + 64 * f));
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        const int32_t c[2] = {col + 64 * b, row};
-        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global,
-                                        stage + (2 * f + b) * kPreBoxBytes, &maps.pre_load, c, bar);
+      for (int j = 0; j < 2; ++j) {
+        uint8_t* box = stage + (2 * f + j) * kPreBoxBytes;
+        if (gated) {
+          const int32_t c[3] = {col, j, row};
+          cp_async_bulk_tensor(space_cluster, space_global, box, &maps.pre_load, c, bar);
+        } else {
+          const int32_t c[2] = {col + 64 * j, row};
+          cp_async_bulk_tensor(space_cluster, space_global, box, &maps.pre_load, c, bar);
+        }
       }
     }
   }
@@ -69,6 +77,26 @@ struct BackwardPair {
     const float2 act = Elem<T>::unpack2(Elem<T>::pack2(v0.f, v1.f));
     if (valid) dot += da.x * act.x + da.y * act.y;
     dpre = Elem<T>::pack2(g * da.x * v0.df, g * da.y * v1.df);
+    gact = Elem<T>::pack2(g * act.x, g * act.y);
+  }
+};
+
+// One packed pair of the gated backward (act = f(gate) * up): in, dact (fp32) and the gate and
+// up pairs; out, the packed d gate, d up and g act pairs, and da act added to dot. The same
+// products in the same order as the separate pass (experts/expert_cuda.cu).
+template <class T, Activation A>
+struct GatedBackwardPair {
+  uint32_t dgate, dup, gact;
+  __device__ __forceinline__ GatedBackwardPair(float a0, float a1, uint32_t gate_pre, uint32_t up_pre, float g,
+                                               bool valid, float& dot) {
+    const float2 da = Elem<T>::unpack2(Elem<T>::pack2(a0, a1));
+    const float2 u = Elem<T>::unpack2(gate_pre), b = Elem<T>::unpack2(up_pre);
+    const ActValueGrad v0 = act_value_grad(A, u.x), v1 = act_value_grad(A, u.y);
+    const float2 act = Elem<T>::unpack2(Elem<T>::pack2(v0.f * b.x, v1.f * b.y));
+    if (valid) dot += da.x * act.x + da.y * act.y;
+    const float gd0 = g * da.x, gd1 = g * da.y;
+    dgate = Elem<T>::pack2(gd0 * b.x * v0.df, gd1 * b.y * v1.df);
+    dup = Elem<T>::pack2(gd0 * v0.f, gd1 * v1.f);
     gact = Elem<T>::pack2(g * act.x, g * act.y);
   }
 };
@@ -137,6 +165,75 @@ __device__ __forceinline__ void act_backward_box(const GroupedGemmParams& p, con
   }
 }
 
+// Gated: column box cb of fragment frag from its gate and up boxes (landed): d gate and d up
+// (dpre's two halves, written in place into those boxes and stored from them) and g act; its
+// da act sums go to dot.
+template <class T, Activation A, int BN, bool Staged>
+__device__ __forceinline__ void act_backward_gated_box(const GroupedGemmParams& p, const EpilogueParams& e,
+                                                       const EpilogueMaps& maps, TileStore& ts, const TileCoord& tc,
+                                                       int frag, int cb, const RowScales& gate, uint32_t gbox,
+                                                       uint32_t ubox, const float (&acc)[BN / 2], float (&dot)[2]) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+  const int32_t col0 = tc.col_block * BN, cols = p.n - col0, row = tc.row0 + 64 * frag;
+  const int rr = 16 * warp + lane / 4;
+  if (64 * cb >= cols) return;
+  auto offset = [&](int g, int half) { return sw128_offset(rr + 8 * half, g) + 4 * (lane & 3); };
+  auto pair = [&](int g, int half, uint32_t gp, uint32_t up) {
+    const int q = staged_acc(cb, g, half);
+    const bool valid = 64 * cb + 8 * g + 2 * (lane & 3) < cols && (Staged || 64 * frag + rr + 8 * half < tc.rows);
+    return GatedBackwardPair<T, A>(acc[q], acc[q + 1], gp, up, gate.v[half], valid, dot[half]);
+  };
+  if constexpr (Staged) {
+    // Two column groups at a time (an ldmatrix of gate and one of up, four pairs, their stmatrix):
+    // all sixteen pairs' inputs beside the 128 accumulators would spill.
+    uint32_t gact[8][2];
+#pragma unroll
+    for (int g = 0; g < 8; g += 2) {
+      uint32_t vg[2][2], vu[2][2];
+      ldmatrix_x4(box_matrices(gbox, g), vg[0][0], vg[0][1], vg[1][0], vg[1][1]);
+      ldmatrix_x4(box_matrices(ubox, g), vu[0][0], vu[0][1], vu[1][0], vu[1][1]);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const GatedBackwardPair<T, A> r = pair(g + i, half, vg[i][half], vu[i][half]);
+          vg[i][half] = r.dgate;
+          vu[i][half] = r.dup;
+          gact[g + i][half] = r.gact;
+        }
+      stmatrix_x4(box_matrices(gbox, g), vg[0][0], vg[0][1], vg[1][0], vg[1][1]);
+      stmatrix_x4(box_matrices(ubox, g), vu[0][0], vu[0][1], vu[1][0], vu[1][1]);
+    }
+    ts.box(maps.out, {col0 + 64 * cb, row}, [&](int g, int half) { return gact[g][half]; });
+    if (ts.leader) {  // dpre [rows][2][n]: the gate half, then the up half
+      const int32_t c0[3] = {col0 + 64 * cb, 0, row}, c1[3] = {col0 + 64 * cb, 1, row};
+      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &maps.pre, c0,
+                                      reinterpret_cast<const uint8_t*>(__cvta_shared_to_generic(gbox)));
+      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &maps.pre, c1,
+                                      reinterpret_cast<const uint8_t*>(__cvta_shared_to_generic(ubox)));
+      cuda::ptx::cp_async_bulk_commit_group();
+    }
+  } else {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 64 * frag + rr + 8 * half;
+      T* d = static_cast<T*>(e.c) + static_cast<int64_t>(tc.row0 + r) * e.ldc + col0;
+      T* a = static_cast<T*>(e.act) + static_cast<int64_t>(tc.row0 + r) * e.ld_act + col0;
+#pragma unroll
+      for (int g = 0; g < 8; ++g) {
+        const int c = 64 * cb + 8 * g + 2 * (lane & 3);
+        const GatedBackwardPair<T, A> v =
+            pair(g, half, ld_shared_b32(gbox + offset(g, half)), ld_shared_b32(ubox + offset(g, half)));
+        if (r < tc.rows && c < cols) {
+          *reinterpret_cast<uint32_t*>(d + c) = v.dgate;
+          *reinterpret_cast<uint32_t*>(d + p.n + c) = v.dup;
+          *reinterpret_cast<uint32_t*>(a + c) = v.gact;
+        }
+      }
+    }
+  }
+}
+
 // A fragment's rows' dg partial sums of column block `part`: the quad's four lanes hold a row's
 // columns; lane 0 of the quad writes the row's sum.
 __device__ __forceinline__ void store_dg(const EpilogueParams& e, const TileCoord& tc, int frag, int32_t part,
@@ -161,21 +258,32 @@ __device__ __forceinline__ void act_backward_fragment_as(const GroupedGemmParams
                                                          const EpilogueMaps& maps, TileStore& ts,
                                                          const StageRing<S>& ring, uint32_t& it, const TileCoord& tc,
                                                          int frag, const RowScales& gate, const float (&acc)[BN / 2]) {
+  constexpr bool kGated = is_gated(A);
+  constexpr int kPerPart = kGated ? 2 : 1;  // stages per kActBackwardBlockN columns (one dg part)
   const bool staged = tile_staged(maps, tc);
   const int32_t cols = p.n - tc.col_block * BN;
+  float dot[2] = {0.f, 0.f};
 #pragma unroll
-  for (int q = 0; q < pre_stages(BN); ++q, ++it) {
+  for (int q = 0; q < pre_stages(BN, kGated); ++q, ++it) {
     const uint32_t s = it % S;
     mbar_wait(&ring.full[s], (it / S) & 1);
     const uint32_t boxes = ring.base + s * TileConfig<BN>::kStageBytes + 2 * frag * kPreBoxBytes;
-    float dot[2] = {0.f, 0.f};
+    if constexpr (kGated) {
+      if (staged) act_backward_gated_box<T, A, BN, true>(p, e, maps, ts, tc, frag, q, gate, boxes, boxes + kPreBoxBytes, acc, dot);
+      else act_backward_gated_box<T, A, BN, false>(p, e, maps, ts, tc, frag, q, gate, boxes, boxes + kPreBoxBytes, acc, dot);
+    } else {
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const uint32_t box = boxes + b * kPreBoxBytes;
-      if (staged) act_backward_box<T, A, BN, true>(p, e, maps, ts, tc, frag, 2 * q + b, gate, box, acc, dot);
-      else act_backward_box<T, A, BN, false>(p, e, maps, ts, tc, frag, 2 * q + b, gate, box, acc, dot);
+      for (int b = 0; b < 2; ++b) {
+        const uint32_t box = boxes + b * kPreBoxBytes;
+        if (staged) act_backward_box<T, A, BN, true>(p, e, maps, ts, tc, frag, 2 * q + b, gate, box, acc, dot);
+        else act_backward_box<T, A, BN, false>(p, e, maps, ts, tc, frag, 2 * q + b, gate, box, acc, dot);
+      }
     }
-    if (kActBackwardBlockN * q < cols) store_dg(e, tc, frag, tc.col_block * pre_stages(BN) + q, dot);
+    if (q % kPerPart == kPerPart - 1) {
+      const int part = q / kPerPart;
+      if (kActBackwardBlockN * part < cols) store_dg(e, tc, frag, tc.col_block * (BN / kActBackwardBlockN) + part, dot);
+      dot[0] = dot[1] = 0.f;
+    }
     if (staged && ts.leader) cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<0>{});
     cuda::ptx::mbarrier_arrive(&ring.empty[s]);
   }
@@ -186,9 +294,15 @@ __device__ __forceinline__ void act_backward_fragment(const GroupedGemmParams& p
                                                       const EpilogueMaps& maps, TileStore& ts, const StageRing<S>& ring,
                                                       uint32_t& it, const TileCoord& tc, int frag,
                                                       const RowScales& gate, const float (&acc)[BN / 2]) {
-  switch (e.activation) {  // the plain ones (unsupported_reason refuses the gated)
+  switch (e.activation) {
     case Activation::kRelu:
       act_backward_fragment_as<T, Activation::kRelu, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);
+      break;
+    case Activation::kSwiglu:
+      act_backward_fragment_as<T, Activation::kSwiglu, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);
+      break;
+    case Activation::kGeglu:
+      act_backward_fragment_as<T, Activation::kGeglu, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);
       break;
     case Activation::kGelu:
       act_backward_fragment_as<T, Activation::kGelu, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);

@@ -168,8 +168,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 EpilogueMaps epilogue_maps(DType dt, const GroupedGemmParams& p, const EpilogueParams& e) {
   EpilogueMaps m;
   if (p.sched.m_total <= 0) return m;
+  // The activation backward's pre and dpre: [rows][2][n] when gated (gate and up halves).
+  const int halves = e.kind == EpilogueKind::kActivationBackward && is_gated(e.activation) ? 2 : 1;
   if (e.kind == EpilogueKind::kActivationBackward &&  // the loads' map (unsupported_reason checked TMA can)
-      !output_tensor_map(dt, e.pre, e.pre_out_rows ? e.pre_out_rows : p.sched.m_total, p.n, 1, e.ld_pre,
+      !output_tensor_map(dt, e.pre, e.pre_out_rows ? e.pre_out_rows : p.sched.m_total, p.n, halves, e.ld_pre,
                          &m.pre_load))
     fail(Status::kInternalError, "the activation-backward epilogue's pre map could not be encoded");
   if (!staged_epilogue_allowed()) return m;
@@ -180,7 +182,7 @@ EpilogueMaps epilogue_maps(DType dt, const GroupedGemmParams& p, const EpilogueP
     ok = output_tensor_map(dt, e.c, p.sched.m_total, p.n, 1, e.ldc, &m.out);
   } else if (e.kind == EpilogueKind::kActivationBackward) {
     ok = output_tensor_map(dt, e.act, p.sched.m_total, p.n, 1, e.ld_act, &m.out) &&
-         output_tensor_map(dt, e.c, p.sched.m_total, p.n, 1, e.ldc, &m.pre);
+         output_tensor_map(dt, e.c, p.sched.m_total, p.n, halves, e.ldc, &m.pre);
   } else {
     ok = e.act || e.pre;
     if (e.act) ok = ok && output_tensor_map(dt, e.act, act_rows, p.n, 1, e.ld_act, &m.out);
@@ -279,11 +281,12 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
     return "the output's leading dimension must be even and the output 4-byte aligned";
   if (e.kind == EpilogueKind::kActivationBackward) {
     if (p.gated) return "the activation-backward epilogue's GEMM is not gated (dact = dy W_down^T, n = h)";
-    if (is_gated(e.activation)) return "the activation-backward epilogue takes the plain activations (ReLU, GELU, SiLU)";
     if (!e.c || !e.act || !e.pre || !e.dg) return "the activation-backward epilogue needs pre, dpre, g act and dg";
-    if (!aligned16(e.pre) || e.ld_pre % 8 || e.ld_pre < p.n)
+    // Gated activations: pre and dpre hold the gate half, then the up half (2n columns).
+    const int64_t pre_cols = (is_gated(e.activation) ? 2 : 1) * static_cast<int64_t>(p.n);
+    if (!aligned16(e.pre) || e.ld_pre % 8 || e.ld_pre < pre_cols)
       return "the activation-backward epilogue reads pre by TMA: 16-byte aligned rows of at least its columns";
-    if (e.ldc < p.n || e.ld_act < p.n)
+    if (e.ldc < pre_cols || e.ld_act < p.n)
       return "the activation-backward outputs' leading dimensions must cover their columns";
     if (e.ldc % 2 || e.ld_act % 2 || reinterpret_cast<uintptr_t>(e.c) % 4 || reinterpret_cast<uintptr_t>(e.act) % 4)
       return "the activation-backward outputs' leading dimensions must be even and the outputs 4-byte aligned";
@@ -322,12 +325,12 @@ KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, Ke
   return kc;
 }
 
-bool act_backward_in_epilogue(const GroupedGemmParams& dact) {
+bool act_backward_in_epilogue(const GroupedGemmParams& dact, bool gated) {
   static const int forced = [] {  // 0: by the rule, 1: epilogue, -1: separate
     const char* v = std::getenv("MOEBLAZE_SM90_ACT_BACKWARD");
     return v && !std::strcmp(v, "separate") ? -1 : v && !std::strcmp(v, "epilogue") ? 1 : 0;
   }();
-  return forced ? forced > 0 : dact.k <= (dact.a_index ? 1024 : 2048);
+  return forced ? forced > 0 : dact.k <= (dact.a_index ? 1024 : 2048) && (!gated || dact.n >= 2048);
 }
 
 void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s) {

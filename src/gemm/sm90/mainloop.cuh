@@ -137,14 +137,14 @@ __device__ __forceinline__ void issue_b(const GroupedGemmParams& p, const TmaDes
   }
 }
 
-// What a tile's epilogue reads besides its accumulators, loaded by TMA into Loads::kStages more
+// What a tile's epilogue reads besides its accumulators, loaded by TMA into loads.stages() more
 // ring stages after the tile's k-blocks (kBytes each): issue(q, stage, tile, full barrier) by
 // the elected producer thread. The consumers take those stages after their MMAs, in ring order,
 // and release them like operand stages (gemm/sm90/epilogue_act_backward.cuh: the saved pre).
 // Most epilogues read nothing.
 struct NoEpilogueLoads {
-  static constexpr int kStages = 0;
   static constexpr uint32_t kBytes = 0;
+  __device__ int stages() const { return 0; }
   __device__ void issue(int, uint8_t*, const TileCoord&, uint64_t*) const {}
 };
 
@@ -200,7 +200,7 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
       }
       cuda::ptx::cp_async_mbarrier_arrive_noinc(&ring.full[s]);
     }
-    for (int q = 0; q < Loads::kStages; ++q, ++it) {
+    for (int q = 0; q < loads.stages(); ++q, ++it) {
       const uint32_t s = it % S;
       mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
       if (t == 0) {
@@ -246,7 +246,7 @@ __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& a
         }
         issue_b<BN, BMajor>(p, bmap, ring, s, tc, k0);
       }
-      for (int q = 0; q < Loads::kStages; ++q, ++it) {
+      for (int q = 0; q < loads.stages(); ++q, ++it) {
         const uint32_t s = it % S;
         mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
         mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, &ring.full[s], uint32_t{Loads::kBytes});

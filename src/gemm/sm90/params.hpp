@@ -25,9 +25,9 @@ enum class Major : int32_t { kK = 0, kMN = 1 };
 enum class EpilogueKind : int32_t {
   kStore = 0,       // C[p, j] = row_scale[p] * acc (row_scale optional), rounded to the dtype
   kActivation = 1,  // pre (optional) and act = f(pre) or f(gate) * up, both rounded to the dtype
-  // The activation backward on the dact GEMM's product (dact = dy W_down^T, n = h, a plain
-  // activation): dpre, g * act and per-column-block partial sums of dg from dact and the saved
-  // pre (EpilogueParams says where each lies; gemm/sm90/epilogue_act_backward.cuh).
+  // The activation backward on the dact GEMM's product (dact = dy W_down^T, n = h): dpre,
+  // g * act and per-column-block partial sums of dg from dact and the saved pre (EpilogueParams
+  // says where each lies; gemm/sm90/epilogue_act_backward.cuh).
   kActivationBackward = 2,
 };
 
@@ -93,11 +93,12 @@ struct EpilogueParams {
   const int32_t* act_expert_row = nullptr;
   int32_t pre_out_rows = 0;
   int32_t act_out_rows = 0;
-  // kActivationBackward (n = h, a plain activation: ReLU, GELU, SiLU): with da = acc rounded
-  // to the dtype (dact), g = row_scale[p] and u = pre's column read at pre's placed row
-  // (pre_expert_row and pre_out_rows as above; pre is an input here, loaded by TMA),
-  // act = f(u) rounded:
+  // kActivationBackward (n = h): with da = acc rounded to the dtype (dact), g = row_scale[p] and
+  // u = pre's column read at pre's placed row (pre_expert_row and pre_out_rows as above; pre is
+  // an input here, loaded by TMA), act = f(u) rounded (plain: ReLU, GELU, SiLU):
   //   c [m_total, ldc] (dpre): g da f'(u);   act [m_total, ld_act]: g act
+  // or, gated (SwiGLU, GeGLU; pre and dpre hold gate u then up b, 2n columns), act = f(u) b
+  // rounded: dpre's gate half g da b f'(u), its up half g da f(u);
   //   dg[cb * ld_dg + p] = sum of da act over the columns of column block cb (kActBackwardBlockN wide)
   // Rows and columns past the problem's are never written.
   float* dg = nullptr;

@@ -61,13 +61,13 @@ struct TileConfig {
 };
 
 // The activation-backward dact GEMM (cooperative tiles, gemm/sm90/epilogue_act_backward.cuh):
-// after a tile's k-blocks the producer loads the tile's saved pre into BN / 128 further ring
-// stages, each holding 128 columns of the tile's 128 rows as four 64 x 64 boxes (32 KB of a
-// stage), which the epilogue reads, overwrites with dpre and stores from.
-// Its dg partial sums come one per row and kActBackwardBlockN columns (one per pre stage).
+// after a tile's k-blocks the producer loads the tile's saved pre into further ring stages of
+// four 64 x 64 boxes each (32 KB of a stage), which the epilogue reads, overwrites with dpre and
+// stores from: 128 columns of the tile's 128 rows per stage, or, gated, 64 columns of gate and
+// up. Its dg partial sums come one per row and kActBackwardBlockN columns.
 constexpr int kActBackwardBlockN = 128;
 constexpr int kPreBoxBytes = 64 * 128;  // 64 rows x 64 columns of bf16/fp16
-MOEBLAZE_HD constexpr int pre_stages(int bn) { return bn / kActBackwardBlockN; }
+MOEBLAZE_HD constexpr int pre_stages(int bn, bool gated) { return gated ? bn / 64 : bn / kActBackwardBlockN; }
 static_assert(4 * kPreBoxBytes <= TileConfig<128>::kStageBytes, "a pre stage's boxes fit an operand stage");
 MOEBLAZE_HD int32_t act_backward_dg_parts(int64_t h) { return column_blocks(static_cast<int32_t>(h), 0, kActBackwardBlockN); }
 
