@@ -65,152 +65,103 @@ struct PreLoads {
   }
 };
 
-// One packed pair of the backward: in, dact (fp32) and the pre pair; out, the packed dpre and
-// g act pairs, and da act added to dot.
+// One packed pair of the backward: in, dact (fp32), the pre pair and, gated (act = f(gate) up),
+// the up pair; out, the packed dpre pair (gated: d gate, then d up) and g act pair, and da act
+// added to dot. The same products in the same order as the separate pass
+// (experts/expert_cuda.cu).
 template <class T, Activation A>
 struct BackwardPair {
-  uint32_t dpre, gact;
-  __device__ __forceinline__ BackwardPair(float a0, float a1, uint32_t pre, float g, bool valid, float& dot) {
+  uint32_t dpre[2], gact;
+  __device__ __forceinline__ BackwardPair(float a0, float a1, uint32_t pre, uint32_t up, float g, bool valid,
+                                          float& dot) {
     const float2 da = Elem<T>::unpack2(Elem<T>::pack2(a0, a1));  // dact in the dtype, as the separate pass reads it
     const float2 u = Elem<T>::unpack2(pre);
     const ActValueGrad v0 = act_value_grad(A, u.x), v1 = act_value_grad(A, u.y);
-    const float2 act = Elem<T>::unpack2(Elem<T>::pack2(v0.f, v1.f));
-    if (valid) dot += da.x * act.x + da.y * act.y;
-    dpre = Elem<T>::pack2(g * da.x * v0.df, g * da.y * v1.df);
-    gact = Elem<T>::pack2(g * act.x, g * act.y);
-  }
-};
-
-// One packed pair of the gated backward (act = f(gate) * up): in, dact (fp32) and the gate and
-// up pairs; out, the packed d gate, d up and g act pairs, and da act added to dot. The same
-// products in the same order as the separate pass (experts/expert_cuda.cu).
-template <class T, Activation A>
-struct GatedBackwardPair {
-  uint32_t dgate, dup, gact;
-  __device__ __forceinline__ GatedBackwardPair(float a0, float a1, uint32_t gate_pre, uint32_t up_pre, float g,
-                                               bool valid, float& dot) {
-    const float2 da = Elem<T>::unpack2(Elem<T>::pack2(a0, a1));
-    const float2 u = Elem<T>::unpack2(gate_pre), b = Elem<T>::unpack2(up_pre);
-    const ActValueGrad v0 = act_value_grad(A, u.x), v1 = act_value_grad(A, u.y);
-    const float2 act = Elem<T>::unpack2(Elem<T>::pack2(v0.f * b.x, v1.f * b.y));
-    if (valid) dot += da.x * act.x + da.y * act.y;
     const float gd0 = g * da.x, gd1 = g * da.y;
-    dgate = Elem<T>::pack2(gd0 * b.x * v0.df, gd1 * b.y * v1.df);
-    dup = Elem<T>::pack2(gd0 * v0.f, gd1 * v1.f);
+    float2 act;
+    if constexpr (is_gated(A)) {
+      const float2 b = Elem<T>::unpack2(up);
+      act = Elem<T>::unpack2(Elem<T>::pack2(v0.f * b.x, v1.f * b.y));
+      dpre[0] = Elem<T>::pack2(gd0 * b.x * v0.df, gd1 * b.y * v1.df);
+      dpre[1] = Elem<T>::pack2(gd0 * v0.f, gd1 * v1.f);
+    } else {
+      act = Elem<T>::unpack2(Elem<T>::pack2(v0.f, v1.f));
+      dpre[0] = Elem<T>::pack2(gd0 * v0.df, gd1 * v1.df);
+      dpre[1] = 0u;
+    }
+    if (valid) dot += da.x * act.x + da.y * act.y;
     gact = Elem<T>::pack2(g * act.x, g * act.y);
   }
 };
 
-// Column box cb of fragment frag (its pre at `box`, landed): dpre and g act, staged (Staged: a
-// full tile and TMA-addressable outputs) or from registers; its da act sums go to dot.
+// Column box cb of fragment frag, its pre (gated: gate, and up kPreBoxBytes after it) landed at
+// `box`: dpre (gated: both halves) and g act, staged (Staged: a full tile and TMA-addressable
+// outputs) or from registers; its da act sums go to dot.
 template <class T, Activation A, int BN, bool Staged>
 __device__ __forceinline__ void act_backward_box(const GroupedGemmParams& p, const EpilogueParams& e,
                                                  const EpilogueMaps& maps, TileStore& ts, const TileCoord& tc, int frag,
                                                  int cb, const RowScales& gate, uint32_t box,
                                                  const float (&acc)[BN / 2], float (&dot)[2]) {
+  constexpr int kIn = is_gated(A) ? 2 : 1;  // input boxes (pre; or gate and up), each written back as dpre's half
   const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
   const int32_t col0 = tc.col_block * BN, cols = p.n - col0, row = tc.row0 + 64 * frag;
   const int rr = 16 * warp + lane / 4;  // the thread's first row in the fragment (+ 8: its second)
   if (64 * cb >= cols) return;
   // Pair (g, half): columns 64 cb + 8 g + 2 (lane % 4), +1 and row rr + 8 half of the fragment,
-  // at the same offset in the pre box, the staged boxes and (in place) the dpre box.
+  // at the same offset in the input boxes, the staged boxes and (in place) the dpre boxes.
   auto offset = [&](int g, int half) { return sw128_offset(rr + 8 * half, g) + 4 * (lane & 3); };
-  auto pair = [&](int g, int half, uint32_t pre) {
+  auto pair = [&](int g, int half, uint32_t pre, uint32_t up) {
     const int q = staged_acc(cb, g, half);
     const bool valid = 64 * cb + 8 * g + 2 * (lane & 3) < cols && (Staged || 64 * frag + rr + 8 * half < tc.rows);
-    return BackwardPair<T, A>(acc[q], acc[q + 1], pre, gate.v[half], valid, dot[half]);
+    return BackwardPair<T, A>(acc[q], acc[q + 1], pre, up, gate.v[half], valid, dot[half]);
   };
   if constexpr (Staged) {
-    // The box's pre by four ldmatrix, its 16 pairs as independent chains, dpre back in place by
-    // four stmatrix: 8 shared-memory instructions instead of 32, and no load -> math -> store
-    // chain per pair (shared-memory accesses are ordered asm); ~1% on the dact GEMM
-    // (perf/NOTES.md, step 20).
-    uint32_t v[8][2], gact[8][2];
+    // The boxes' pairs by ldmatrix, as independent chains, dpre back in place by stmatrix: 8
+    // shared-memory instructions per box instead of 32, and no load -> math -> store chain per
+    // pair (shared-memory accesses are ordered asm); ~1% on the dact GEMM (perf/NOTES.md, step
+    // 20). Gated, two column groups at a time: all sixteen pairs' gate and up inputs beside the
+    // 128 accumulators would spill.
+    constexpr int kChunk = is_gated(A) ? 2 : 8;
+    uint32_t gact[8][2];
 #pragma unroll
-    for (int g = 0; g < 8; g += 2) ldmatrix_x4(box_matrices(box, g), v[g][0], v[g][1], v[g + 1][0], v[g + 1][1]);
+    for (int g0 = 0; g0 < 8; g0 += kChunk) {
+      uint32_t v[kIn][kChunk][2];
 #pragma unroll
-    for (int g = 0; g < 8; ++g)
+      for (int j = 0; j < kIn; ++j)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const BackwardPair<T, A> r = pair(g, half, v[g][half]);
-        v[g][half] = r.dpre;
-        gact[g][half] = r.gact;
-      }
+        for (int g = 0; g < kChunk; g += 2)
+          ldmatrix_x4(box_matrices(box + j * kPreBoxBytes, g0 + g), v[j][g][0], v[j][g][1], v[j][g + 1][0],
+                      v[j][g + 1][1]);
 #pragma unroll
-    for (int g = 0; g < 8; g += 2) stmatrix_x4(box_matrices(box, g), v[g][0], v[g][1], v[g + 1][0], v[g + 1][1]);
+      for (int g = 0; g < kChunk; ++g)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const BackwardPair<T, A> r = pair(g0 + g, half, v[0][g][half], v[kIn - 1][g][half]);
+#pragma unroll
+          for (int j = 0; j < kIn; ++j) v[j][g][half] = r.dpre[j];
+          gact[g0 + g][half] = r.gact;
+        }
+#pragma unroll
+      for (int j = 0; j < kIn; ++j)
+#pragma unroll
+        for (int g = 0; g < kChunk; g += 2)
+          stmatrix_x4(box_matrices(box + j * kPreBoxBytes, g0 + g), v[j][g][0], v[j][g][1], v[j][g + 1][0],
+                      v[j][g + 1][1]);
+    }
     ts.box(maps.out, {col0 + 64 * cb, row}, [&](int g, int half) { return gact[g][half]; });
     // ts.box fenced every thread's writes (the dpre ones too) and synced the warpgroup.
     if (ts.leader) {
-      const int32_t c[2] = {col0 + 64 * cb, row};
-      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &maps.pre, c,
-                                      reinterpret_cast<const uint8_t*>(__cvta_shared_to_generic(box)));
-      cuda::ptx::cp_async_bulk_commit_group();
-    }
-  } else {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = 64 * frag + rr + 8 * half;
-      T* d = static_cast<T*>(e.c) + static_cast<int64_t>(tc.row0 + r) * e.ldc + col0;
-      T* a = static_cast<T*>(e.act) + static_cast<int64_t>(tc.row0 + r) * e.ld_act + col0;
-#pragma unroll
-      for (int g = 0; g < 8; ++g) {
-        const int c = 64 * cb + 8 * g + 2 * (lane & 3);
-        const BackwardPair<T, A> v = pair(g, half, ld_shared_b32(box + offset(g, half)));
-        if (r < tc.rows && c < cols) {
-          *reinterpret_cast<uint32_t*>(d + c) = v.dpre;
-          *reinterpret_cast<uint32_t*>(a + c) = v.gact;
+      for (int j = 0; j < kIn; ++j) {
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(__cvta_shared_to_generic(box + j * kPreBoxBytes));
+        if constexpr (kIn == 2) {  // dpre [rows][2][n]: the gate half, then the up half
+          const int32_t c[3] = {col0 + 64 * cb, j, row};
+          cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &maps.pre, c, src);
+        } else {
+          const int32_t c[2] = {col0 + 64 * cb, row};
+          cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &maps.pre, c, src);
         }
       }
-    }
-  }
-}
-
-// Gated: column box cb of fragment frag from its gate and up boxes (landed): d gate and d up
-// (dpre's two halves, written in place into those boxes and stored from them) and g act; its
-// da act sums go to dot.
-template <class T, Activation A, int BN, bool Staged>
-__device__ __forceinline__ void act_backward_gated_box(const GroupedGemmParams& p, const EpilogueParams& e,
-                                                       const EpilogueMaps& maps, TileStore& ts, const TileCoord& tc,
-                                                       int frag, int cb, const RowScales& gate, uint32_t gbox,
-                                                       uint32_t ubox, const float (&acc)[BN / 2], float (&dot)[2]) {
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
-  const int32_t col0 = tc.col_block * BN, cols = p.n - col0, row = tc.row0 + 64 * frag;
-  const int rr = 16 * warp + lane / 4;
-  if (64 * cb >= cols) return;
-  auto offset = [&](int g, int half) { return sw128_offset(rr + 8 * half, g) + 4 * (lane & 3); };
-  auto pair = [&](int g, int half, uint32_t gp, uint32_t up) {
-    const int q = staged_acc(cb, g, half);
-    const bool valid = 64 * cb + 8 * g + 2 * (lane & 3) < cols && (Staged || 64 * frag + rr + 8 * half < tc.rows);
-    return GatedBackwardPair<T, A>(acc[q], acc[q + 1], gp, up, gate.v[half], valid, dot[half]);
-  };
-  if constexpr (Staged) {
-    // Two column groups at a time (an ldmatrix of gate and one of up, four pairs, their stmatrix):
-    // all sixteen pairs' inputs beside the 128 accumulators would spill.
-    uint32_t gact[8][2];
-#pragma unroll
-    for (int g = 0; g < 8; g += 2) {
-      uint32_t vg[2][2], vu[2][2];
-      ldmatrix_x4(box_matrices(gbox, g), vg[0][0], vg[0][1], vg[1][0], vg[1][1]);
-      ldmatrix_x4(box_matrices(ubox, g), vu[0][0], vu[0][1], vu[1][0], vu[1][1]);
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const GatedBackwardPair<T, A> r = pair(g + i, half, vg[i][half], vu[i][half]);
-          vg[i][half] = r.dgate;
-          vu[i][half] = r.dup;
-          gact[g + i][half] = r.gact;
-        }
-      stmatrix_x4(box_matrices(gbox, g), vg[0][0], vg[0][1], vg[1][0], vg[1][1]);
-      stmatrix_x4(box_matrices(ubox, g), vu[0][0], vu[0][1], vu[1][0], vu[1][1]);
-    }
-    ts.box(maps.out, {col0 + 64 * cb, row}, [&](int g, int half) { return gact[g][half]; });
-    if (ts.leader) {  // dpre [rows][2][n]: the gate half, then the up half
-      const int32_t c0[3] = {col0 + 64 * cb, 0, row}, c1[3] = {col0 + 64 * cb, 1, row};
-      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &maps.pre, c0,
-                                      reinterpret_cast<const uint8_t*>(__cvta_shared_to_generic(gbox)));
-      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &maps.pre, c1,
-                                      reinterpret_cast<const uint8_t*>(__cvta_shared_to_generic(ubox)));
       cuda::ptx::cp_async_bulk_commit_group();
     }
   } else {
@@ -222,11 +173,11 @@ __device__ __forceinline__ void act_backward_gated_box(const GroupedGemmParams& 
 #pragma unroll
       for (int g = 0; g < 8; ++g) {
         const int c = 64 * cb + 8 * g + 2 * (lane & 3);
-        const GatedBackwardPair<T, A> v =
-            pair(g, half, ld_shared_b32(gbox + offset(g, half)), ld_shared_b32(ubox + offset(g, half)));
+        const uint32_t pre = ld_shared_b32(box + offset(g, half));
+        const BackwardPair<T, A> v = pair(g, half, pre, kIn == 2 ? ld_shared_b32(box + kPreBoxBytes + offset(g, half)) : 0u);
         if (r < tc.rows && c < cols) {
-          *reinterpret_cast<uint32_t*>(d + c) = v.dgate;
-          *reinterpret_cast<uint32_t*>(d + p.n + c) = v.dup;
+#pragma unroll
+          for (int j = 0; j < kIn; ++j) *reinterpret_cast<uint32_t*>(d + j * p.n + c) = v.dpre[j];
           *reinterpret_cast<uint32_t*>(a + c) = v.gact;
         }
       }
@@ -268,16 +219,13 @@ __device__ __forceinline__ void act_backward_fragment_as(const GroupedGemmParams
     const uint32_t s = it % S;
     mbar_wait(&ring.full[s], (it / S) & 1);
     const uint32_t boxes = ring.base + s * TileConfig<BN>::kStageBytes + 2 * frag * kPreBoxBytes;
-    if constexpr (kGated) {
-      if (staged) act_backward_gated_box<T, A, BN, true>(p, e, maps, ts, tc, frag, q, gate, boxes, boxes + kPreBoxBytes, acc, dot);
-      else act_backward_gated_box<T, A, BN, false>(p, e, maps, ts, tc, frag, q, gate, boxes, boxes + kPreBoxBytes, acc, dot);
-    } else {
+    // Column boxes per stage: two of a plain pre, one of gate and up.
+    constexpr int kBoxes = kGated ? 1 : 2;
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        const uint32_t box = boxes + b * kPreBoxBytes;
-        if (staged) act_backward_box<T, A, BN, true>(p, e, maps, ts, tc, frag, 2 * q + b, gate, box, acc, dot);
-        else act_backward_box<T, A, BN, false>(p, e, maps, ts, tc, frag, 2 * q + b, gate, box, acc, dot);
-      }
+    for (int b = 0; b < kBoxes; ++b) {
+      const uint32_t box = boxes + b * kPreBoxBytes;
+      if (staged) act_backward_box<T, A, BN, true>(p, e, maps, ts, tc, frag, kBoxes * q + b, gate, box, acc, dot);
+      else act_backward_box<T, A, BN, false>(p, e, maps, ts, tc, frag, kBoxes * q + b, gate, box, acc, dot);
     }
     if (q % kPerPart == kPerPart - 1) {
       const int part = q / kPerPart;
