@@ -31,7 +31,7 @@ MOEBLAZE_HD float sigmoid_f(float u) {
 
 // f(u) and f'(u) of the activation's nonlinearity (silu for SwiGLU, gelu for GeGLU), the one
 // definition of both: the activation backward needs them together (one sigmoid or erf each),
-// and act_fn / act_grad take one half (the compiler drops the other).
+// and act_fn takes f alone (the compiler drops df).
 struct ActValueGrad {
   float f, df;
 };
@@ -52,8 +52,20 @@ MOEBLAZE_HD ActValueGrad act_value_grad(Activation a, float u) {
 // f(u).
 MOEBLAZE_HD float act_fn(Activation a, float u) { return act_value_grad(a, u).f; }
 
-// f'(u).
-MOEBLAZE_HD float act_grad(Activation a, float u) { return act_value_grad(a, u).df; }
+// The activation backward at one element, the one definition of its products for every engine
+// (the CPU engine, the elementwise CUDA pass, the dact GEMM's epilogue), before the caller rounds
+// to its dtype (per element, or per packed pair in the epilogue). u is the pre-activation (gated:
+// the gate half), b the up half (gated only; ignored otherwise), gd the gradient reaching act
+// (dact, times the routing gate where the caller folds it in). act = f(u) b or f(u); du, db the
+// gradients of u and b (db = 0 when plain).
+struct ActBackward {
+  float act, du, db;
+};
+MOEBLAZE_HD ActBackward act_backward(Activation a, float u, float b, float gd) {
+  const ActValueGrad v = act_value_grad(a, u);
+  if (is_gated(a)) return {v.f * b, gd * b * v.df, gd * v.f};
+  return {v.f, gd * v.df, 0.f};
+}
 
 }  // namespace v0
 }  // namespace moeblaze

@@ -95,16 +95,11 @@ __global__ void activation_backward_kernel(Activation a, int64_t P, int64_t h, c
     }
 #pragma unroll
     for (int q = 0; q < W; ++q) {
-      const float f = act_fn(a, u[q]);
-      const float act = round_as<T>(gated ? f * b[q] : f);
+      const ActBackward v = act_backward(a, u[q], gated ? b[q] : 0.f, g * da[q]);
+      const float act = round_as<T>(v.act);
       dot += da[q] * act;
-      const float gd = g * da[q];
-      if (gated) {
-        o1[q] = gd * b[q] * act_grad(a, u[q]);
-        o2[q] = gd * f;
-      } else {
-        o1[q] = gd * act_grad(a, u[q]);
-      }
+      o1[q] = v.du;
+      o2[q] = v.db;
       ga[q] = g * act;
     }
     if (W == 8) {

@@ -86,13 +86,10 @@ void activation_backward(Activation a, int64_t R, int64_t h, const float* pre, c
     const float* p = pre + r * ld;
     const float* d = dact + r * h;
     float* o = dpre + r * ld;
-    if (gated) {
-      for (int64_t i = 0; i < h; ++i) {
-        o[i] = round_to(round, d[i] * p[h + i] * act_grad(a, p[i]));  // dA
-        o[h + i] = round_to(round, d[i] * act_fn(a, p[i]));           // dB
-      }
-    } else {
-      for (int64_t i = 0; i < h; ++i) o[i] = round_to(round, d[i] * act_grad(a, p[i]));
+    for (int64_t i = 0; i < h; ++i) {
+      const ActBackward v = act_backward(a, p[i], gated ? p[h + i] : 0.f, d[i]);
+      o[i] = round_to(round, v.du);
+      if (gated) o[h + i] = round_to(round, v.db);
     }
   }
 }

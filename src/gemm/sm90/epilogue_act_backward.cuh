@@ -67,8 +67,8 @@ struct PreLoads {
 
 // One packed pair of the backward: in, dact (fp32), the pre pair and, gated (act = f(gate) up),
 // the up pair; out, the packed dpre pair (gated: d gate, then d up) and g act pair, and da act
-// added to dot. The same products in the same order as the separate pass
-// (experts/expert_cuda.cu).
+// added to dot. The products are act_backward's, as in the separate pass (experts/expert_cuda.cu);
+// the rounding is one pack per pair (perf/NOTES.md, step 12).
 template <class T, Activation A>
 struct BackwardPair {
   uint32_t dpre[2], gact;
@@ -76,19 +76,11 @@ struct BackwardPair {
                                           float& dot) {
     const float2 da = Elem<T>::unpack2(Elem<T>::pack2(a0, a1));  // dact in the dtype, as the separate pass reads it
     const float2 u = Elem<T>::unpack2(pre);
-    const ActValueGrad v0 = act_value_grad(A, u.x), v1 = act_value_grad(A, u.y);
-    const float gd0 = g * da.x, gd1 = g * da.y;
-    float2 act;
-    if constexpr (is_gated(A)) {
-      const float2 b = Elem<T>::unpack2(up);
-      act = Elem<T>::unpack2(Elem<T>::pack2(v0.f * b.x, v1.f * b.y));
-      dpre[0] = Elem<T>::pack2(gd0 * b.x * v0.df, gd1 * b.y * v1.df);
-      dpre[1] = Elem<T>::pack2(gd0 * v0.f, gd1 * v1.f);
-    } else {
-      act = Elem<T>::unpack2(Elem<T>::pack2(v0.f, v1.f));
-      dpre[0] = Elem<T>::pack2(gd0 * v0.df, gd1 * v1.df);
-      dpre[1] = 0u;
-    }
+    const float2 b = is_gated(A) ? Elem<T>::unpack2(up) : make_float2(0.f, 0.f);
+    const ActBackward v0 = act_backward(A, u.x, b.x, g * da.x), v1 = act_backward(A, u.y, b.y, g * da.y);
+    const float2 act = Elem<T>::unpack2(Elem<T>::pack2(v0.act, v1.act));
+    dpre[0] = Elem<T>::pack2(v0.du, v1.du);
+    dpre[1] = is_gated(A) ? Elem<T>::pack2(v0.db, v1.db) : 0u;
     if (valid) dot += da.x * act.x + da.y * act.y;
     gact = Elem<T>::pack2(g * act.x, g * act.y);
   }
