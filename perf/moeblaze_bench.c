@@ -200,42 +200,64 @@ static double elapsed(backend* b) {
 }
 
 /* The ceiling: dense bf16 cuBLAS GEMMs of the same total FLOPs, back to back (8192^3 each, or
- * one square GEMM of the same FLOPs when smaller). Returns the median time in ms, or NaN. */
-static double dense_ceiling_ms(backend* b, double flops, int reps) {
+ * one square GEMM of the same FLOPs when smaller). run_one times one repetition of it after each
+ * repetition of the layer, so that both see the same clocks: the H100's dense rate moves by
+ * ~10% between bursts and its sustained 700 W state (../shared/bench/peers-h100.md), and a
+ * ceiling timed once, apart from the layer, moved a config's % of dense by that much between runs
+ * (perf/NOTES.md, step 22). */
+typedef struct dense_ceiling {
+  int64_t n, count;  /* count GEMMs of n x n x n */
+  double scale;      /* the layer's FLOPs over the GEMMs' */
+  void *A, *B, *C;
+} dense_ceiling;
+
+static dense_ceiling dense_ceiling_create(backend* b, double flops) {
+  dense_ceiling dc;
+  memset(&dc, 0, sizeof dc);
 #ifdef MOEBLAZE_BENCH_CUDA
-  if (!b->cuda) return NAN;
+  if (!b->cuda) return dc;
   const double f8192 = 2.0 * 8192.0 * 8192.0 * 8192.0;
-  int64_t n = 8192, count = (int64_t)(flops / f8192 + 0.5);
+  dc.n = 8192;
+  dc.count = (int64_t)(flops / f8192 + 0.5);
   if (flops < f8192) {
-    count = 1;
-    n = (int64_t)(cbrt(flops / 2.0) / 256.0 + 0.5) * 256;
-    if (n < 256) n = 256;
+    dc.count = 1;
+    dc.n = (int64_t)(cbrt(flops / 2.0) / 256.0 + 0.5) * 256;
+    if (dc.n < 256) dc.n = 256;
   }
-  const double actual = 2.0 * (double)n * (double)n * (double)n * (double)count;
-  moeblaze_dtype_t bf16 = MOEBLAZE_DTYPE_BF16;
-  void* hA = random_tensor(bf16, (size_t)(n * n), 1.0);
-  void *A = buf_upload(b, hA, (size_t)(n * n) * 2), *B = buf_upload(b, hA, (size_t)(n * n) * 2);
-  void* C = buf_alloc(b, (size_t)(n * n) * 2);
+  dc.scale = flops / (2.0 * (double)dc.n * (double)dc.n * (double)dc.n * (double)dc.count);
+  const moeblaze_dtype_t bf16 = MOEBLAZE_DTYPE_BF16;
+  void* hA = random_tensor(bf16, (size_t)(dc.n * dc.n), 1.0);
+  dc.A = buf_upload(b, hA, (size_t)(dc.n * dc.n) * 2);
+  dc.B = buf_upload(b, hA, (size_t)(dc.n * dc.n) * 2);
+  dc.C = buf_alloc(b, (size_t)(dc.n * dc.n) * 2);
   free(hA);
-  const float alpha = 1.f, beta = 0.f;
-  double* t = malloc(sizeof(double) * (size_t)reps);
-  for (int r = -2; r < reps; ++r) {
-    mark(b, 0);
-    for (int64_t i = 0; i < count; ++i)
-      cublasGemmEx(b->blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)n, (int)n, (int)n, &alpha, A, CUDA_R_16BF, (int)n, B, CUDA_R_16BF,
-                   (int)n, &beta, C, CUDA_R_16BF, (int)n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    mark(b, 1);
-    double ms = elapsed(b);
-    if (r >= 0) t[r] = ms;
-  }
-  double m = median(t, reps) * flops / actual;
-  free(t);
-  buf_free(b, A); buf_free(b, B); buf_free(b, C);
-  return m;
 #else
-  (void)b; (void)flops; (void)reps;
+  (void)b; (void)flops;
+#endif
+  return dc;
+}
+
+/* One repetition, in ms scaled to the layer's FLOPs; NaN without a GPU. */
+static double dense_ceiling_rep_ms(backend* b, const dense_ceiling* dc) {
+#ifdef MOEBLAZE_BENCH_CUDA
+  if (!dc->A) return NAN;
+  const float alpha = 1.f, beta = 0.f;
+  const int n = (int)dc->n;
+  mark(b, 0);
+  for (int64_t i = 0; i < dc->count; ++i)
+    cublasGemmEx(b->blas, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, dc->A, CUDA_R_16BF, n, dc->B, CUDA_R_16BF, n, &beta, dc->C,
+                 CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  mark(b, 1);
+  return elapsed(b) * dc->scale;
+#else
+  (void)b; (void)dc;
   return NAN;
 #endif
+}
+
+static void dense_ceiling_destroy(backend* b, dense_ceiling* dc) {
+  if (!dc->A) return;
+  buf_free(b, dc->A); buf_free(b, dc->B); buf_free(b, dc->C);
 }
 
 static const char* act_name(int a) {
@@ -404,6 +426,7 @@ static void parse(int argc, char** argv, options* o) {
 
 typedef struct result {
   double fwd, bwd, total, ceiling, err;
+  double dense_ratio; /* median over repetitions of ceiling / fwd+bwd, each pair timed together */
   size_t saved, ws_fwd, ws_bwd;
   int64_t L, check_tokens;
   int64_t engine; /* the engine the handle resolved to */
@@ -476,6 +499,9 @@ static result run_one(backend* be, const options* o, const bench_config* c, int 
   double* tf = malloc(sizeof(double) * (size_t)reps);
   double* tb = malloc(sizeof(double) * (size_t)reps);
   double* tt = malloc(sizeof(double) * (size_t)reps);
+  double* tc = malloc(sizeof(double) * (size_t)reps);
+  double* tr = malloc(sizeof(double) * (size_t)reps);
+  dense_ceiling dc = dense_ceiling_create(be, flop_per_token * (double)L);
   const int warmup = be->cuda && o->warmup < 3 ? 3 : o->warmup;
   for (int r = -warmup; r < reps; ++r) {
     mark(be, 0);
@@ -486,13 +512,17 @@ static result run_one(backend* be, const options* o, const bench_config* c, int 
     CHECK(moeblaze_backward(handle, bwd, 9, saved, res.saved, ws, ws_bytes, stream));
     mark(be, 1);
     double bk = elapsed(be);
-    if (r >= 0) { tf[r] = f; tb[r] = bk; tt[r] = f + bk; }
+    const double ceiling = dense_ceiling_rep_ms(be, &dc);
+    if (r >= 0) { tf[r] = f; tb[r] = bk; tt[r] = f + bk; tc[r] = ceiling; tr[r] = ceiling / (f + bk); }
   }
+  dense_ceiling_destroy(be, &dc);
   res.fwd = median(tf, reps);
   res.bwd = median(tb, reps);
   res.total = median(tt, reps);
   res.L = L;
-  res.ceiling = dense_ceiling_ms(be, flop_per_token * (double)L, 5);
+  res.ceiling = be->cuda ? median(tc, reps) : NAN;
+  res.dense_ratio = be->cuda ? median(tr, reps) : NAN;
+  free(tc); free(tr);
   free(tf); free(tb); free(tt);
 
   /* One checked step on the first check_tokens tokens (the fp64 reference is slow). */
@@ -573,7 +603,7 @@ int main(int argc, char** argv) {
 #endif
   printf("# %s\n", moeblaze_get_build_info());
   if (be.cuda)
-    printf("# engine: CUDA %s on device 0 of %d (the resolved engine is in the JSON); median of %d reps after warm-up, CUDA events; ceiling = dense bf16 cuBLAS GEMMs of the same FLOPs in the same run\n",
+    printf("# engine: CUDA %s on device 0 of %d (the resolved engine is in the JSON); median of %d reps after warm-up, CUDA events; ceiling = dense bf16 cuBLAS GEMMs of the same FLOPs, timed after each repetition of the layer; %% of dense = the median of those pairs' ratios\n",
            o.engine == MOEBLAZE_ENGINE_CUDA_FUSED ? "fused" : o.engine == MOEBLAZE_ENGINE_CUDA_CUBLASLT ? "cuBLASLt" : "AUTO",
            gpus, o.reps > 0 ? o.reps : 20);
   if (be.cuda && o.window) printf("# fused engine windows of %lld tokens (MOEBLAZE_ATTR_WINDOW_TOKENS)\n", (long long)o.window);
@@ -628,7 +658,7 @@ int main(int argc, char** argv) {
       char ceiling[32] = "-", ratio[32] = "-"; /* no dense ceiling on the CPU */
       if (!isnan(r.ceiling)) {
         snprintf(ceiling, sizeof ceiling, "%.3f", r.ceiling);
-        snprintf(ratio, sizeof ratio, "%.1f", 100.0 * r.ceiling / r.total);
+        snprintf(ratio, sizeof ratio, "%.1f", 100.0 * r.dense_ratio);
       }
       const char* verdict = isnan(r.err) ? "-" : r.err <= tolerance(o.dtype) ? "pass" : "FAIL";
       failed += !isnan(r.err) && !(r.err <= tolerance(o.dtype));
@@ -651,6 +681,7 @@ int main(int argc, char** argv) {
         json_number(json, "fwd_bwd_ms", r.total, "%.4f");
         json_number(json, be.cuda ? "tflops" : "gflops", flops, "%.4f");
         json_number(json, "ceiling_ms", r.ceiling, "%.4f");
+        json_number(json, "dense_ratio", r.dense_ratio, "%.4f");
         fprintf(json, ",\"saved_bytes\":%zu,\"workspace_fwd_bytes\":%zu,\"workspace_bwd_bytes\":%zu,\"peak_bytes\":%.0f", r.saved,
                 r.ws_fwd, r.ws_bwd, peak);
         json_number(json, "max_rel_err", r.err, "%.3e");
