@@ -607,7 +607,7 @@ int main(int argc, char** argv) {
            o.engine == MOEBLAZE_ENGINE_CUDA_FUSED ? "fused" : o.engine == MOEBLAZE_ENGINE_CUDA_CUBLASLT ? "cuBLASLt" : "AUTO",
            gpus, o.reps > 0 ? o.reps : 20);
   if (be.cuda && o.window) printf("# fused engine windows of %lld tokens (MOEBLAZE_ATTR_WINDOW_TOKENS)\n", (long long)o.window);
-  else
+  if (!be.cuda)
     printf("# engine: CPU reference (%d CUDA device(s) seen)%s. On the CPU these numbers show correctness, not speed:\n"
            "# the GPU results are in perf/RESULTS.md (and the README's summary).\n",
            gpus, o.tokens || o.quick ? "" : "; tokens reduced so that one fwd+bwd step costs about --cpu-gflop GFLOP");
