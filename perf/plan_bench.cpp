@@ -1,8 +1,8 @@
 // perf/plan-bench: the routing plan built by the paper's three atomic-free passes against the
 // CUB radix-sort baseline, on the GPU. Prints time (median of CUDA-event timings) and
 // effective bandwidth (ids read once, the three index lists written once: 16 L k bytes) for
-// (L, E, k) = (65536, 16, 4), (262144, 64, 8), (1048576, 256, 8), plus the scratch each
-// build needs, and checks that both builds give identical plans.
+// (L, E, k) = (65536, 16, 4), (40960, 128, 8), (262144, 64, 8), (1048576, 256, 8), plus the scratch each
+// build needs, and checks that both builds give identical plans. `plan-bench L E k` runs one case.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -58,14 +58,22 @@ double median_ms(F&& f, cudaStream_t s, int reps) {
   return t[t.size() / 2];
 }
 
-int main() {
+int main(int argc, char** argv) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     std::printf("plan-bench: no CUDA device\n");
     return 77;
   }
   struct Case { int64_t L, E, k; };
-  const Case cases[] = {{65536, 16, 4}, {262144, 64, 8}, {1048576, 256, 8}};
+  std::vector<Case> cases = {{65536, 16, 4}, {40960, 128, 8}, {262144, 64, 8}, {1048576, 256, 8}};
+  if (argc == 4) {  // one case: plan-bench L E k (for a profiler)
+    const Case one{std::atoll(argv[1]), std::atoll(argv[2]), std::atoll(argv[3])};
+    if (one.L < 1 || one.E < 1 || one.k < 1 || one.k > one.E) {
+      std::fprintf(stderr, "usage: plan-bench [L E k], 1 <= k <= E\n");
+      return 2;
+    }
+    cases = {one};
+  }
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
   std::printf("| L | E | k | three-pass ms | GB/s | scratch MiB | CUB radix sort ms | GB/s | scratch MiB | speedup | identical |\n");

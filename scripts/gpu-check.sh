@@ -15,8 +15,8 @@
 # SASS check (HGMMA, no local memory) and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g.
 # "--bn 256"; "skip" runs no bench); GEMM_SANITIZE="memcheck racecheck synccheck" runs the
 # kernel tests under those tools.
-# sanitize: memcheck, racecheck, initcheck and synccheck on the quick subset of the GPU tests
-# and on test_gpu_hardening; sanitize-full: racecheck and initcheck on the full GPU test set
+# sanitize: memcheck, racecheck, initcheck and synccheck on the quick subset of the GPU tests,
+# on test_gpu_hardening and on test_plan_cuda; sanitize-full: racecheck and initcheck on the full GPU test set
 # (not part of "all": about 10 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -107,6 +107,7 @@ if want sanitize; then
     [ $tool = racecheck ] && extra=(MOEBLAZE_TEST_ENGINE=fused) && label="quick subset, fused engine"
     sanitize $tool "$label" build-gpu/tests/gpu/test_gpu_vs_cpu MOEBLAZE_GPU_TEST_QUICK=1 "${extra[@]}"
     sanitize $tool "hardening" build-gpu/tests/gpu/test_gpu_hardening "${extra[@]}"
+    sanitize $tool "routing plan" build-gpu/tests/plan/test_plan_cuda
   done
   for dt in 0 1; do
     compute-sanitizer --tool initcheck build-gpu/tests/gpu/initcheck-tma-probe $dt > /tmp/probe.log 2>&1

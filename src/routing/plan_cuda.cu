@@ -1,12 +1,17 @@
-// The routing plan on the GPU, the paper's three atomic-free passes with no sort:
-//   1. dense map: per tile of T tokens, a T x E byte map in shared memory (each (t, e) pair is
-//      written by one thread: a token's experts are distinct), then per-expert column counts
-//      (one warp per column: ballot + popcount);
+// The routing plan on the GPU, the paper's three atomic-free passes with no sort, over tiles of
+// T = 32 G tokens (G groups of 32):
+//   1. token-expert map: per tile, a bitmap in shared memory, one 32-bit word per (expert,
+//      group) holding which of the group's 32 tokens chose the expert (the lanes of a warp
+//      that hold the same expert combine their bits by match_any; the lowest writes the word),
+//      then per-expert counts (popcounts);
 //   2. one exclusive scan of the counts in (expert, tile) order: expert offsets and the base of
 //      every (tile, expert) block;
-//   3. location map: the tile's map is rebuilt and each expert's column scanned in token order
-//      by one warp (ballot + prefix popcount), writing expert_token_indices and token_index_map.
-// The dense map never leaves shared memory, so scratch is O((L / T) E), bounded for large E.
+//   3. location map: the tile's bitmap is rebuilt and each expert column's word prefixes are
+//      scanned from the block's base; expert_token_indices is written word by word in expert
+//      order, token_index_map slot by slot (prefix + popcount of the marks below the token in
+//      its word), so both are written in order.
+// The map never leaves shared memory, so scratch is O((L / T) E), bounded for large E; with
+// more experts than the map holds, a tile takes them in passes.
 // A CUB radix-sort build sits beside it as the baseline of perf/plan-bench.
 #include <algorithm>
 
@@ -26,37 +31,76 @@ namespace routing {
 namespace {
 
 constexpr int kPlanThreads = 256;
-constexpr int64_t kDenseMapBytes = 32768;
+// Map words per tile and pass; the place pass keeps as many int32 prefixes beside them: 66 KiB
+// of shared memory, three blocks per SM. 8,448 = 256 experts x (32 groups + 1 pad word).
+constexpr int64_t kPlanMapWords = 8448;
 
-// The tile's map is stored expert-major (dense[e T + r]), so a warp reading 32 consecutive
-// rows of one expert's column touches 32 consecutive bytes: no shared-memory bank conflicts.
-__device__ void fill_dense(const int32_t* ids, int64_t t0, int64_t rows, int64_t T, int64_t k, int64_t E, uint8_t* dense) {
-  const int64_t bytes = T * E;
-  for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(dense)[i] = make_uint4(0, 0, 0, 0);
-  for (int64_t i = bytes / 16 * 16 + threadIdx.x; i < bytes; i += blockDim.x) dense[i] = 0;
+// Experts per pass of a tile with G groups: all of them unless the map would overflow.
+__host__ __device__ inline int64_t plan_experts_per_pass(int64_t G, int64_t E) {
+  return E < kPlanMapWords / (G + 1) ? E : kPlanMapWords / (G + 1);
+}
+
+// Word of (expert e, group g) in a pass's map: expert-major, each column padded by a word, so
+// that threads walking one group across experts, or consecutive words, hit distinct banks.
+__device__ __forceinline__ int32_t map_word(int32_t e, int32_t g, int32_t G) { return e * (G + 1) + g; }
+
+// The tile's map for experts [e0, e0 + ec): bit b of map_word(e - e0, g) = token 32 g + b of the
+// tile chose e. A warp owns whole groups, so no word is shared between warps; within one slot j
+// a token's experts are distinct, so the words written are distinct, and __syncwarp orders the
+// k rounds. No atomics. Ids outside the pass (or outside [0, E)) mark nothing.
+__device__ void mark_tile(const int32_t* ids, int64_t t0, int32_t rows, int32_t k, int64_t e0, int32_t ec, int32_t G,
+                          uint32_t* bits) {
+  const int32_t words = ec * (G + 1);
+  for (int32_t i = threadIdx.x; i < words / 4; i += blockDim.x) reinterpret_cast<uint4*>(bits)[i] = make_uint4(0, 0, 0, 0);
+  for (int32_t i = words / 4 * 4 + threadIdx.x; i < words; i += blockDim.x) bits[i] = 0;
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < rows * k; i += blockDim.x) {
-    const int64_t r = i / k, j = i % k;
-    dense[ids[(t0 + r) * k + j] * T + r] = static_cast<uint8_t>(j + 1);
+  const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  // A lane reads its token's k ids: 16 bytes at a time where rows are 16-byte aligned, so each
+  // sector comes from L2 once or twice, not k times.
+  const bool vec = k % 4 == 0 && reinterpret_cast<uintptr_t>(ids) % 16 == 0;
+  for (int32_t g = warp; g * 32 < rows; g += warps) {
+    const int32_t r = g * 32 + lane;
+    const int32_t* row = ids + (t0 + r) * k;
+    const auto mark = [&](int32_t id) {
+      int64_t e = r < rows ? id - e0 : -1;
+      if (e < 0 || e >= ec) e = -1;
+      const unsigned same = __match_any_sync(0xffffffffu, static_cast<int32_t>(e));
+      if (e >= 0 && lane == __ffs(same) - 1) bits[map_word(static_cast<int32_t>(e), g, G)] |= same;
+      __syncwarp();
+    };
+    if (vec) {
+      for (int32_t j = 0; j < k; j += 4) {
+        const int4 v = r < rows ? *reinterpret_cast<const int4*>(row + j) : make_int4(-1, -1, -1, -1);
+        mark(v.x);
+        mark(v.y);
+        mark(v.z);
+        mark(v.w);
+      }
+    } else {
+      for (int32_t j = 0; j < k; ++j) mark(r < rows ? row[j] : -1);
+    }
   }
   __syncthreads();
 }
 
-// Each warp owns expert columns; 32 rows at a time it ballots the column's marks: counts by
-// popcount, no atomics.
+__device__ int64_t tile_rows(int64_t L, int64_t T) { return min(T, L - static_cast<int64_t>(blockIdx.x) * T); }
+
+// One thread per expert column: the tile's marks of each expert, by popcount.
 __global__ void plan_count_kernel(const int32_t* ids, int64_t L, int64_t k, int64_t E, int64_t T, int64_t tiles,
                                   int32_t* counts) {
-  extern __shared__ __align__(16) uint8_t dense[];
-  const int64_t tile = blockIdx.x, t0 = tile * T, rows = min(T, L - t0);
-  fill_dense(ids, t0, rows, T, k, E, dense);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int64_t e = warp; e < E; e += warps) {
-    int32_t n = 0;
-    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-      const int64_t r = r0 + lane;
-      n += __popc(__ballot_sync(0xffffffffu, r < rows && dense[e * T + r] != 0));
+  extern __shared__ __align__(16) uint32_t bits[];
+  const int64_t tile = blockIdx.x, t0 = tile * T;
+  const int32_t rows = static_cast<int32_t>(tile_rows(L, T)), G = static_cast<int32_t>(T / 32);
+  const int32_t ec = static_cast<int32_t>(plan_experts_per_pass(G, E));
+  for (int64_t e0 = 0; e0 < E; e0 += ec) {
+    const int32_t n_e = static_cast<int32_t>(min(static_cast<int64_t>(ec), E - e0));
+    mark_tile(ids, t0, rows, static_cast<int32_t>(k), e0, n_e, G, bits);
+    for (int32_t e = threadIdx.x; e < n_e; e += blockDim.x) {
+      int32_t n = 0;
+      for (int32_t g = 0; g < G; ++g) n += __popc(bits[map_word(e, g, G)]);
+      counts[(e0 + e) * tiles + tile] = n;
     }
-    if (lane == 0) counts[e * tiles + tile] = n;
+    __syncthreads();
   }
 }
 
@@ -67,28 +111,47 @@ __global__ void plan_offsets_kernel(const int32_t* counts, const int32_t* bases,
   if (e == E) offsets[E] = tiles > 0 ? bases[E * tiles - 1] + counts[E * tiles - 1] : 0;
 }
 
-// The location map: a warp walks its expert's column 32 rows at a time; each marked row's
-// destination is the block base + the marks before it (ballot prefix popcount).
+// The location map: prefix[map_word(e, g)] = the block's base + the expert's marks in groups
+// before g; slot (r, j) of expert e sits at prefix + the marks below token r in its word.
+// token_index_map is written slot by slot, in order; expert_token, where the map is sparse, word
+// by word in expert-major order, so that a warp's stores continue each other.
 __global__ void plan_place_kernel(const int32_t* ids, int64_t L, int64_t k, int64_t E, int64_t T, int64_t tiles,
                                   const int32_t* bases, int32_t* expert_token, int32_t* token_index_map) {
-  extern __shared__ __align__(16) uint8_t dense[];
-  const int64_t tile = blockIdx.x, t0 = tile * T, rows = min(T, L - t0);
-  fill_dense(ids, t0, rows, T, k, E, dense);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  const unsigned below = (1u << lane) - 1u;
-  for (int64_t e = warp; e < E; e += warps) {
-    int32_t cursor = bases[e * tiles + tile];
-    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-      const int64_t r = r0 + lane;
-      const uint8_t slot = r < rows ? dense[e * T + r] : 0;
-      const unsigned marks = __ballot_sync(0xffffffffu, slot != 0);
-      if (slot) {
-        const int32_t pos = cursor + __popc(marks & below);
-        expert_token[pos] = static_cast<int32_t>(t0 + r);
-        token_index_map[(t0 + r) * k + (slot - 1)] = pos;
+  extern __shared__ __align__(16) uint32_t bits[];
+  const int64_t tile = blockIdx.x, t0 = tile * T;
+  const int32_t rows = static_cast<int32_t>(tile_rows(L, T)), G = static_cast<int32_t>(T / 32), k32 = static_cast<int32_t>(k);
+  const int32_t ec = static_cast<int32_t>(plan_experts_per_pass(G, E));
+  int32_t* prefix = reinterpret_cast<int32_t*>(bits + ec * (G + 1));
+  const int32_t* tile_ids = ids + t0 * k;
+  for (int64_t e0 = 0; e0 < E; e0 += ec) {
+    const int32_t n_e = static_cast<int32_t>(min(static_cast<int64_t>(ec), E - e0));
+    mark_tile(ids, t0, rows, k32, e0, n_e, G, bits);
+    for (int32_t e = threadIdx.x; e < n_e; e += blockDim.x) {
+      int32_t at = bases[(e0 + e) * tiles + tile];
+      for (int32_t g = 0; g < G; ++g) {
+        prefix[map_word(e, g, G)] = at;
+        at += __popc(bits[map_word(e, g, G)]);
       }
-      cursor += __popc(marks);
     }
+    __syncthreads();
+    // A sparse map (few marks per word: many experts) writes expert_token word by word; a dense
+    // one slot by slot, where each (tile, expert) block is long enough for a warp's stores to
+    // land together and a word loop would run long.
+    const bool by_slot = rows * k32 >= 4 * n_e * G;
+    for (int32_t w = threadIdx.x; !by_slot && w < n_e * G; w += blockDim.x) {
+      const int32_t e = w / G, g = w - e * G, at = map_word(e, g, G);
+      int32_t pos = prefix[at];
+      for (uint32_t m = bits[at]; m != 0; m &= m - 1) expert_token[pos++] = static_cast<int32_t>(t0 + 32 * g + __ffs(m) - 1);
+    }
+    for (int32_t i = threadIdx.x; i < rows * k32; i += blockDim.x) {
+      const int64_t e = tile_ids[i] - e0;
+      if (e < 0 || e >= n_e) continue;
+      const int32_t r = i / k32, at = map_word(static_cast<int32_t>(e), r / 32, G);
+      const int32_t pos = prefix[at] + __popc(bits[at] & ((1u << (r % 32)) - 1u));
+      token_index_map[t0 * k + i] = pos;
+      if (by_slot) expert_token[pos] = static_cast<int32_t>(t0 + r);
+    }
+    __syncthreads();
   }
 }
 
@@ -124,12 +187,14 @@ int end_bit(int64_t E) {
 }  // namespace
 
 PlanGeometryCuda plan_geometry_cuda(int64_t L, int64_t E) {
-  // Tiles of T tokens: the T x E map fits in 32 KiB of shared memory, and there are enough
-  // tiles (about two per SM of a large GPU) to fill the chip; T is a multiple of 32 where it can be.
-  int64_t T = std::clamp<int64_t>(kDenseMapBytes / std::max<int64_t>(E, 1), 1, 1024);
-  const int64_t fill = std::max<int64_t>(32, ceil_div(ceil_div(L, 264), 32) * 32);
-  if (T > fill) T = fill;
-  return {T, ceil_div(L, T), static_cast<size_t>(T * E)};
+  // Tiles of G groups of 32 tokens: the (G + 1) x E map fits kPlanMapWords where it can (G = 32,
+  // T = 1,024 tokens, up to E = 256), and there are enough tiles (about two per SM of a large
+  // GPU) to fill the chip. With more than 4,224 experts a tile is one group and takes them in
+  // passes.
+  int64_t G = std::clamp<int64_t>(kPlanMapWords / std::max<int64_t>(E, 1) - 1, 1, 32);
+  G = std::min(G, std::max<int64_t>(1, ceil_div(L, 264 * 32)));
+  const int64_t T = 32 * G;
+  return {T, ceil_div(L, T), static_cast<size_t>(2 * 4 * (G + 1) * plan_experts_per_pass(G, std::max<int64_t>(E, 1)))};
 }
 
 size_t plan_scratch_bytes_cuda(int64_t L, int64_t E) {
@@ -149,12 +214,11 @@ void build_plan_cuda(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* s
   int32_t* counts = c.take<int32_t>(static_cast<size_t>(n));
   int32_t* bases = c.take<int32_t>(static_cast<size_t>(n));
   void* scan_tmp = c.take<char>(exclusive_scan_scratch_bytes(n));
-  if (g.smem_bytes > 48 * 1024) {
-    MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem_bytes)));
+  // smem_bytes: the place pass's map and prefixes; the count pass needs the map alone.
+  if (g.smem_bytes > 48 * 1024)
     MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(plan_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem_bytes)));
-  }
   if (g.num_tiles > 0) {
-    plan_count_kernel<<<static_cast<unsigned>(g.num_tiles), kPlanThreads, g.smem_bytes, s>>>(
+    plan_count_kernel<<<static_cast<unsigned>(g.num_tiles), kPlanThreads, g.smem_bytes / 2, s>>>(
         plan.token_expert_indices, L, k, E, g.tile_tokens, g.num_tiles, counts);
     MOEBLAZE_CUDA_LAUNCH_CHECK("plan_count");
     exclusive_scan_cuda(counts, bases, g.num_tiles * E, scan_tmp, s);

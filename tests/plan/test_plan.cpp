@@ -10,6 +10,7 @@
 
 #include "core/memory_layout.hpp"
 #include "routing/plan.hpp"
+#include "routing_cases.hpp"
 #include "util/error.hpp"
 
 // cmocka.h defines a fail() macro: include it after the library headers.
@@ -73,24 +74,6 @@ void expect_equal(const Plan& got, const Plan& want) {
   assert_true(got.token_index_map == want.token_index_map);
 }
 
-std::vector<int32_t> random_routing(std::mt19937_64& rng, int64_t L, int64_t k, int64_t E, int64_t only_first = 0) {
-  std::vector<int32_t> ids(static_cast<size_t>(L * k));
-  std::vector<int32_t> perm(static_cast<size_t>(E));
-  const int64_t span = only_first ? only_first : E;  // route into the first `span` experts only
-  for (int64_t t = 0; t < L; ++t) {
-    std::iota(perm.begin(), perm.begin() + span, 0);
-    std::shuffle(perm.begin(), perm.begin() + span, rng);
-    for (int64_t j = 0; j < k; ++j) ids[t * k + j] = perm[j];
-  }
-  return ids;
-}
-
-uint64_t seed() {
-  const char* env = getenv("MOEBLAZE_TEST_SEED");
-  uint64_t s = env ? strtoull(env, nullptr, 0) : std::random_device{}();
-  fprintf(stderr, "[seed] test_plan MOEBLAZE_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
 
 void paper_example(void**) {
   // Five tokens, E = 4, k = 2 (docs/design.md explains the paper's L = 6 slip).
@@ -106,7 +89,7 @@ void paper_example(void**) {
 }
 
 void random_routings_match_sort(void**) {
-  std::mt19937_64 rng(seed());
+  std::mt19937_64 rng(test_seed("test_plan"));
   struct Case { int64_t L, k, E, only_first; };
   const Case cases[] = {
       {1, 1, 1, 0},     {1, 3, 8, 0},     {37, 2, 6, 0},    {200, 4, 16, 3 + 1},  // experts 4..15 empty
