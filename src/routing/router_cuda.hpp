@@ -51,7 +51,7 @@ void write_tokens_per_expert_cuda(const int32_t* offsets, int64_t E, const View&
 
 // ---- routing plan: three atomic-free passes, no sort ----
 struct PlanGeometryCuda {
-  int64_t tile_tokens;  // T = 32 G tokens: the tile's G x E bitmap fits in shared memory
+  int64_t tile_tokens;  // T = 32 G tokens: the tile's (G + 1) x E bitmap fits in shared memory
   int64_t num_tiles;
   size_t smem_bytes;    // the place pass's (map and prefixes; the count pass uses half)
 };

@@ -74,7 +74,6 @@ void expect_equal(const Plan& got, const Plan& want) {
   assert_true(got.token_index_map == want.token_index_map);
 }
 
-
 void paper_example(void**) {
   // Five tokens, E = 4, k = 2 (docs/design.md explains the paper's L = 6 slip).
   const std::vector<int32_t> ids = {2, 3, 0, 1, 0, 3, 1, 2, 0, 3};
