@@ -49,7 +49,7 @@ extern "C" {
 /** @brief Major product version of this header. */
 #define MOEBLAZE_VERSION_MAJOR 0
 /** @brief Minor product version of this header. */
-#define MOEBLAZE_VERSION_MINOR 1
+#define MOEBLAZE_VERSION_MINOR 2
 /** @brief Patch product version of this header. */
 #define MOEBLAZE_VERSION_PATCH 0
 /** @brief Encodes a version triple as one comparable integer (room for 999 minors/patches). */
@@ -108,7 +108,9 @@ typedef enum moeblaze_status {
   MOEBLAZE_STATUS_NOT_SUPPORTED = 2,
   /** The workspace or saved buffer is smaller than the size query returned. */
   MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE = 3,
-  /** A host allocation failed (only in create/config calls). */
+  /** A host allocation failed: in config and create calls, or in the first cuBLASLt-engine
+   *  call of a thread that meets a larger NUM_EXPERTS (its host copy of the expert offsets).
+   *  Warm forward, backward and route calls allocate no host memory. */
   MOEBLAZE_STATUS_OUT_OF_HOST_MEMORY = 4,
   /** A device allocation failed (only in create; never in forward/backward/route). */
   MOEBLAZE_STATUS_OUT_OF_DEVICE_MEMORY = 5,
@@ -158,13 +160,17 @@ MOEBLAZE_API const char* moeblaze_get_last_error_message(void);
 typedef enum moeblaze_log_level {
   MOEBLAZE_LOG_ERROR = 1,  /**< A call failed; the message is the error message. */
   MOEBLAZE_LOG_WARN = 2,   /**< Something works but is likely not what the caller wants. */
-  MOEBLAZE_LOG_INFO = 3,   /**< Decisions taken at create time (engine, thread count). */
+  MOEBLAZE_LOG_INFO = 3,   /**< Decisions taken at create time (the engine, its device, why others were passed over). */
   MOEBLAZE_LOG_DEBUG = 4,  /**< Verbose detail. */
   MOEBLAZE_LOG__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_log_level_t;
 
 /**
- * @brief Log sink. May be called on any thread that calls into the library.
+ * @brief Log sink. May be called on any thread that calls into the library, and may itself
+ *        call any library function (moeblaze_set_log_callback() and failing calls included):
+ *        it runs outside the library's locks. Messages raised on a thread while that thread
+ *        is inside the callback are not delivered to it (they would recurse); the failing
+ *        call that logged keeps its own last error message.
  * @param user_data The pointer given to moeblaze_set_log_callback().
  * @param level A ::moeblaze_log_level_t value.
  * @param func The public function that logs, e.g. "moeblaze_create".
@@ -177,8 +183,10 @@ typedef void (*moeblaze_log_fn)(void* user_data, int32_t level, const char* func
  * @brief Installs a process-wide log callback (default: none, the library prints nothing).
  * @param[in] fn The callback, or NULL to remove it.
  * @param[in] user_data Passed back to @p fn unchanged.
- * @param[in] min_level Messages with level <= min_level are delivered (1..4).
- * @retval MOEBLAZE_STATUS_SUCCESS The callback is installed.
+ * @param[in] min_level Messages with level <= min_level are delivered: 0 (none) to 4 (all).
+ * @retval MOEBLAZE_STATUS_SUCCESS The callback is installed. Called from outside a callback,
+ *         it returns once no thread is running the previous callback, so that callback's
+ *         @p user_data may be freed at once; called from inside one, it returns at once.
  * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT @p min_level is outside 0..4.
  * @since 0.1
  */
@@ -347,7 +355,8 @@ typedef enum moeblaze_attr {
   MOEBLAZE_ATTR_ENGINE = 17,
   /** i64 0..1024, default 0 (all hardware threads): CPU engine worker threads. @since 0.1 */
   MOEBLAZE_ATTR_NUM_THREADS = 18,
-  /** i64 0..MAX_TOKENS, default 0 (automatic): the CUDA fused engine runs the expert MLPs on
+  /** i64 0..MAX_TOKENS (set checks 0..2^31-1; create refuses a value above MAX_TOKENS),
+   *  default 0 (automatic): the CUDA fused engine runs the expert MLPs on
    *  windows of this many tokens, so its workspace is bounded by the window instead of growing
    *  with the call's tokens (docs/memory.md gives the formula and the automatic choice). Results
    *  depend on it only through the fp32 summation order of the weight gradients. Other engines
@@ -641,8 +650,10 @@ MOEBLAZE_API moeblaze_status_t moeblaze_get_saved_size(moeblaze_handle_t handle,
  * g = 2 for SWIGLU/GEGLU else 1. Float tensors use ACTIVATION_DTYPE (x, y, dy, dx) or
  * WEIGHT_DTYPE (weights and their gradients); router tensors (logits, top-k weights and
  * their gradients) may be F32 or ACTIVATION_DTYPE; top-k ids and token counts are I32 or I64.
- * Strides are honoured when the innermost stride is 1 and outer strides do not make rows
- * overlap; anything else is rejected, never misread. The expert weights and their gradients
+ * Strides are honoured when the innermost stride is 1 and every outer stride steps past the
+ * last element of the block inside it (padding between rows or experts is free; no element
+ * may share an address with another or come out of order); anything else is rejected, never
+ * misread. The expert weights and their gradients
  * (W_GATE_UP, W_DOWN, GRAD_W_GATE_UP, GRAD_W_DOWN) may instead store each expert's matrix
  * column-major: stride 1 in dimension 1 and a column pitch >= its extent in dimension 2, as
  * nn.Linear's [E, out, in] seen through transpose(1, 2). Every engine reads them, and writes
@@ -668,6 +679,12 @@ MOEBLAZE_API moeblaze_status_t moeblaze_get_saved_size(moeblaze_handle_t handle,
  * synchronises the host and is CUDA-graph capturable; the cuBLASLt engine copies the E+1
  * expert offsets to the host once per call. No call allocates device memory. Inputs,
  * outputs, workspace and saved must stay valid until the work completes.
+ *
+ * @par Aliasing
+ * Nothing a call writes may share a byte with anything else it touches: an output or
+ * gradient with another argument, the workspace or the saved buffer, and the workspace with
+ * the saved buffer (the bytes compared are those the call needs). Inputs may share memory
+ * with each other. Violations are INVALID_ARGUMENT before anything is written.
  *
  * @par Device
  * Every tensor must live on the handle's device. A saved buffer written by one handle may

@@ -246,7 +246,9 @@ MOEBLAZE_API moeblaze_status_t moeblaze_create(moeblaze_handle_t* out, moeblaze_
     require(out, "out");
     require(cfg, "cfg");
     *out = nullptr;
-    *out = new moeblaze_handle_s(cfg->values);
+    moeblaze_handle_s* h = new moeblaze_handle_s(cfg->values);
+    *out = h;
+    api::log_message(MOEBLAZE_LOG_INFO, "moeblaze_create", h->layer.decision().c_str());
   });
 }
 

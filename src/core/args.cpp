@@ -186,20 +186,24 @@ View make_view(const LayerConfig& cfg, const KindInfo& ki, const RawArg& a, int6
       strides[2] = 1;  // a unit dimension's stride is free; the physical rows are unit-stride
     }
     // Strides: NULL means row-major contiguous. Otherwise the innermost stride must be 1 and
-    // every outer stride must step over a whole inner block (no overlap, no reordering).
-    int64_t contiguous = 1;
+    // every outer stride must step past the whole extent of the block inside it (its last
+    // element included): no two elements share an address and none is reordered. Padding
+    // between blocks is free, so an expert stride may lie anywhere from that extent upwards.
+    int64_t extent = 1;  // elements from the first to one past the last of the inner block
     for (int i = nd - 1; i >= 0; --i) {
-      int64_t s = t.strides ? strides[i] : contiguous;
+      int64_t s = t.strides ? strides[i] : extent;
       if (v.shape[i] > 1) {
         if (i == nd - 1 && s != 1)
           fail(Status::kInvalidArgument, "%s has innermost stride %lld; only unit-stride rows are supported", ki.name,
                static_cast<long long>(s));
-        if (i < nd - 1 && s < contiguous)
-          fail(Status::kInvalidArgument, "%s has stride[%d] = %lld < %lld: rows would overlap or be reordered", ki.name, i,
-               static_cast<long long>(s), static_cast<long long>(contiguous));
+        if (i < nd - 1 && s < extent)
+          fail(Status::kInvalidArgument, "%s has stride[%d] = %lld < %lld, the extent of the block inside it: elements "
+               "would overlap or be reordered", ki.name, i, static_cast<long long>(s), static_cast<long long>(extent));
       }
-      v.stride[i] = (v.shape[i] > 1) ? s : contiguous;
-      if (__builtin_mul_overflow(v.stride[i], v.shape[i] > 0 ? v.shape[i] : 1, &contiguous))
+      v.stride[i] = (v.shape[i] > 1) ? s : extent;
+      int64_t step = 0;
+      if (__builtin_mul_overflow(v.stride[i], v.shape[i] > 1 ? v.shape[i] - 1 : 0, &step) ||
+          __builtin_add_overflow(step, extent, &extent))
         fail(Status::kInvalidArgument, "%s: stride[%d] = %lld times its extent overflows 64 bits", ki.name, i,
              static_cast<long long>(v.stride[i]));
     }
@@ -235,20 +239,17 @@ bool is_written(const KindInfo& ki, Pass pass, RoutingMode mode) {
   return router_out && pass != Pass::kBackward && mode != RoutingMode::kCallerTopK;
 }
 
-// Every buffer the call writes must not share a byte with any other argument: no engine
-// supports in-place updates, and a read after an aliased write would be silently wrong. The
-// test is on each view's byte interval [data, data + span), so it is conservative for
-// interleaved strided views.
-void check_no_overlap(CallArgs& c, Pass pass) {
-  struct Range { const char* name; uintptr_t lo, hi; bool written; };
-  Range r[kNumKinds];
-  size_t n = 0;
-  for (size_t i = 0; i < kNumKinds; ++i) {
-    const View* v = slot(c, kKinds[i].kind);
-    if (!v->present || v->span_bytes == 0) continue;
-    const uintptr_t lo = reinterpret_cast<uintptr_t>(v->data);
-    r[n++] = {kKinds[i].name, lo, lo + v->span_bytes, is_written(kKinds[i], pass, c.mode)};
-  }
+struct Range {
+  const char* name;
+  uintptr_t lo, hi;
+  bool written;
+};
+
+// No two ranges may share a byte when either is written: no engine supports in-place updates,
+// and a read after an aliased write would be silently wrong (or, for the plan indices kept in
+// the workspace and the saved buffer, a wild read). The test is on byte intervals, so it is
+// conservative for interleaved strided views.
+void check_disjoint(const Range* r, size_t n) {
   for (size_t a = 0; a < n; ++a)
     for (size_t b = a + 1; b < n; ++b)
       if ((r[a].written || r[b].written) && r[a].lo < r[b].hi && r[b].lo < r[a].hi)
@@ -256,7 +257,41 @@ void check_no_overlap(CallArgs& c, Pass pass) {
              r[a].name, r[b].name, r[a].written ? r[a].name : r[b].name);
 }
 
+// The argument views as ranges (views without elements take no bytes); returns how many.
+size_t argument_ranges(const CallArgs& c, Pass pass, Range* r) {
+  size_t n = 0;
+  for (size_t i = 0; i < kNumKinds; ++i) {
+    const View* v = slot(const_cast<CallArgs&>(c), kKinds[i].kind);
+    if (!v->present || v->span_bytes == 0) continue;
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(v->data);
+    r[n++] = {kKinds[i].name, lo, lo + v->span_bytes, is_written(kKinds[i], pass, c.mode)};
+  }
+  return n;
+}
+
+void check_no_overlap(const CallArgs& c, Pass pass) {
+  Range r[kNumKinds];
+  check_disjoint(r, argument_ranges(c, pass, r));
+}
+
 }  // namespace
+
+void check_call_buffers(const CallArgs& c, Pass pass, const CallBuffer* buffers, size_t num_buffers) {
+  constexpr size_t kMaxBuffers = 2;
+  if (num_buffers > kMaxBuffers) fail(Status::kInternalError, "check_call_buffers takes at most %zu buffers", kMaxBuffers);
+  Range r[kNumKinds + kMaxBuffers];
+  size_t n = argument_ranges(c, pass, r);
+  for (size_t i = 0; i < num_buffers; ++i) {
+    const CallBuffer& b = buffers[i];
+    if (!b.data || b.bytes == 0) continue;
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(b.data);
+    uintptr_t hi = 0;
+    if (__builtin_add_overflow(lo, b.bytes, &hi) || hi > kMaxAddress)
+      fail(Status::kInvalidArgument, "%s (%zu bytes) leaves the address space", b.name, b.bytes);
+    r[n++] = {b.name, lo, hi, b.written};
+  }
+  check_disjoint(r, n);
+}
 
 const char* pass_name(Pass p) {
   switch (p) {

@@ -55,6 +55,20 @@ struct CallArgs {
 // Decodes and validates args for `pass`; throws Error(kInvalidArgument) naming the problem.
 CallArgs decode_args(const LayerConfig& cfg, Pass pass, const RawArg* args, size_t num_args);
 
+// A buffer of the call besides its arguments (the workspace, the saved buffer): the bytes the
+// call touches, and whether it writes them.
+struct CallBuffer {
+  const char* name;
+  const void* data;
+  size_t bytes;
+  bool written;
+};
+
+// Refuses a call whose buffers share a byte with an argument or with each other where either
+// side is written (an OUTPUT inside the saved buffer would overwrite the plan that the combine
+// then follows). Run after decode_args, before anything is written.
+void check_call_buffers(const CallArgs& c, Pass pass, const CallBuffer* buffers, size_t num_buffers);
+
 const char* pass_name(Pass p);
 
 }  // namespace v0

@@ -120,6 +120,9 @@ LayerConfig LayerConfig::from_values(const ConfigValues& v) {
   if (c.top_k > c.num_experts)
     fail(Status::kInvalidArgument, "top_k = %lld exceeds num_experts = %lld", static_cast<long long>(c.top_k),
          static_cast<long long>(c.num_experts));
+  if (c.window_tokens > c.max_tokens)
+    fail(Status::kInvalidArgument, "window_tokens = %lld exceeds max_tokens = %lld (0 chooses the window automatically)",
+         static_cast<long long>(c.window_tokens), static_cast<long long>(c.max_tokens));
   if (c.max_tokens * c.top_k > kMaxI32)
     fail(Status::kInvalidArgument, "max_tokens * top_k = %lld must stay below 2^31 (int32 routing indices)",
          static_cast<long long>(c.max_tokens * c.top_k));

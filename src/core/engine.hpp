@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "core/args.hpp"
 #include "core/config.hpp"
@@ -27,8 +28,9 @@ class Engine {
 
 // Resolves the device and ENGINE attribute through the registry (src/engines/registry.cpp:
 // AUTO picks the first engine of the device that can serve cfg), checks the device exists, and
-// builds the engine. Writes the resolved choice back into cfg.
-std::unique_ptr<Engine> create_engine(LayerConfig& cfg);
+// builds the engine. Writes the resolved choice back into cfg and, when decision is given,
+// describes it there in one line (for the INFO log message of moeblaze_create).
+std::unique_ptr<Engine> create_engine(LayerConfig& cfg, std::string* decision = nullptr);
 
 // The engines' factories (src/engines/*).
 std::unique_ptr<Engine> make_cpu_engine(const LayerConfig& cfg);

@@ -10,7 +10,7 @@ namespace moeblaze {
 inline namespace v0 {
 
 Layer::Layer(const ConfigValues& values) : cfg_(LayerConfig::from_values(values)) {
-  engine_ = create_engine(cfg_);
+  engine_ = create_engine(cfg_, &decision_);
 }
 
 void Layer::check_tokens(int64_t L) const {
@@ -47,22 +47,33 @@ void Layer::forward(Pass pass, const RawArg* args, size_t n, void* ws, size_t ws
   if (pass != Pass::kForwardTraining && pass != Pass::kForwardInference)
     fail(Status::kInvalidArgument, "moeblaze_forward takes FORWARD_TRAINING or FORWARD_INFERENCE, not %s", pass_name(pass));
   CallArgs a = decode_args(cfg_, pass, args, n);
-  check_buffer("workspace", ws, ws_bytes, workspace_size(pass, a.num_tokens));
-  if (pass == Pass::kForwardTraining) check_buffer("saved", saved, saved_bytes, saved_size(a.num_tokens));
+  const size_t ws_need = workspace_size(pass, a.num_tokens);
+  check_buffer("workspace", ws, ws_bytes, ws_need);
+  const bool training = pass == Pass::kForwardTraining;
+  const size_t saved_need = training ? saved_size(a.num_tokens) : 0;
+  if (training) check_buffer("saved", saved, saved_bytes, saved_need);
+  const CallBuffer buffers[] = {{"workspace", ws, ws_need, true}, {"saved", saved, saved_need, true}};
+  check_call_buffers(a, pass, buffers, training ? 2 : 1);
   engine_->forward(pass, a, ws, pass == Pass::kForwardTraining ? saved : nullptr, stream);
 }
 
 void Layer::backward(const RawArg* args, size_t n, const void* saved, size_t saved_bytes, void* ws, size_t ws_bytes,
                      void* stream) const {
   CallArgs a = decode_args(cfg_, Pass::kBackward, args, n);
-  check_buffer("saved", saved, saved_bytes, saved_size(a.num_tokens));
-  check_buffer("workspace", ws, ws_bytes, workspace_size(Pass::kBackward, a.num_tokens));
+  const size_t saved_need = saved_size(a.num_tokens), ws_need = workspace_size(Pass::kBackward, a.num_tokens);
+  check_buffer("saved", saved, saved_bytes, saved_need);
+  check_buffer("workspace", ws, ws_bytes, ws_need);
+  const CallBuffer buffers[] = {{"saved", saved, saved_need, false}, {"workspace", ws, ws_need, true}};
+  check_call_buffers(a, Pass::kBackward, buffers, 2);
   engine_->backward(a, saved, ws, stream);
 }
 
 void Layer::route(const RawArg* args, size_t n, void* ws, size_t ws_bytes, void* stream) const {
   CallArgs a = decode_args(cfg_, Pass::kRoute, args, n);
-  check_buffer("workspace", ws, ws_bytes, workspace_size(Pass::kRoute, a.num_tokens));
+  const size_t ws_need = workspace_size(Pass::kRoute, a.num_tokens);
+  check_buffer("workspace", ws, ws_bytes, ws_need);
+  const CallBuffer buffers[] = {{"workspace", ws, ws_need, true}};
+  check_call_buffers(a, Pass::kRoute, buffers, 1);
   engine_->route(a, ws, stream);
 }
 

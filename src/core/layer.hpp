@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "core/args.hpp"
 #include "core/config.hpp"
@@ -17,6 +18,8 @@ class Layer {
   explicit Layer(const ConfigValues& values);
   const LayerConfig& config() const { return cfg_; }
   const Engine& engine() const { return *engine_; }
+  // What create decided (engine, device, why others were passed over), one line.
+  const std::string& decision() const { return decision_; }
 
   size_t workspace_size(Pass pass, int64_t num_tokens) const;
   size_t saved_size(int64_t num_tokens) const;
@@ -34,6 +37,7 @@ class Layer {
 
   LayerConfig cfg_;
   std::unique_ptr<Engine> engine_;
+  std::string decision_;
 };
 
 }  // namespace v0

@@ -83,21 +83,32 @@ const cuda::DeviceInfo* resolve_device(LayerConfig& cfg, cuda::DeviceInfo& info)
 
 }  // namespace
 
-std::unique_ptr<Engine> create_engine(LayerConfig& cfg) {
+std::unique_ptr<Engine> create_engine(LayerConfig& cfg, std::string* decision) {
   for (const EngineEntry& e : kEngines)
     if (cfg.engine == e.kind && cfg.device_type != e.device_type)
       fail(Status::kInvalidArgument, "engine %s does not run on device_type %d", e.name, cfg.device_type);
   cuda::DeviceInfo storage{};
   const cuda::DeviceInfo* info = resolve_device(cfg, storage);
+  const bool automatic = cfg.engine == EngineKind::kAuto;
   std::string why;
   for (const EngineEntry& e : kEngines) {
     if (e.device_type != cfg.device_type) continue;
-    if (cfg.engine == EngineKind::kAuto ? !e.automatic(cfg) : cfg.engine != e.kind) continue;
+    if (automatic ? !e.automatic(cfg) : cfg.engine != e.kind) continue;
     if (const char* reason = e.refuses(cfg, info)) {
       why += std::string(why.empty() ? "" : "; ") + e.name + ": " + reason;
       continue;
     }
     cfg.engine = e.kind;  // the resolved choice, read back through the handle getters
+    if (decision) {
+      char where[320];
+      if (info)
+        snprintf(where, sizeof where, "CUDA device %d (%s, sm_%d%d)", cfg.device_id, info->name, info->sm_major,
+                 info->sm_minor);
+      else
+        snprintf(where, sizeof where, "the CPU");
+      *decision = std::string("engine ") + e.name + " on " + where + (automatic ? ", chosen by AUTO" : ", as requested");
+      if (!why.empty()) *decision += " (passed over: " + why + ")";
+    }
     return e.make(cfg);
   }
   fail(Status::kNotSupported, "no engine can serve this configuration (%s)", why.c_str());

@@ -52,7 +52,7 @@ void gemm_weight(int64_t R, int64_t N, int64_t K, const float* A, int64_t lda, c
   (nt ? gemm_nt : gemm_nn)(R, N, K, A, lda, w.row(e, 0), w.dtype, w.stride[1], C, ldc, scratch_row);
 }
 
-void accumulate_outer(int64_t P, int64_t ib, int64_t N, const std::function<void(int64_t, float*, float*)>& fetch,
+void accumulate_outer(int64_t P, int64_t ib, int64_t N, FunctionRef<void(int64_t, float*, float*)> fetch,
                       float* acc, float* a, float* g) {
   std::fill(acc, acc + ib * N, 0.f);
   for (int64_t p = 0; p < P; ++p) {

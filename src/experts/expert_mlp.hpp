@@ -4,11 +4,11 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 
 #include "core/config.hpp"
 #include "core/view.hpp"
 #include "util/dtype.hpp"
+#include "util/function_ref.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -36,7 +36,7 @@ float dot(const float* a, const float* b, int64_t n);
 
 // acc[ib x N] = sum over p in [0, P) of a_p[ib] (outer) g_p[N], p ascending. fetch(p, a, g)
 // fills a (ib floats) and g (N floats) for row p. Used for every weight gradient.
-void accumulate_outer(int64_t P, int64_t ib, int64_t N, const std::function<void(int64_t, float*, float*)>& fetch,
+void accumulate_outer(int64_t P, int64_t ib, int64_t N, FunctionRef<void(int64_t, float*, float*)> fetch,
                       float* acc, float* a_scratch, float* g_scratch);
 
 // Activation over R rows: pre is [R x g*h] (gate then up columns), act is [R x h]; both fp32,

@@ -20,20 +20,15 @@ cudaDataType_t cuda_type(DType t) {
   }
 }
 
-// RAII for the per-call descriptors.
+// The per-call descriptors, initialised in place (cuBLASLt's *Init calls on caller-owned
+// opaque storage) instead of created: a GEMM allocates no host memory.
 struct Descs {
-  const CublasLtApi& api;
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  explicit Descs(const CublasLtApi& lt) : api(lt) {}
-  ~Descs() {
-    if (pref) api.pref_destroy(pref);
-    if (c) api.layout_destroy(c);
-    if (b) api.layout_destroy(b);
-    if (a) api.layout_destroy(a);
-    if (op) api.desc_destroy(op);
-  }
+  cublasLtMatmulDescOpaque_t op_storage;
+  cublasLtMatrixLayoutOpaque_t a_storage, b_storage, c_storage;
+  cublasLtMatmulPreferenceOpaque_t pref_storage;
+  cublasLtMatmulDesc_t op = &op_storage;
+  cublasLtMatrixLayout_t a = &a_storage, b = &b_storage, c = &c_storage;
+  cublasLtMatmulPreference_t pref = &pref_storage;
 };
 
 }  // namespace
@@ -53,18 +48,18 @@ void CublasLtGemm::gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, c
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's first operand
   // is B (stored [K, N] row-major = [N, K] column-major when not transposed), its second A.
   const CublasLtApi& api = cublaslt_api();
-  Descs d(api);
-  MOEBLAZE_CUBLAS_CHECK(api.desc_create(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  Descs d;
+  MOEBLAZE_CUBLAS_CHECK(api.desc_init(d.op, sizeof d.op_storage, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t opb = B.trans ? CUBLAS_OP_T : CUBLAS_OP_N, opa = A.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   MOEBLAZE_CUBLAS_CHECK(api.desc_set_attribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &opb, sizeof opb));
   MOEBLAZE_CUBLAS_CHECK(api.desc_set_attribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &opa, sizeof opa));
   // Stored (column-major) shapes before the op.
   const uint64_t b_rows = B.trans ? K : N, b_cols = B.trans ? N : K;
   const uint64_t a_rows = A.trans ? M : K, a_cols = A.trans ? K : M;
-  MOEBLAZE_CUBLAS_CHECK(api.layout_create(&d.a, cuda_type(B.dtype), b_rows, b_cols, B.ld));
-  MOEBLAZE_CUBLAS_CHECK(api.layout_create(&d.b, cuda_type(A.dtype), a_rows, a_cols, A.ld));
-  MOEBLAZE_CUBLAS_CHECK(api.layout_create(&d.c, cuda_type(ct), N, M, ldc));
-  MOEBLAZE_CUBLAS_CHECK(api.pref_create(&d.pref));
+  MOEBLAZE_CUBLAS_CHECK(api.layout_init(d.a, sizeof d.a_storage, cuda_type(B.dtype), b_rows, b_cols, B.ld));
+  MOEBLAZE_CUBLAS_CHECK(api.layout_init(d.b, sizeof d.b_storage, cuda_type(A.dtype), a_rows, a_cols, A.ld));
+  MOEBLAZE_CUBLAS_CHECK(api.layout_init(d.c, sizeof d.c_storage, cuda_type(ct), N, M, ldc));
+  MOEBLAZE_CUBLAS_CHECK(api.pref_init(d.pref, sizeof d.pref_storage));
   MOEBLAZE_CUBLAS_CHECK(api.pref_set_attribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
                                                              sizeof ws_bytes));
   cublasLtMatmulHeuristicResult_t heur;

@@ -16,14 +16,11 @@ namespace gemm {
   X(destroy, cublasLtDestroy)                                      \
   X(matmul, cublasLtMatmul)                                        \
   X(algo_get_heuristic, cublasLtMatmulAlgoGetHeuristic)            \
-  X(desc_create, cublasLtMatmulDescCreate)                         \
-  X(desc_destroy, cublasLtMatmulDescDestroy)                       \
+  X(desc_init, cublasLtMatmulDescInit_internal)                    \
   X(desc_set_attribute, cublasLtMatmulDescSetAttribute)            \
-  X(pref_create, cublasLtMatmulPreferenceCreate)                   \
-  X(pref_destroy, cublasLtMatmulPreferenceDestroy)                 \
+  X(pref_init, cublasLtMatmulPreferenceInit_internal)              \
   X(pref_set_attribute, cublasLtMatmulPreferenceSetAttribute)      \
-  X(layout_create, cublasLtMatrixLayoutCreate)                     \
-  X(layout_destroy, cublasLtMatrixLayoutDestroy)
+  X(layout_init, cublasLtMatrixLayoutInit_internal)
 
 // The entry points, resolved from one dlopen'ed libcublasLt.
 struct CublasLtApi {

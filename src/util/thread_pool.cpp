@@ -13,7 +13,11 @@ int hardware_threads() {
 }
 
 struct ThreadPool::Job {
-  const std::function<void(int64_t, int)>* fn;
+  FunctionRef<void(int64_t, int)> fn;
+  Job* prev = nullptr;  // the pool's queue of open jobs
+  Job* next_job = nullptr;
+  bool queued = false;
+  Job(FunctionRef<void(int64_t, int)> f, int64_t n, int slots) : fn(f), num_tasks(n), max_slots(slots) {}
   int64_t num_tasks;
   int max_slots;
   std::atomic<int64_t> next{0};
@@ -24,7 +28,7 @@ struct ThreadPool::Job {
 
   void run(int slot) {
     try {
-      for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) (*fn)(t, slot);
+      for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) fn(t, slot);
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = std::current_exception();
@@ -56,11 +60,11 @@ void ThreadPool::start_threads() const {
 void ThreadPool::worker_loop() const {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    work_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stop_ and nothing left
-    Job* job = queue_.front();
+    work_.wait(lock, [this] { return stop_ || queue_head_; });
+    if (!queue_head_) return;  // stop_ and nothing left
+    Job* job = queue_head_;
     const int slot = job->slots_taken++;
-    if (job->slots_taken >= job->max_slots) queue_.pop_front();  // full: nobody else joins
+    if (job->slots_taken >= job->max_slots) unlink(job);  // full: nobody else joins
     ++job->active;
     lock.unlock();
     job->run(slot);
@@ -69,7 +73,15 @@ void ThreadPool::worker_loop() const {
   }
 }
 
-void ThreadPool::parallel_for(int64_t num_tasks, const std::function<void(int64_t, int)>& fn) const {
+void ThreadPool::unlink(Job* job) const {
+  if (!job->queued) return;
+  (job->prev ? job->prev->next_job : queue_head_) = job->next_job;
+  (job->next_job ? job->next_job->prev : queue_tail_) = job->prev;
+  job->prev = job->next_job = nullptr;
+  job->queued = false;
+}
+
+void ThreadPool::parallel_for(int64_t num_tasks, FunctionRef<void(int64_t, int)> fn) const {
   if (num_tasks <= 0) return;
   const int workers = static_cast<int>(std::min<int64_t>(workers_, num_tasks));
   if (workers == 1) {
@@ -77,20 +89,19 @@ void ThreadPool::parallel_for(int64_t num_tasks, const std::function<void(int64_
     return;
   }
   std::call_once(started_, [this] { start_threads(); });
-  Job job;
-  job.fn = &fn;
-  job.num_tasks = num_tasks;
-  job.max_slots = workers;
+  Job job(fn, num_tasks, workers);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(&job);
+    job.prev = queue_tail_;
+    (queue_tail_ ? queue_tail_->next_job : queue_head_) = &job;
+    queue_tail_ = &job;
+    job.queued = true;
   }
   work_.notify_all();
   job.run(0);
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    auto it = std::find(queue_.begin(), queue_.end(), &job);
-    if (it != queue_.end()) queue_.erase(it);  // no thread joins from here on
+    unlink(&job);  // no thread joins from here on
     done_.wait(lock, [&] { return job.active == 0; });
   }
   if (job.error) std::rethrow_exception(job.error);

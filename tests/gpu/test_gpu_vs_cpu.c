@@ -362,7 +362,7 @@ static int64_t g_window = 0; /* MOEBLAZE_ATTR_WINDOW_TOKENS of the CUDA handles 
 static moeblaze_status_t create(const tu_layer* l, int cuda, moeblaze_handle_t* out) {
   tu_layer e = *l;
   e.engine = cuda ? g_engine : MOEBLAZE_ENGINE_CPU;
-  if (cuda) e.window_tokens = g_window;
+  if (cuda) e.window_tokens = g_window < e.max_tokens ? g_window : e.max_tokens; /* at most MAX_TOKENS */
   return tu_create_on(&e, cuda ? MOEBLAZE_DEVICE_CUDA : MOEBLAZE_DEVICE_CPU, out);
 }
 

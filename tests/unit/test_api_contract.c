@@ -292,6 +292,27 @@ static void wrong_dtype_shape_stride_device(void** state) {
   a[2].tensor.strides = wgu_t;
   a[3].tensor.strides = wd_t;
   assert_ok(fwd(f, a, n));
+  /* Disjoint padded layouts are honoured: rows padded to a pitch, and experts spaced by
+   * anything from the end of the previous expert's last row (not a whole pitch x rows). */
+  float* want = guarded(L0 * D0);
+  n = fwd_args(f, a);
+  assert_ok(fwd(f, a, n));
+  memcpy(want, f->y, L0 * D0 * sizeof(float));
+  const int64_t pitch = gu_cols + 3, tight = (D0 - 1) * pitch + gu_cols;
+  float* spaced = guarded(E0 * tight);
+  for (int e = 0; e < E0; ++e)
+    for (int r = 0; r < D0; ++r) memcpy(spaced + e * tight + r * pitch, f->wgu + (e * D0 + r) * gu_cols, gu_cols * sizeof(float));
+  const int64_t spaced_strides[3] = {tight, pitch, 1};
+  a[2].tensor.data = spaced;
+  a[2].tensor.strides = spaced_strides;
+  memset(f->y, 0x3c, L0 * D0 * sizeof(float));
+  assert_ok(fwd(f, a, n));
+  assert_memory_equal(f->y, want, L0 * D0 * sizeof(float));
+  const int64_t one_short[3] = {tight - 1, pitch, 1}; /* the last row would run into the next expert */
+  a[2].tensor.strides = one_short;
+  expect_forward(f, a, n, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  tu_free(spaced);
+  tu_free(want);
 }
 
 static void tokens_and_buffers(void** state) {

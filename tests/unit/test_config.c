@@ -189,6 +189,51 @@ static void handle_reads_back_effective_values(void** state) {
   assert_ok(moeblaze_destroy(h));
 }
 
+/* WINDOW_TOKENS is 0 (automatic) .. MAX_TOKENS: set checks the attribute's own bounds (the
+ * order of the sets is free), create refuses a window above MAX_TOKENS. */
+static void window_tokens_range(void** state) {
+  (void)state;
+  tu_layer l = tu_layer_default(4, 2, 8, 16, 64, MOEBLAZE_ACTIVATION_SILU);
+  moeblaze_handle_t h = NULL;
+  l.window_tokens = 64;
+  assert_ok(tu_create_cpu(&l, &h));
+  moeblaze_destroy(h);
+  l.window_tokens = 65;
+  assert_status(tu_create_cpu(&l, &h), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "window_tokens = 65 exceeds max_tokens = 64"));
+  moeblaze_config_t cfg = NULL;
+  assert_ok(moeblaze_config_create(&cfg));
+  assert_status(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_WINDOW_TOKENS, -1), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_WINDOW_TOKENS, (int64_t)1 << 31), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  moeblaze_config_destroy(cfg);
+}
+
+/* INFO (level 3) carries the decisions create takes: the engine, the device, and how. */
+typedef struct info_log { int infos; char msg[512]; } info_log;
+static void keep_info(void* user, int32_t level, const char* func, const char* msg) {
+  info_log* c = user;
+  if (level != MOEBLAZE_LOG_INFO || strcmp(func, "moeblaze_create") != 0) return;
+  c->infos++;
+  strncpy(c->msg, msg, sizeof c->msg - 1);
+}
+static void create_logs_its_decision(void** state) {
+  (void)state;
+  info_log c;
+  memset(&c, 0, sizeof c);
+  tu_layer l = tu_layer_default(4, 2, 8, 16, 64, MOEBLAZE_ACTIVATION_SILU);
+  moeblaze_handle_t h = NULL;
+  assert_ok(moeblaze_set_log_callback(keep_info, &c, MOEBLAZE_LOG_WARN));
+  assert_ok(tu_create_cpu(&l, &h)); /* below the INFO level: nothing */
+  moeblaze_destroy(h);
+  assert_int_equal(c.infos, 0);
+  assert_ok(moeblaze_set_log_callback(keep_info, &c, MOEBLAZE_LOG_INFO));
+  assert_ok(tu_create_cpu(&l, &h));
+  moeblaze_destroy(h);
+  assert_ok(moeblaze_set_log_callback(NULL, NULL, 0));
+  assert_int_equal(c.infos, 1);
+  assert_non_null(strstr(c.msg, "engine cpu on the CPU"));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(every_attribute_round_trips, cfg_setup, cfg_teardown),
@@ -196,6 +241,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(unknown_attributes_and_nulls, cfg_setup, cfg_teardown),
       cmocka_unit_test_setup_teardown(accum_dtype_and_struct_size, cfg_setup, cfg_teardown),
       cmocka_unit_test(handle_reads_back_effective_values),
+      cmocka_unit_test(window_tokens_range),
+      cmocka_unit_test(create_logs_its_decision),
   };
   return cmocka_run_group_tests_name("config", tests, NULL, NULL);
 }

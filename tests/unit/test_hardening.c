@@ -249,6 +249,67 @@ static void aliasing_outputs(void** state) {
   assert_ok(moeblaze_backward(f->h, b, nb, p->saved, p->saved_bytes, p->ws, p->ws_bytes, NULL));
 }
 
+/* An output placed inside the call's own workspace or saved buffer (or an input inside the
+ * workspace, which the call overwrites) is refused before anything is written: the combine
+ * would otherwise follow plan indices that the output had overwritten. */
+static void arguments_inside_call_buffers(void** state) {
+  fixture* f = *state;
+  ms_problem* p = &f->p;
+  moeblaze_arg_t a[8], b[10];
+  const size_t n = ms_forward_args(p, a);
+  const size_t nb = ms_backward_args(p, b);
+  assert_true(p->saved_bytes >= 64 && p->ws_bytes >= 64);
+  char* saved = p->saved;
+  char* ws = p->ws;
+  /* forward: {argument index, buffer, byte shift} */
+  struct { int arg; char* buf; size_t shift; const char* what; } fc[] = {
+      {4, saved, 0, "OUTPUT at the start of the saved buffer"},
+      {4, saved, p->saved_bytes - 4, "OUTPUT over the saved buffer's last bytes"},
+      {4, ws, 0, "OUTPUT inside the workspace"},
+      {5, saved, 0, "TOPK_INDICES inside the saved buffer"},
+      {6, ws, 0, "TOKENS_PER_EXPERT inside the workspace"},
+      {0, ws, 0, "INPUT inside the workspace"}};
+  for (size_t c = 0; c < sizeof fc / sizeof fc[0]; ++c) {
+    moeblaze_arg_t t[8];
+    memcpy(t, a, sizeof t);
+    t[fc[c].arg].tensor.data = fc[c].buf + fc[c].shift;
+    memset(saved, 0x3c, p->saved_bytes);
+    const moeblaze_status_t s =
+        moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, t, n, p->ws, p->ws_bytes, p->saved, p->saved_bytes, NULL);
+    if (s != MOEBLAZE_STATUS_INVALID_ARGUMENT) fail_msg("forward: %s accepted (%s)", fc[c].what, moeblaze_status_name(s));
+    if (!strstr(moeblaze_get_last_error_message(), "overlap")) fail_msg("%s: %s", fc[c].what, moeblaze_get_last_error_message());
+    for (size_t i = 0; i < p->saved_bytes; ++i)
+      if ((unsigned char)saved[i] != 0x3c) fail_msg("forward: %s: saved byte %zu was written", fc[c].what, i);
+  }
+  /* the workspace and the saved buffer may not overlap each other */
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, p->saved, p->ws_bytes, p->saved,
+                                 p->saved_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* backward: gradients inside the saved buffer or the workspace, dy inside the workspace */
+  assert_ok(ms_forward(f->h, p));
+  struct { int arg; char* buf; const char* what; } bc[] = {
+      {5, saved, "GRAD_INPUT inside the saved buffer"}, {6, saved, "GRAD_W_GATE_UP inside the saved buffer"},
+      {5, ws, "GRAD_INPUT inside the workspace"}, {4, ws, "GRAD_OUTPUT inside the workspace"}};
+  for (size_t c = 0; c < sizeof bc / sizeof bc[0]; ++c) {
+    moeblaze_arg_t t[10];
+    memcpy(t, b, sizeof t);
+    t[bc[c].arg].tensor.data = bc[c].buf;
+    const moeblaze_status_t s = moeblaze_backward(f->h, t, nb, p->saved, p->saved_bytes, p->ws, p->ws_bytes, NULL);
+    if (s != MOEBLAZE_STATUS_INVALID_ARGUMENT) fail_msg("backward: %s accepted (%s)", bc[c].what, moeblaze_status_name(s));
+    if (!strstr(moeblaze_get_last_error_message(), "overlap")) fail_msg("%s: %s", bc[c].what, moeblaze_get_last_error_message());
+  }
+  assert_status(moeblaze_backward(f->h, b, nb, p->saved, p->saved_bytes, p->saved, p->ws_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  /* the saved buffer survived every refusal: backward still runs on it */
+  assert_ok(ms_backward(f->h, p));
+  /* route: an output inside the workspace */
+  const int64_t sk[2] = {L0, K0};
+  float gw[L0 * K0];
+  moeblaze_arg_t r[3] = {a[1], a[5], tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tu_tensor(gw, tu_f32, 2, sk))};
+  r[1].tensor.data = ws;
+  assert_status(moeblaze_route(f->h, r, 3, p->ws, p->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_true(ms_guards_intact(p));
+}
+
 /* ---- non-finite router inputs ---- */
 static void route_ids(moeblaze_handle_t h, float* logits, int64_t L, int32_t* ids, float* gates, int32_t* tpe) {
   const int64_t sl[2] = {L, E0}, sk[2] = {L, K0}, se[1] = {E0};
@@ -368,6 +429,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(corrupted_plans, setup, teardown),
       cmocka_unit_test_setup_teardown(byte_offsets_and_strides, setup, teardown),
       cmocka_unit_test_setup_teardown(aliasing_outputs, setup, teardown),
+      cmocka_unit_test_setup_teardown(arguments_inside_call_buffers, setup, teardown),
       cmocka_unit_test(non_finite_logits),
       cmocka_unit_test_setup_teardown(nan_caller_weights_stay_in_their_token, setup, teardown),
       cmocka_unit_test_setup_teardown(status_argument, setup, teardown),

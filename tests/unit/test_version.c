@@ -13,15 +13,15 @@
 static void versions_agree(void** state) {
   (void)state;
   assert_int_equal(moeblaze_get_version(), MOEBLAZE_VERSION);
-  assert_int_equal(MOEBLAZE_VERSION, MOEBLAZE_VERSION_ENCODE(0, 1, 0));
+  assert_int_equal(MOEBLAZE_VERSION, MOEBLAZE_VERSION_ENCODE(0, 2, 0));
   assert_int_equal(moeblaze_get_abi_version(), MOEBLAZE_ABI_VERSION);
   char want[32];
   snprintf(want, sizeof want, "%d.%d.%d", MOEBLAZE_VERSION_MAJOR, MOEBLAZE_VERSION_MINOR, MOEBLAZE_VERSION_PATCH);
   assert_string_equal(moeblaze_get_version_string(), want);
-  assert_string_equal(moeblaze_get_version_string(), "0.1.0");
+  assert_string_equal(moeblaze_get_version_string(), "0.2.0");
   assert_int_equal(moeblaze_get_abi_version(), 0);
   assert_int_equal(MOEBLAZE_ABI_VERSION, 0);
-  assert_int_equal(MOEBLAZE_VERSION, 1000u);
+  assert_int_equal(MOEBLAZE_VERSION, 2000u);
   /* the encoding orders versions */
   assert_true(MOEBLAZE_VERSION_ENCODE(0, 9, 999) < MOEBLAZE_VERSION_ENCODE(1, 0, 0));
   assert_true(MOEBLAZE_VERSION_ENCODE(0, 1, 999) < MOEBLAZE_VERSION_ENCODE(0, 2, 0));

@@ -24,7 +24,7 @@ from ._core import (AlignedBuffer, ArgList, AttrSpec, Config, Handle, attributes
                     status_name, status_string)
 from .layer import ForwardResult, Gradients, Layer
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = list(_types_all) + [
     "BindingError", "MoEBlazeError", "library_path", "AlignedBuffer", "ArgList", "AttrSpec",

@@ -28,7 +28,7 @@ def version_encode(major, minor, patch):
 
 # ---- header constants --------------------------------------------------------------------------
 VERSION_MAJOR = 0
-VERSION_MINOR = 1
+VERSION_MINOR = 2
 VERSION_PATCH = 0
 VERSION = version_encode(VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH)
 #: The ABI this binding was written for; _lib refuses a library reporting another one.

@@ -336,7 +336,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
   // Phase 2: weight gradients, one task per (expert, block of output rows); each output row
   // sums its expert's positions in ascending order.
   auto weight_grad = [&](const View& out, int64_t nrows, int64_t ncols,
-                         const std::function<void(int64_t e, int64_t p, int64_t i0, int64_t ib, float* a_vals, float* g_row)>& fetch) {
+                         FunctionRef<void(int64_t e, int64_t p, int64_t i0, int64_t ib, float* a_vals, float* g_row)> fetch) {
     const int64_t blocks = ceil_div(nrows, kGradRows);
     pool_.parallel_for(E * blocks, [&](int64_t task, int worker) {
       const int64_t e = task / blocks, i0 = (task % blocks) * kGradRows, ib = std::min(kGradRows, nrows - i0);

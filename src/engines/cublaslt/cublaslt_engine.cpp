@@ -55,9 +55,18 @@ void report_ok(const CallArgs& a, cudaStream_t s) {
   if (a.status.present) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(a.status.data, 0, sizeof(int32_t), s));
 }
 
+// The host copy of the expert offsets: one buffer per thread that only grows, so a call
+// allocates host memory only the first time its thread meets a larger E.
+std::vector<int32_t>& thread_offsets(int64_t E) {
+  thread_local std::vector<int32_t> offsets;
+  if (offsets.size() < static_cast<size_t>(E + 1)) offsets.resize(static_cast<size_t>(E + 1));
+  return offsets;
+}
+
 // What a call reads back at its one host sync.
 struct HostState {
-  std::vector<int32_t> offsets;  // [E + 1]
+  explicit HostState(std::vector<int32_t>& o) : offsets(o) {}
+  std::vector<int32_t>& offsets;  // [E + 1] valid (the calling thread's buffer)
   int32_t error_flag = 0;        // routing::kCallerIdsInvalid | routing::kPlanInvalid
   SavedHeader header{};          // backward: the saved buffer's header
 };
@@ -146,8 +155,7 @@ CublasLtWork CublasLtEngine::carve(Pass pass, int64_t L, void* base) const {
 
 HostState CublasLtEngine::sync_host(const RoutingPlan& plan, const CublasLtWork& w, const SavedHeader* header, cudaStream_t s) const {
   const int64_t E = cfg_.num_experts;
-  HostState h;
-  h.offsets.assign(static_cast<size_t>(E + 1), 0);
+  HostState h(thread_offsets(E));
   MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(h.offsets.data(), plan.expert_token_offsets, sizeof(int32_t) * (E + 1), cudaMemcpyDeviceToHost, s));
   MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(&h.error_flag, w.router.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
   if (header) MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(&h.header, header, sizeof(SavedHeader), cudaMemcpyDeviceToHost, s));
