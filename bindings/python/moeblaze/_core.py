@@ -1,13 +1,16 @@
 """Config and Handle objects, argument lists, host buffers and aligned allocations."""
 import atexit
+import contextlib
 import ctypes
 import gc
+import operator
 import threading
 import weakref
 from collections import namedtuple
 from ctypes import byref, c_char, c_double, c_int32, c_int64, c_size_t, c_void_p
 
 from . import _lib
+from ._types import (INT32, INT64, UINT32, UINT64, checked_int)
 from ._types import (BUFFER_ALIGNMENT, Activation, Arg, AttrInfo, DType, DeviceType, Engine, Pass,
                      SavePolicy, ScoreFn, Status, Tensor, ValueType, dtype_from_name, dtype_name,
                      dtype_itemsize)
@@ -45,13 +48,21 @@ def get_build_info():
     return _s(_L.moeblaze_get_build_info())
 
 
+def _status_value(status):
+    """An int32 status for the C lookup; any other integer is unknown to the library (-1 is
+    never a status), never wrapped onto a known one."""
+    v = operator.index(status)
+    return v if INT32[0] <= v <= INT32[1] else -1
+
+
 def status_name(status):
-    """``moeblaze_status_name``; any integer is accepted."""
-    return _s(_L.moeblaze_status_name(int(status)))
+    """``moeblaze_status_name``; any integer is accepted ("MOEBLAZE_STATUS_UNKNOWN" for values
+    that are not statuses, however large)."""
+    return _s(_L.moeblaze_status_name(_status_value(status)))
 
 
 def status_string(status):
-    return _s(_L.moeblaze_status_string(int(status)))
+    return _s(_L.moeblaze_status_string(_status_value(status)))
 
 
 def last_error_message():
@@ -61,32 +72,65 @@ def last_error_message():
 def get_device_count(device_type=DeviceType.CUDA):
     """Devices of a type this build can use (1 for the CPU; 0 CUDA devices without CUDA)."""
     out = c_int32(0)
-    _L.moeblaze_get_device_count(DeviceType.parse(device_type), byref(out))
+    _L.moeblaze_get_device_count(checked_int(DeviceType.parse(device_type), INT32, "device_type"), byref(out))
     return out.value
 
 
+# The log callback. The library calls it outside its locks, on any thread, and may be called
+# back from it: the trampoline may call any moeblaze function, set_log_callback included.
+# Thunks (ctypes callback objects) stay alive while the library may call them: the library's
+# set_log_callback, called from outside a callback, returns only once no thread runs the
+# previous one, so older thunks are released then; a thunk installed from inside a callback is
+# kept for the life of the process (the library returns at once there).
 _log_lock = threading.Lock()
-_log_state = {"cfunc": None, "fn": None}
+_log_state = {"fn": None, "thunks": [], "pinned": []}
+_log_tls = threading.local()
+
+
+def _in_log_callback():
+    return getattr(_log_tls, "depth", 0) > 0
 
 
 def set_log_callback(fn, min_level=2):
     """Installs ``fn(level:int, func:str, msg:str)`` as the process-wide log sink (None removes
-    it). Exceptions raised by ``fn`` are swallowed: they must not unwind through C."""
-    with _log_lock:
-        if fn is None:
-            _L.moeblaze_set_log_callback(ctypes.cast(None, _lib.LOG_FN), None, int(min_level))
-            _log_state.update(cfunc=None, fn=None)
-            return
-
-        def trampoline(_user, level, func, msg):
+    it). ``fn`` runs on the thread of the call that logs and may call the library (remove or
+    replace itself, make calls that fail). Exceptions raised by ``fn`` are swallowed: they must
+    not unwind through C. ``min_level``: 0 (nothing) to 4 (everything); errors are level 1."""
+    if fn is not None and not callable(fn):
+        raise TypeError("set_log_callback takes a callable fn(level, func, msg) or None, not %s"
+                        % type(fn).__name__)
+    level = checked_int(min_level, INT32, "min_level", "moeblaze.set_log_callback")
+    if fn is None:
+        cfunc = ctypes.cast(None, _lib.LOG_FN)
+    else:
+        def trampoline(_user, lvl, func, msg):
+            depth = getattr(_log_tls, "depth", 0)
+            if depth:  # the library never re-enters on one thread; stay safe if it did
+                return
+            _log_tls.depth = depth + 1
             try:
-                fn(int(level), _s(func), _s(msg))
+                fn(int(lvl), _s(func), _s(msg))
             except BaseException:  # noqa: BLE001 - never propagate into C
                 pass
+            finally:
+                _log_tls.depth = depth
 
         cfunc = _lib.LOG_FN(trampoline)
-        _L.moeblaze_set_log_callback(cfunc, None, int(min_level))
-        _log_state.update(cfunc=cfunc, fn=fn)  # keep the thunk alive while installed
+    if _in_log_callback():
+        # The library returns at once here and other threads may still run older thunks:
+        # keep this one (and every older one) alive for good. No lock: the thread that holds
+        # it may be waiting in the library for this very callback to return.
+        _log_state["pinned"].append(cfunc)
+        _log_state["pinned"].extend(_log_state["thunks"])
+        _L.moeblaze_set_log_callback(cfunc, None, level)
+        _log_state["fn"] = fn
+        return
+    with _log_lock:
+        _log_state["thunks"].append(cfunc)  # alive before the library can call it
+        _L.moeblaze_set_log_callback(cfunc, None, level)
+        # No thread runs an older thunk now; only the installed one must stay.
+        _log_state["thunks"] = [cfunc]
+        _log_state["fn"] = fn
 
 
 # ---- attributes --------------------------------------------------------------------------------
@@ -137,7 +181,7 @@ def _attr_number_and_type(attr):
                                "unknown attribute %r; this library knows: %s"
                                % (attr, ", ".join(sorted(table))))
         return spec.number, spec.value_type
-    number = int(attr)
+    number = checked_int(attr, INT32, "attribute number", "moeblaze.Config")
     for spec in table.values():
         if spec.number == number:
             return number, spec.value_type
@@ -152,16 +196,59 @@ def _attr_name(number):
 
 
 class _Owned:
-    """Owns one C object: close() is idempotent, context manager, weakref.finalize fallback."""
+    """Owns one C object: close() is idempotent, context manager, weakref.finalize fallback.
+
+    Every library call on the object runs inside ``_call()``, which counts it in flight; close()
+    waits for the calls in flight on other threads before destroying the object, refuses new
+    ones from then on, and refuses to run from inside a call on the same object (a log
+    callback, say), which it would otherwise free under its caller."""
     _destroy_name = None
 
     def _own(self, ptr):
         _drain_pending()
+        self._cond = threading.Condition(threading.Lock())
+        self._in_flight = {}  # thread id -> calls of that thread now inside the library
+        self._closing = False
         self._ptr = ptr
         self._finalizer = weakref.finalize(self, _destroy, self._destroy_name, ptr)
 
+    @contextlib.contextmanager
+    def _call(self):
+        """Marks one library call on this object in flight (raises if it is closed)."""
+        cond = getattr(self, "_cond", None)
+        if cond is None:
+            self._require_open()
+        me = threading.get_ident()
+        with cond:
+            if self._closing or self._ptr is None:
+                raise BindingError(Status.INVALID_ARGUMENT, type(self).__name__,
+                                   "%s is closed" % type(self).__name__)
+            self._in_flight[me] = self._in_flight.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with cond:
+                left = self._in_flight[me] - 1
+                if left:
+                    self._in_flight[me] = left
+                else:
+                    del self._in_flight[me]
+                if not self._in_flight:
+                    cond.notify_all()
+
     def close(self):
-        """Destroys the C object; safe to call more than once."""
+        """Destroys the C object once no other thread is inside a call on it; safe to call more
+        than once. Raises BindingError when called from inside a call on this object."""
+        cond = getattr(self, "_cond", None)
+        if cond is not None:
+            with cond:
+                if threading.get_ident() in self._in_flight:
+                    raise BindingError(Status.INVALID_ARGUMENT, type(self).__name__,
+                                       "close() from inside a call on this %s (a log callback?) "
+                                       "would free it under that call" % type(self).__name__)
+                self._closing = True
+                while self._in_flight:
+                    cond.wait()
         fin = getattr(self, "_finalizer", None)
         if fin is not None:
             fin()
@@ -170,7 +257,7 @@ class _Owned:
 
     @property
     def closed(self):
-        return getattr(self, "_ptr", None) is None
+        return getattr(self, "_ptr", None) is None or getattr(self, "_closing", False)
 
     def __enter__(self):
         return self
@@ -248,11 +335,11 @@ def _coerce_value(name, value_type, value):
                                "attribute %s takes a number, not %r" % (name, value))
         return ValueType.I64, ns.parse(value)
     if value_type == ValueType.I64:
-        return ValueType.I64, int(value)
+        return ValueType.I64, checked_int(value, INT64, name, "moeblaze.Config")
     # Unknown to this binding: pick the setter by the Python type; the library checks.
     if isinstance(value, float):
         return ValueType.F64, value
-    return ValueType.I64, int(value)
+    return ValueType.I64, checked_int(value, INT64, name, "moeblaze.Config")
 
 
 class Config(_Owned):
@@ -278,12 +365,13 @@ class Config(_Owned):
         number, value_type = _attr_number_and_type(attr)
         name = _attr_name(number) or str(attr)
         kind, val = _coerce_value(name, value_type, value)
-        if kind == ValueType.DTYPE:
-            _L.moeblaze_config_set_dtype(self, number, val)
-        elif kind == ValueType.F64:
-            _L.moeblaze_config_set_f64(self, number, c_double(val))
-        else:
-            _L.moeblaze_config_set_i64(self, number, c_int64(val))
+        with self._call():
+            if kind == ValueType.DTYPE:
+                _L.moeblaze_config_set_dtype(self, number, val)
+            elif kind == ValueType.F64:
+                _L.moeblaze_config_set_f64(self, number, c_double(val))
+            else:
+                _L.moeblaze_config_set_i64(self, number, c_int64(val))
         return self
 
     def get(self, attr):
@@ -302,17 +390,18 @@ class Config(_Owned):
 
 def _get(obj, prefix, number, value_type):
     obj._require_open()
-    if value_type == ValueType.F64:
-        out = c_double()
-        getattr(_L, "moeblaze_%s_get_f64" % prefix)(obj, number, byref(out))
+    with obj._call():
+        if value_type == ValueType.F64:
+            out = c_double()
+            getattr(_L, "moeblaze_%s_get_f64" % prefix)(obj, number, byref(out))
+            return out.value
+        if value_type == ValueType.DTYPE:
+            out = DType()
+            getattr(_L, "moeblaze_%s_get_dtype" % prefix)(obj, number, byref(out))
+            return out
+        out = c_int64()
+        getattr(_L, "moeblaze_%s_get_i64" % prefix)(obj, number, byref(out))
         return out.value
-    if value_type == ValueType.DTYPE:
-        out = DType()
-        getattr(_L, "moeblaze_%s_get_dtype" % prefix)(obj, number, byref(out))
-        return out
-    out = c_int64()
-    getattr(_L, "moeblaze_%s_get_i64" % prefix)(obj, number, byref(out))
-    return out.value
 
 
 # ---- buffers -----------------------------------------------------------------------------------
@@ -363,7 +452,8 @@ def buffer_address(obj, writable=True):
     if isinstance(obj, AlignedBuffer):
         return obj.address, obj.nbytes, obj, None
     if isinstance(obj, tuple) and len(obj) == 2:
-        return int(obj[0]), int(obj[1]), None, None
+        return (checked_int(obj[0], UINT64, "buffer address", "moeblaze.buffer_address"),
+                checked_int(obj[1], UINT64, "buffer size", "moeblaze.buffer_address"), None, None)
     if isinstance(obj, (ctypes._SimpleCData, ctypes.Array, ctypes.Structure)):
         return ctypes.addressof(obj), ctypes.sizeof(obj), obj, None
     mv = memoryview(obj)
@@ -435,7 +525,8 @@ class ArgList:
         """Appends ``(kind, tensor, flags)``; iteration yields the same triples."""
         if not isinstance(tensor, Tensor):
             raise TypeError("expected a moeblaze Tensor, got %s" % type(tensor).__name__)
-        self._items.append((int(kind), tensor, int(flags)))
+        self._items.append((checked_int(kind, INT32, "argument kind", "moeblaze.ArgList"), tensor,
+                            checked_int(flags, UINT32, "argument flags", "moeblaze.ArgList")))
         return self
 
     def append_arg(self, arg):
@@ -486,9 +577,19 @@ def _buffer(buf, nbytes, what):
         if nbytes is None:
             raise BindingError(Status.INVALID_ARGUMENT, "moeblaze.Handle",
                                "%s given as an address needs %s_bytes" % (what, what))
-        return buf, int(nbytes), None
+        return (checked_int(buf, UINT64, what + " address", "moeblaze.Handle"),
+                checked_int(nbytes, UINT64, what + "_bytes", "moeblaze.Handle"), None)
     addr, size, keep, _ = buffer_address(buf, writable=False if what == "saved_in" else True)
-    return addr, size if nbytes is None else int(nbytes), keep
+    if nbytes is not None:
+        size = checked_int(nbytes, UINT64, what + "_bytes", "moeblaze.Handle")
+    return addr, size, keep
+
+
+def _stream(stream):
+    """A cudaStream_t from an int (or None: the legacy default stream)."""
+    if stream is None:
+        return None
+    return checked_int(stream, UINT64, "stream", "moeblaze.Handle") or None
 
 
 class Handle(_Owned):
@@ -508,7 +609,8 @@ class Handle(_Owned):
 
     def _create(self, cfg):
         ptr = c_void_p()
-        _L.moeblaze_create(byref(ptr), cfg)
+        with cfg._call():
+            _L.moeblaze_create(byref(ptr), cfg)
         self._own(ptr.value)
 
     def get(self, attr):
@@ -521,20 +623,27 @@ class Handle(_Owned):
     def workspace_size(self, pass_, num_tokens):
         self._require_open()
         out = c_size_t()
-        _L.moeblaze_get_workspace_size(self, Pass.parse(pass_), c_int64(num_tokens), byref(out))
+        p = checked_int(Pass.parse(pass_), INT32, "pass", "moeblaze.Handle")
+        L = checked_int(num_tokens, INT64, "num_tokens", "moeblaze.Handle")
+        with self._call():
+            _L.moeblaze_get_workspace_size(self, p, c_int64(L), byref(out))
         return out.value
 
     def saved_size(self, num_tokens):
         self._require_open()
         out = c_size_t()
-        _L.moeblaze_get_saved_size(self, c_int64(num_tokens), byref(out))
+        L = checked_int(num_tokens, INT64, "num_tokens", "moeblaze.Handle")
+        with self._call():
+            _L.moeblaze_get_saved_size(self, c_int64(L), byref(out))
         return out.value
 
     def check_args(self, pass_, args):
         self._require_open()
         args = _as_args(args)
         arr = args.to_array()
-        _L.moeblaze_check_args(self, Pass.parse(pass_), arr, len(args))
+        p = checked_int(Pass.parse(pass_), INT32, "pass", "moeblaze.Handle")
+        with self._call():
+            _L.moeblaze_check_args(self, p, arr, len(args))
 
     def forward(self, pass_, args, workspace=None, saved=None, stream=None,
                 workspace_bytes=None, saved_bytes=None):
@@ -545,8 +654,10 @@ class Handle(_Owned):
         arr = args.to_array()
         ws, wsb, _k1 = _buffer(workspace, workspace_bytes, "workspace")
         sv, svb, _k2 = _buffer(saved, saved_bytes, "saved")
-        _L.moeblaze_forward(self, Pass.parse(pass_), arr, len(args), ws, wsb, sv, svb,
-                            stream or None)
+        p = checked_int(Pass.parse(pass_), INT32, "pass", "moeblaze.Handle")
+        st = _stream(stream)
+        with self._call():
+            _L.moeblaze_forward(self, p, arr, len(args), ws, wsb, sv, svb, st)
 
     def backward(self, args, saved, workspace=None, stream=None, saved_bytes=None,
                  workspace_bytes=None):
@@ -555,11 +666,15 @@ class Handle(_Owned):
         arr = args.to_array()
         sv, svb, _k1 = _buffer(saved, saved_bytes, "saved_in")
         ws, wsb, _k2 = _buffer(workspace, workspace_bytes, "workspace")
-        _L.moeblaze_backward(self, arr, len(args), sv, svb, ws, wsb, stream or None)
+        st = _stream(stream)
+        with self._call():
+            _L.moeblaze_backward(self, arr, len(args), sv, svb, ws, wsb, st)
 
     def route(self, args, workspace=None, stream=None, workspace_bytes=None):
         self._require_open()
         args = _as_args(args)
         arr = args.to_array()
         ws, wsb, _k = _buffer(workspace, workspace_bytes, "workspace")
-        _L.moeblaze_route(self, arr, len(args), ws, wsb, stream or None)
+        st = _stream(stream)
+        with self._call():
+            _L.moeblaze_route(self, arr, len(args), ws, wsb, st)

@@ -85,6 +85,38 @@ class MoELayer(torch.nn.Module):
                                 w_gate_up, w_down)[:3]
         return y.reshape(*lead, self.hidden_size), aux, z
 
+    # ---- the weight layout in the state_dict -------------------------------------------------
+    # The state_dict records the layout (as a one-element int8 tensor, so that tensor-only
+    # formats such as safetensors keep it). Loading converts a checkpoint of the other layout
+    # (the expert matrices transposed); a checkpoint without the record (older versions) is
+    # taken to be in this layer's layout, as before.
+    _LAYOUT_CODES = {"in_out": 0, "out_in": 1}
+
+    def get_extra_state(self):
+        return torch.tensor([self._LAYOUT_CODES[self.weight_layout]], dtype=torch.int8)
+
+    def set_extra_state(self, state):
+        pass  # the layout was read (and the weights converted) in _load_from_state_dict
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+        if key in state_dict:
+            code = state_dict[key]
+            code = int(code.reshape(-1)[0]) if torch.is_tensor(code) else code
+            names = {v: k for k, v in self._LAYOUT_CODES.items()}
+            if code not in names:
+                error_msgs.append("%s: unknown weight layout record %r" % (key, code))
+                return
+            if names[code] != self.weight_layout:
+                for name in ("w_gate_up", "w_down"):
+                    if prefix + name in state_dict:
+                        state_dict[prefix + name] = state_dict[prefix + name].transpose(1, 2)
+        else:
+            state_dict[key] = self.get_extra_state()  # an older checkpoint: this layer's layout
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     def extra_repr(self):
         return "hidden_size=%d, ffn_hidden_size=%d, num_experts=%d, top_k=%d, activation=%s, weight_layout=%s" % (
             self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation,

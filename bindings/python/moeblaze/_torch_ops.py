@@ -12,8 +12,11 @@ Two operators:
 made on first use inside the operators, so tracing never runs library code). ``saved`` is the
 library's saved buffer as a uint8 tensor output of the forward: autograd saves it like any
 activation, so saved-tensor hooks (checkpointing, CPU offload) see and handle it, and it lives
-exactly as long as the graph needs it. It is ``saved_size(L) + 256`` bytes: the operators start
-the library's buffer at its first 256-byte boundary, whatever alignment the allocator gave.
+exactly as long as the graph needs it. It is a plain tensor of exactly ``saved_size(L)`` bytes,
+and its contents do not depend on its address: a saved-tensor hook may hand backward a copy
+anywhere (a clone, a CPU round trip, another alignment). The library reads and writes it in
+place when it starts on a 256-byte boundary, as the CUDA caching allocator's blocks always do;
+otherwise (host memory, or a hook's shifted copy) the call goes through an aligned copy.
 Workspaces are ``torch.empty`` on the current stream (PyTorch's caching allocator).
 Each operator has a fake (meta) implementation for tracing and the pair is tied together with
 ``register_autograd``; gradients not needed come back as empty tensors internally and as None
@@ -148,9 +151,26 @@ def tensor_descriptor(t):
     return desc
 
 
+def _strides_accepted(shape, strides):
+    """The library's stride rule (moeblaze.h, "Arguments and execution"): the innermost stride
+    is 1 and every outer stride steps past the last element of the block inside it. Dimensions
+    of extent 1 take any stride."""
+    extent = 1
+    for i in reversed(range(len(shape))):
+        n, st = int(shape[i]), int(strides[i])
+        if n > 1:
+            if st < 0 or (i == len(shape) - 1 and st != 1) or (i < len(shape) - 1 and st < extent):
+                return False
+        extent += (st if n > 1 else extent) * max(n - 1, 0)
+    return True
+
+
 def _rowmajor(t):
-    """The library honours strides when the innermost stride is 1; otherwise copy."""
-    if t is not None and t.dim() and t.stride(-1) != 1:
+    """``t`` when the library takes its strides, else a row-major copy: broadcast (stride 0)
+    tensors from ``expand``, negative or overlapping strides, columns of unit stride."""
+    if t is not None and t.dim() and not _strides_accepted(t.shape, t.stride()):
+        if t.numel() == 0:  # contiguous() keeps an empty tensor's strides; nothing to copy
+            return t.new_empty(t.shape)
         return t.contiguous()
     return t
 
@@ -161,7 +181,10 @@ def _weight_layout(w):
     anything else is copied to row-major. The gradients are allocated like the result, so they
     come back in the weights' own layout."""
     if w.dim() == 3 and w.shape[-1] > 1 and w.stride(-1) != 1 and (w.shape[-2] <= 1 or w.stride(-2) == 1):
-        return w
+        swapped = (w.shape[0], w.shape[2], w.shape[1])
+        if _strides_accepted(swapped, (w.stride(0), w.stride(2), 1)):
+            return w
+        return w.contiguous() if w.numel() else w.new_empty(w.shape)
     return _rowmajor(w)
 
 
@@ -169,6 +192,16 @@ def _aligned(raw, nbytes):
     """The 256-byte-aligned window of ``nbytes`` inside a uint8 tensor of nbytes + 256."""
     off = (-raw.data_ptr()) % BUFFER_ALIGNMENT
     return raw[off:off + int(nbytes)]
+
+
+def _realigned(saved):
+    """The saved buffer where the library can read it: ``saved`` itself when it starts on a
+    256-byte boundary (always, unless a saved-tensor hook moved it), else an aligned copy."""
+    if saved.is_contiguous() and saved.data_ptr() % BUFFER_ALIGNMENT == 0:
+        return saved
+    copy = aligned_bytes(saved.numel(), saved.device)
+    copy.copy_(saved)
+    return copy
 
 
 def aligned_bytes(nbytes, device):
@@ -256,11 +289,13 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
         args.add(ArgKind.AUX_LOSS, tensor_descriptor(aux))
         args.add(ArgKind.Z_LOSS, tensor_descriptor(z))
     saved_bytes = handle.saved_size(L)
-    saved = torch.empty(saved_bytes + BUFFER_ALIGNMENT, dtype=torch.uint8, device=dev)
+    saved = torch.empty(saved_bytes, dtype=torch.uint8, device=dev)
+    target = saved if saved.data_ptr() % BUFFER_ALIGNMENT == 0 else aligned_bytes(saved_bytes, dev)
     workspace = aligned_bytes(handle.workspace_size(Pass.FORWARD_TRAINING, L), dev)
-    handle.forward(Pass.FORWARD_TRAINING, args, workspace.data_ptr(),
-                   _aligned(saved, saved_bytes).data_ptr(), stream=_stream(dev),
-                   workspace_bytes=workspace.numel(), saved_bytes=saved_bytes)
+    handle.forward(Pass.FORWARD_TRAINING, args, workspace.data_ptr(), target.data_ptr(),
+                   stream=_stream(dev), workspace_bytes=workspace.numel(), saved_bytes=saved_bytes)
+    if target is not saved:
+        saved.copy_(target)
     return y, aux, z, ids, gates, counts, saved
 
 
@@ -276,7 +311,7 @@ def _moe_forward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up,
     f32 = dict(dtype=torch.float32, device=x.device)
     i64 = dict(dtype=torch.int64, device=x.device)
     if isinstance(L, int):
-        saved_len = spec.handle(x.device).saved_size(L) + BUFFER_ALIGNMENT
+        saved_len = spec.handle(x.device).saved_size(L)
     else:  # a symbolic token count: the size is the library's, known only when it runs
         saved_len = torch.library.get_ctx().new_dynamic_size()
     return (x.new_empty((L, d)), x.new_empty((), **f32), x.new_empty((), **f32),
@@ -302,13 +337,14 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
     x, router = _rowmajor(x), _rowmajor(router)
     w_gate_up, w_down = _weight_layout(w_gate_up), _weight_layout(w_down)
     topk_ids, topk_weights = _rowmajor(topk_ids), _rowmajor(topk_weights)
-    dy = _rowmajor(dy).to(x.dtype)
+    dy = _rowmajor(dy.to(x.dtype))
     L = x.shape[0]
     dev = x.device
     saved_bytes = handle.saved_size(L)
-    if saved.dtype != torch.uint8 or saved.dim() != 1 or saved.numel() != saved_bytes + BUFFER_ALIGNMENT:
+    if saved.dtype != torch.uint8 or saved.dim() != 1 or saved.numel() != saved_bytes:
         raise ValueError("moeblaze: saved must be the uint8 tensor of %d bytes that moe_forward "
-                         "returned for %d tokens" % (saved_bytes + BUFFER_ALIGNMENT, L))
+                         "returned for %d tokens" % (saved_bytes, L))
+    saved = _realigned(saved)
     args = ArgList()
     args.add(ArgKind.INPUT, tensor_descriptor(x))
     args.add(ArgKind.W_GATE_UP, tensor_descriptor(w_gate_up))
@@ -337,7 +373,7 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
     if needs[4]:
         args.add(ArgKind.GRAD_W_DOWN, tensor_descriptor(d_wd))
     workspace = aligned_bytes(handle.workspace_size(Pass.BACKWARD, L), dev)
-    handle.backward(args, _aligned(saved, saved_bytes).data_ptr(), workspace.data_ptr(),
+    handle.backward(args, saved.data_ptr(), workspace.data_ptr(),
                     stream=_stream(dev), saved_bytes=saved_bytes,
                     workspace_bytes=workspace.numel())
     return dx, d_router, d_weights, d_wgu, d_wd
@@ -363,6 +399,9 @@ def _setup_context(ctx, inputs, output):
     layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down = inputs
     _y, _aux, _z, ids, gates, counts, saved = output
     ctx.layer, ctx.mode = layer, mode
+    # The graph holds the layer's spec until backward: a temporary functional MoE(...) may be
+    # gone by then, and the operators find the spec by its id in a weak registry.
+    ctx.spec = LayerSpec.get(layer)
     ctx.save_for_backward(x, router, topk_ids, topk_weights, w_gate_up, w_down, saved)
     ctx.mark_non_differentiable(ids, gates, counts, saved)
     # Outputs without a gradient reach _backward as None, not as zero tensors: autograd would

@@ -8,6 +8,7 @@ The structs are laid out exactly like their C counterparts; ``Tensor`` is field-
 ``DLTensor`` (48 bytes) and ``Arg`` is 56 bytes. The binding tests assert both sizes.
 """
 import ctypes
+import operator
 from ctypes import (POINTER, Structure, c_char_p, c_double, c_int32, c_int64, c_size_t, c_uint8,
                     c_uint16, c_uint32, c_uint64, c_void_p)
 
@@ -18,7 +19,32 @@ __all__ = [
     "Engine", "ValueType", "Attr", "Pass", "ArgKind",
     "Device", "DType", "Tensor", "Arg", "AttrInfo",
     "F32", "F16", "BF16", "I32", "I64", "dtype_from_name", "dtype_name", "dtype_itemsize",
+    "INT32", "UINT32", "INT64", "UINT64", "checked_int",
 ]
+
+
+# ---- integers crossing ctypes ------------------------------------------------------------------
+# ctypes silently wraps an out-of-range int (c_int64(2**64 + 8) is 8), so every integer the
+# binding hands to C is checked against its C type first.
+INT32 = (-2 ** 31, 2 ** 31 - 1)
+UINT32 = (0, 2 ** 32 - 1)
+INT64 = (-2 ** 63, 2 ** 63 - 1)
+UINT64 = (0, 2 ** 64 - 1)
+
+
+def checked_int(value, bounds, what, where="moeblaze"):
+    """``value`` as an int inside ``bounds`` (a C type's range), or BindingError naming it.
+    Integral values only: bools and numpy integers pass, floats and strings do not."""
+    from .errors import BindingError  # errors.py imports nothing of this package
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise BindingError(Status.INVALID_ARGUMENT, where, "%s must be an integer, not %s (%r)"
+                           % (what, type(value).__name__, value)) from None
+    if not bounds[0] <= v <= bounds[1]:
+        raise BindingError(Status.INVALID_ARGUMENT, where, "%s = %d is outside [%d, %d], the range of "
+                           "its C type" % (what, v, bounds[0], bounds[1]))
+    return v
 
 
 def version_encode(major, minor, patch):
@@ -274,19 +300,23 @@ class Tensor(Structure):
 
         ``data`` is an integer address (or None). The caller keeps the memory alive.
         """
+        where = "moeblaze.Tensor"
+        shape = [checked_int(s, INT64, "shape[%d]" % i, where) for i, s in enumerate(shape)]
         t = cls()
-        t.data = data
-        t.device = Device(device_type, device_id)
-        t.ndim = len(shape)
+        t.data = None if data is None else checked_int(data, UINT64, "data address", where)
+        t.device = Device(checked_int(device_type, INT32, "device_type", where),
+                          checked_int(device_id, INT32, "device_id", where))
+        t.ndim = checked_int(len(shape), INT32, "ndim", where)
         t.dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
         shp = (c_int64 * max(len(shape), 1))(*shape)
         t.shape = ctypes.cast(shp, POINTER(c_int64))
         keep = [shp]
         if strides is not None:
+            strides = [checked_int(s, INT64, "strides[%d]" % i, where) for i, s in enumerate(strides)]
             st = (c_int64 * max(len(strides), 1))(*strides)
             t.strides = ctypes.cast(st, POINTER(c_int64))
             keep.append(st)
-        t.byte_offset = byte_offset
+        t.byte_offset = checked_int(byte_offset, UINT64, "byte_offset", where)
         t._keepalive = keep  # ctypes instances accept extra Python attributes
         return t
 

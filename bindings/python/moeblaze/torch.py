@@ -9,8 +9,9 @@ is missing; ``import moeblaze`` alone never imports torch).
 * Tensors may live on CUDA or on the CPU; the handle must be created for the same device
   (:class:`MoE` creates one handle per device on first use).
 * ``workspace`` and ``saved`` come from ``torch.empty(nbytes, dtype=torch.uint8)`` on the input's
-  device, i.e. from PyTorch's caching allocator, which makes them stream-safe. They are
-  over-allocated by 256 bytes and sliced to a 256-byte boundary (the library's alignment).
+  device, i.e. from PyTorch's caching allocator, which makes them stream-safe. Workspaces are
+  over-allocated by 256 bytes and sliced to a 256-byte boundary (the library's alignment); the
+  saved tensor is exactly the saved size, realigned through a copy only where it is not aligned.
 * The stream is ``torch.cuda.current_stream(device).cuda_stream``.
 * Routing: from ``router_logits`` [L, E], from ``router_weight`` [E, d] (logits = x W_g^T), or
   caller routing with ``topk_indices``/``topk_weights`` as inputs.
