@@ -2,7 +2,7 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|plan|torch|pytorch|example|policies|maxtokens|bench|engines|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|plan|torch|pytorch|example|policies|maxtokens|bench|engines|all]...
 # torch: perf/torch_baselines.py (TORCH_ARGS, e.g. "--configs modern --skip-naive").
 # engines: both CUDA engines (fused, cuBLASLt) on the paper's configs (SiLU, SwiGLU) and the modern
 # ones (SwiGLU), one table per engine and config file (not part of "all": about 6 minutes).
@@ -15,6 +15,9 @@
 # SASS check (HGMMA, no local memory) and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g.
 # "--bn 256"; "skip" runs no bench); GEMM_SANITIZE="memcheck racecheck synccheck" runs the
 # kernel tests under those tools.
+# fuzz: the differential fuzzer of the CUDA engines (tests/gpu/fuzz_gpu.c) for FUZZ_SECONDS
+# (default 240), then under compute-sanitizer memcheck for FUZZ_MEMCHECK_SECONDS (default 60;
+# 0 skips it); FUZZ_SEED replays a run.
 # sanitize: memcheck, racecheck, initcheck and synccheck on the quick subset of the GPU tests,
 # on test_gpu_hardening and on test_plan_cuda; sanitize-full: racecheck and initcheck on the full GPU test set
 # (not part of "all": about 10 minutes).
@@ -129,6 +132,19 @@ fi
 if want soak; then
   build-gpu/tests/soak/soak --device cuda --steps 10000 > /tmp/soak.log 2>&1
   summary+=("soak: rc=$?; $(tail -1 /tmp/soak.log)")
+fi
+if want fuzz; then
+  seed=${FUZZ_SEED:-$(date +%s%N)}
+  build-gpu/tests/gpu/fuzz_gpu "${FUZZ_SECONDS:-240}" "$seed" > "$OUT/fuzz.log" 2>&1
+  rc=$?
+  grep -A1 FINDING "$OUT/fuzz.log" | head -20
+  summary+=("gpu fuzz: rc=$rc; $(tail -1 "$OUT/fuzz.log")")
+  if [ "${FUZZ_MEMCHECK_SECONDS:-60}" != 0 ]; then
+    compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 build-gpu/tests/gpu/fuzz_gpu \
+      "${FUZZ_MEMCHECK_SECONDS:-60}" "$((seed + 1))" > "$OUT/fuzz-memcheck.log" 2>&1
+    rc=$?
+    summary+=("gpu fuzz under memcheck: rc=$rc; $(grep -E '^fuzz_gpu' "$OUT/fuzz-memcheck.log" | tail -1); $(grep -E 'ERROR SUMMARY' "$OUT/fuzz-memcheck.log" | tail -1)")
+  fi
 fi
 if want plan; then
   build-gpu/perf/plan-bench > "$OUT/plan-bench.md" 2>&1
