@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "grad_conditioning.h"
 #include "test_util.h"
 
 #define CUDA_OK(call)                                                                  \
@@ -366,93 +367,22 @@ static moeblaze_status_t create(const tu_layer* l, int cuda, moeblaze_handle_t* 
   return tu_create_on(&e, cuda ? MOEBLAZE_DEVICE_CUDA : MOEBLAZE_DEVICE_CPU, out);
 }
 
-/* The router gradients pass through the softmax backward, p_e (g_e - sum_j p_j g_j), which
- * cancels when a token's expert gradients g (= dtopk_w) are close: at L = 1, E = 4 a dlogits
- * differed by 5.8e-2 of its own norm in bf16 (1.8e-5 in fp32; seed 1882707380143276) while each
- * g was right to the dtype. The rounding of g bounds the error of token t's dlogits row by about
- * eps * 2 S_t, S_t = sum_j w_tj |g_tj|, and that of dW_g by eps * 2 sum_t S_t |x_t| per expert;
- * so the error is measured against max(norm of the reference, those norms). */
-/* The error of a against b relative to max(norm of b, sqrt(scale2)): the reference's norm, or
- * that of the uncancelled terms when they are larger. */
-static double err_against(const double* a, const double* b, size_t n, double scale2) {
-  double num = 0, den = 0;
-  for (size_t j = 0; j < n; ++j) {
-    if (!isfinite(a[j])) return INFINITY;
-    num += (a[j] - b[j]) * (a[j] - b[j]), den += b[j] * b[j];
-  }
-  den = den > scale2 ? den : scale2;
-  if (den < 1e-300) return sqrt(num) < 1e-30 ? 0.0 : INFINITY;
-  return sqrt(num / den);
-}
-
+/* The router and gate gradients are sums whose terms cancel: their errors are measured
+ * against the scale of the uncancelled terms when it is larger (grad_conditioning.h). */
 static double router_grad_err(const step* c, int slot, const double* a, const double* b, size_t n) {
-  double* sx = slot == T_DWG ? calloc((size_t)c->d, sizeof(double)) : NULL;
-  double scale = 0;
-  for (int64_t t = 0; t < c->L; ++t) {
-    double st = 0;
-    for (int64_t j = 0; j < c->k; ++j)
-      st += fabs(((const float*)c->ow)[t * c->k + j]) * fabs(((const float*)c->dgw)[t * c->k + j]);
-    scale += st * st;
-    if (sx)
-      for (int64_t q = 0; q < c->d; ++q) sx[q] += st * fabs(tu_load(c->x, c->at, (size_t)(t * c->d + q)));
-  }
-  if (sx) {
-    scale = 0;
-    for (int64_t q = 0; q < c->d; ++q) scale += sx[q] * sx[q];
-    free(sx);
-  }
-  return err_against(a, b, n, scale);
+  const size_t P = (size_t)(c->L * c->k);
+  double* g = malloc(sizeof(double) * (P + 1));
+  for (size_t q = 0; q < P; ++q) g[q] = ((const float*)c->dgw)[q];
+  const double scale = tu_router_grad_scale2(c->L, c->k, c->d, c->ow, g, slot == T_DWG ? c->x : NULL, c->at);
+  free(g);
+  return tu_err_against(a, b, n, scale);
 }
 
-/* The gate gradients g_tj = <dy_t, y_tj> (y_tj: expert j's unweighted output for token t) are
- * dot products over d whose terms can cancel: at L = 1, k = 2 a bf16 dtopk_w differed by
- * 3.5e-2 of its own norm (seed 1882719224382159, ReLU, d = 24) while y and dx were right to the
- * dtype. Their rounding error is about eps * S_tj, S_tj = sum_i |dy_ti| |y_tj,i|, so the error
- * is measured against max(norm of the reference, norm of S). y_tj comes from one more CPU
- * forward: every (token, slot) pair as its own token routed to its expert with weight 1. */
 static double gate_grad_err(const gcase* gc, const step* c, const double* a, const double* b, size_t n) {
-  const int64_t P = c->L * c->k, d = c->d;
-  tu_layer l = gc->layer;
-  l.top_k = 1;
-  l.max_tokens = P;
-  l.engine = MOEBLAZE_ENGINE_CPU;
-  l.window_tokens = 0;
-  moeblaze_handle_t h = NULL;
-  assert_ok(tu_create_on(&l, MOEBLAZE_DEVICE_CPU, &h));
-  const size_t esz = tu_dtype_size(c->at);
-  void* xs = tu_alloc(c->at, (size_t)(P * d) + 1);
-  void* ys = tu_alloc(c->at, (size_t)(P * d) + 1);
-  int32_t* ids = tu_alloc(tu_i32, (size_t)P + 1);
-  float* ones = tu_alloc(tu_f32, (size_t)P + 1);
-  int64_t* tpe = tu_alloc(tu_i64, (size_t)c->E);
   const int32_t* routed = gc->mode == MODE_CALLER ? c->ids : c->oid;
-  for (int64_t q = 0; q < P; ++q) {
-    memcpy((char*)xs + (size_t)(q * d) * esz, (const char*)c->x + (size_t)(q / c->k * d) * esz, (size_t)d * esz);
-    ids[q] = routed[q];
-    ones[q] = 1.f;
-  }
-  const int64_t sx[2] = {P, d}, sgu[3] = {c->E, d, c->gh}, sd[3] = {c->E, c->h, d}, sk[2] = {P, 1}, se[1] = {c->E};
-  const moeblaze_arg_t f[] = {tu_arg(MOEBLAZE_ARG_INPUT, tu_tensor(xs, c->at, 2, sx)),
-                              tu_arg(MOEBLAZE_ARG_W_GATE_UP, tu_tensor(c->wgu, c->wt, 3, sgu)),
-                              tu_arg(MOEBLAZE_ARG_W_DOWN, tu_tensor(c->wd, c->wt, 3, sd)),
-                              tu_arg(MOEBLAZE_ARG_OUTPUT, tu_tensor(ys, c->at, 2, sx)),
-                              tu_arg(MOEBLAZE_ARG_TOKENS_PER_EXPERT, tu_tensor(tpe, tu_i64, 1, se)),
-                              tu_arg(MOEBLAZE_ARG_TOPK_INDICES, tu_tensor(ids, tu_i32, 2, sk)),
-                              tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tu_tensor(ones, tu_f32, 2, sk))};
-  size_t wsz = 0;
-  assert_ok(moeblaze_get_workspace_size(h, MOEBLAZE_PASS_FORWARD_INFERENCE, P, &wsz));
-  void* ws = tu_alloc_bytes(wsz + 1);
-  assert_ok(moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_INFERENCE, f, sizeof f / sizeof f[0], ws, wsz, NULL, 0, NULL));
-  double scale = 0;
-  for (int64_t q = 0; q < P; ++q) {
-    double sq = 0;
-    for (int64_t i = 0; i < d; ++i)
-      sq += fabs(tu_load(c->dy, c->at, (size_t)(q / c->k * d + i))) * fabs(tu_load(ys, c->at, (size_t)(q * d + i)));
-    scale += sq * sq;
-  }
-  tu_free(ws); tu_free(xs); tu_free(ys); tu_free(ids); tu_free(ones); tu_free(tpe);
-  moeblaze_destroy(h);
-  return err_against(a, b, n, scale);
+  const double scale = tu_gate_grad_scale2(&gc->layer, c->L, c->x, c->wgu, c->wd, routed, c->dy, NULL);
+  if (isnan(scale)) fail_msg("the CPU forward of the gate-gradient scale failed: %s", moeblaze_get_last_error_message());
+  return tu_err_against(a, b, n, scale);
 }
 
 /* Compares every output of the GPU step with the CPU step. */
