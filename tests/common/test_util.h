@@ -27,6 +27,16 @@
       fail_msg("%s failed without an error message", #call);                         \
   } while (0)
 
+/* TU_SANITIZED: built under ASan or TSan, whose runtimes own the allocator and pthread_create
+ * (the tests that interpose those skip themselves). */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define TU_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define TU_SANITIZED 1
+#endif
+#endif
+
 /* ---- deterministic RNG (splitmix64) ---- */
 typedef struct tu_rng { uint64_t state; } tu_rng;
 void tu_rng_seed(tu_rng* r, uint64_t seed);

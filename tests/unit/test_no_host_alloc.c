@@ -19,18 +19,10 @@
 #include "moe_step.h"
 #include "test_util.h"
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define SANITIZED 1
-#endif
-#endif
-
 static atomic_int counting;
 static atomic_long allocations;
 
-#ifndef SANITIZED
+#ifndef TU_SANITIZED
 extern void* __libc_malloc(size_t);
 extern void* __libc_calloc(size_t, size_t);
 extern void* __libc_realloc(void*, size_t);
@@ -84,7 +76,7 @@ static void route(moeblaze_handle_t h, ms_problem* p) {
 
 static void warm_calls_allocate_nothing(void** state) {
   (void)state;
-#ifdef SANITIZED
+#ifdef TU_SANITIZED
   skip();
 #endif
   const int64_t activations[2] = {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_GELU};

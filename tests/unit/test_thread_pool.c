@@ -21,17 +21,9 @@
 #include "moe_step.h"
 #include "test_util.h"
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define SANITIZED 1
-#endif
-#endif
-
 static atomic_int created;
 
-#ifndef SANITIZED
+#ifndef TU_SANITIZED
 int pthread_create(pthread_t* t, const pthread_attr_t* attr, void* (*fn)(void*), void* arg) {
   typedef int (*real_fn)(pthread_t*, const pthread_attr_t*, void* (*)(void*), void*);
   static real_fn real;
@@ -88,7 +80,7 @@ static void threads_do_not_grow_with_calls(void** state) {
 }
 
 int main(void) {
-#ifdef SANITIZED
+#ifdef TU_SANITIZED
   printf("sanitizer build: pthread_create belongs to the sanitizer runtime; skipped\n");
   return 77;
 #else
