@@ -292,6 +292,12 @@ class TestTorchCarelessUse(unittest.TestCase):
         xt = torch.randn(16, 24).t().requires_grad_()  # columns of unit stride
         self._step(x=xt)
 
+    def test_layer_integers_are_checked(self):
+        with self.assertRaises(BindingError):
+            self.mt.MoELayer(16, 24, 4, 2, max_tokens=2 ** 64 + 8)
+        with self.assertRaises(BindingError):
+            self.mt.MoELayer(16, 24, 4, 2, max_tokens=64, window_tokens=2 ** 64 + 1)
+
     def test_empty_batch(self):
         torch = self.torch
         x0 = torch.randn(0, 16, requires_grad=True)
