@@ -19,6 +19,7 @@ import torch
 from ._torch_ops import ROUTE_WEIGHT, LayerSpec, moe_forward
 
 _GATED = ("swiglu", "geglu")
+_DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
 class MoELayer(torch.nn.Module):
@@ -40,18 +41,15 @@ class MoELayer(torch.nn.Module):
             raise ValueError("MoELayer: weight_layout must be 'in_out' or 'out_in', not %r" % (weight_layout,))
         self.weight_layout = weight_layout
         dtype = dtype or torch.get_default_dtype()
-        names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-        if dtype not in names:
+        if dtype not in _DTYPE_NAMES:
             raise TypeError("MoELayer: dtype must be float32, float16 or bfloat16, not %s" % dtype)
         self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
         self.num_experts, self.top_k = int(num_experts), int(top_k)
         self.activation = str(activation).lower()
         self.max_tokens = int(max_tokens)
-        self.spec = LayerSpec(num_experts=self.num_experts, top_k=self.top_k,
-                              hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
-                              max_tokens=self.max_tokens, activation=self.activation,
-                              activation_dtype=names[dtype], weight_dtype=names[dtype], **attrs)
         self.attrs = dict(attrs)
+        self._spec_dtype = None
+        self._spec_for(dtype)
         d, h, E = self.hidden_size, self.ffn_hidden_size, self.num_experts
         g = 2 if self.activation in _GATED else 1
         kw = dict(dtype=dtype, device=device)
@@ -60,6 +58,20 @@ class MoELayer(torch.nn.Module):
         self.w_gate_up = torch.nn.Parameter(torch.empty((E, g * h, d) if out_in else (E, d, g * h), **kw))
         self.w_down = torch.nn.Parameter(torch.empty((E, d, h) if out_in else (E, h, d), **kw))
         self.reset_parameters()
+
+    def _spec_for(self, dtype):
+        """The layer's LayerSpec for storage dtype ``dtype`` (activations and weights): the
+        spec follows the parameters through ``.to(dtype)``, ``.half()`` and autocast."""
+        if dtype not in _DTYPE_NAMES:
+            raise TypeError("MoELayer: the library stores float32, float16 or bfloat16, not %s" % dtype)
+        if dtype != self._spec_dtype:
+            self.spec = LayerSpec(num_experts=self.num_experts, top_k=self.top_k,
+                                  hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
+                                  max_tokens=self.max_tokens, activation=self.activation,
+                                  activation_dtype=_DTYPE_NAMES[dtype], weight_dtype=_DTYPE_NAMES[dtype],
+                                  **self.attrs)
+            self._spec_dtype = dtype
+        return self.spec
 
     def expert_weights(self):
         """``(w_gate_up [E, d, g h], w_down [E, h, d])`` as the library reads them: the parameters
@@ -81,8 +93,20 @@ class MoELayer(torch.nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)
         w_gate_up, w_down = self.expert_weights()
-        y, aux, z = moe_forward(self.spec.id, ROUTE_WEIGHT, x2, self.router_weight, None, None,
-                                w_gate_up, w_down)[:3]
+        router = self.router_weight
+        dtype = w_gate_up.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            # As autocast treats a linear layer: inputs and weights cast to the autocast dtype
+            # (the casts are differentiable; the parameters keep their own dtype).
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x2, router = x2.to(dtype), router.to(dtype)
+            w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
+        elif x.dtype != dtype:
+            raise TypeError("MoELayer: x is %s but the layer's parameters are %s; convert one "
+                            "(layer.to(%s) or x.to(%s)), or run under torch.autocast"
+                            % (x.dtype, dtype, x.dtype, dtype))
+        spec = self._spec_for(dtype)
+        y, aux, z = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up, w_down)[:3]
         return y.reshape(*lead, self.hidden_size), aux, z
 
     # ---- the weight layout in the state_dict -------------------------------------------------
@@ -192,6 +216,8 @@ class MoELayer(torch.nn.Module):
     def _from_hf_block(cls, block, names, renormalise, max_tokens, attrs):
         experts = block.experts
         fused = hasattr(experts, "gate_up_proj")
+        act_fn = getattr(experts, "act_fn", None) if fused else getattr(experts[0], "act_fn", None)
+        activation = attrs.pop("activation", None) or _gated_activation(act_fn)
         if fused:
             E, two_h, d = experts.gate_up_proj.shape
             h, w = two_h // 2, experts.gate_up_proj
@@ -202,7 +228,7 @@ class MoELayer(torch.nn.Module):
         attrs.setdefault("normalize_topk", 1 if renormalise else 0)
         attrs.setdefault("score_function", "softmax")
         layer = cls(hidden_size=d, ffn_hidden_size=h, num_experts=E, top_k=top_k,
-                    activation="swiglu", max_tokens=max_tokens, dtype=w.dtype, device=w.device,
+                    activation=activation, max_tokens=max_tokens, dtype=w.dtype, device=w.device,
                     **attrs)
         if fused:
             return layer.load_fused_experts(block.gate.weight, experts.gate_up_proj, experts.down_proj)
@@ -260,6 +286,25 @@ class MoELayer(torch.nn.Module):
                     activation="swiglu", max_tokens=max_tokens, dtype=ex.w1.dtype,
                     device=ex.w1.device, **attrs)
         return layer.load_grouped_experts(r.gate, ex.w1, ex.w2, ex.w3)
+
+
+def _gated_activation(act_fn):
+    """The library's gated activation for a Hugging Face expert's ``act_fn`` (built from the
+    config's ``hidden_act``): SwiGLU for SiLU, GeGLU for the exact (erf) GELU. Anything else
+    is refused, named, rather than built as another activation. No act_fn: SwiGLU."""
+    if act_fn is None:
+        return "swiglu"
+    name = type(act_fn).__name__
+    if isinstance(act_fn, torch.nn.SiLU) or name == "SiLUActivation":
+        return "swiglu"
+    if isinstance(act_fn, torch.nn.GELU) and act_fn.approximate == "none":
+        return "geglu"
+    if name == "GELUActivation" and getattr(act_fn, "act", None) is not None and \
+            getattr(act_fn.act, "__name__", "") in ("gelu", "_gelu_python"):
+        return "geglu"
+    raise ValueError("MoELayer: the experts' activation %s (their config's hidden_act) is not one "
+                     "the library computes: it has SwiGLU (hidden_act 'silu') and GeGLU with the "
+                     "exact GELU (hidden_act 'gelu'); pass activation= to override" % name)
 
 
 def _find(block, names, default):

@@ -56,6 +56,11 @@ class LayerSpec:
         with Config(**attrs) as cfg:  # validates the attributes now, on the caller's thread
             self.num_experts = int(cfg.get(Attr.NUM_EXPERTS))
             self.top_k = int(cfg.get(Attr.TOP_K))
+            # ...and the rules between them (TOP_K <= NUM_EXPERTS, WINDOW_TOKENS <= MAX_TOKENS):
+            # a CPU handle checks them as create does, instead of the first call on a device.
+            cfg.set(Attr.DEVICE_TYPE, DeviceType.CPU)
+            cfg.set(Attr.ENGINE, 0)  # AUTO: the device's own engine
+            Handle(cfg).close()
         self.attrs = attrs
         self._bound = None  # a caller's Handle (for_handle): used for every device
         self._handles = {}
@@ -215,6 +220,33 @@ def _stream(device):
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
+_DEVICE_ERRORS = {
+    "forward": "moeblaze: the layer's forward reported INVALID_ARGUMENT on the device: a caller "
+               "expert id (topk_indices) outside [0, num_experts) or repeated within a token",
+    "backward": "moeblaze: the layer's backward reported INVALID_ARGUMENT on the device: the saved "
+                "buffer is not one that this layer's forward wrote for these tokens",
+}
+
+
+def _device_status(args, dev):
+    """A CUDA call reports what it finds on the device (bad caller ids, a bad saved buffer)
+    through MOEBLAZE_ARG_STATUS instead of a host sync; returns the status tensor, or None on
+    the CPU (whose engine raises at once)."""
+    if dev.type != "cuda":
+        return None
+    status = torch.empty((), dtype=torch.int32, device=dev)
+    args.add(ArgKind.STATUS, tensor_descriptor(status))
+    return status
+
+
+def _check_device_status(status, what):
+    """Raises, without a host sync, when the call reported an error on the device: an
+    asynchronous assert, as torch's own indexing checks its indices (the CUDA error surfaces at
+    the next synchronising call, and the process's CUDA context is then lost)."""
+    if status is not None:
+        torch._assert_async(status == 0, _DEVICE_ERRORS[what])
+
+
 def _routing_args(args, mode, router, topk_ids, topk_weights):
     if mode == ROUTE_LOGITS:
         args.add(ArgKind.ROUTER_LOGITS, tensor_descriptor(router))
@@ -292,8 +324,10 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
     saved = torch.empty(saved_bytes, dtype=torch.uint8, device=dev)
     target = saved if saved.data_ptr() % BUFFER_ALIGNMENT == 0 else aligned_bytes(saved_bytes, dev)
     workspace = aligned_bytes(handle.workspace_size(Pass.FORWARD_TRAINING, L), dev)
+    status = _device_status(args, dev)
     handle.forward(Pass.FORWARD_TRAINING, args, workspace.data_ptr(), target.data_ptr(),
                    stream=_stream(dev), workspace_bytes=workspace.numel(), saved_bytes=saved_bytes)
+    _check_device_status(status, "forward")
     if target is not saved:
         saved.copy_(target)
     return y, aux, z, ids, gates, counts, saved
@@ -373,9 +407,11 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
     if needs[4]:
         args.add(ArgKind.GRAD_W_DOWN, tensor_descriptor(d_wd))
     workspace = aligned_bytes(handle.workspace_size(Pass.BACKWARD, L), dev)
+    status = _device_status(args, dev)
     handle.backward(args, saved.data_ptr(), workspace.data_ptr(),
                     stream=_stream(dev), saved_bytes=saved_bytes,
                     workspace_bytes=workspace.numel())
+    _check_device_status(status, "backward")
     return dx, d_router, d_weights, d_wgu, d_wd
 
 

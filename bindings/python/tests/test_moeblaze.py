@@ -1386,6 +1386,40 @@ class TestTorchCuda(unittest.TestCase):
             with self.subTest(weight_layout=layout):
                 self._fused_layer(torch, MoELayer, layout)
 
+    def test_bad_caller_ids_raise_on_the_fused_engine(self):
+        """The fused engine finds bad caller ids on the device (no host sync): the operator turns
+        its STATUS into an asynchronous assert, so the step raises naming the cause instead of
+        returning NaN. A failed device assert ends the process's CUDA context, so the step runs
+        in a child process."""
+        import subprocess
+        code = (
+            "import torch, moeblaze\n"
+            "from moeblaze.torch import MoE\n"
+            "moe = MoE(num_experts=8, top_k=2, hidden_size=64, ffn_hidden_size=64, max_tokens=64,\n"
+            "          activation='swiglu', activation_dtype='bf16', weight_dtype='bf16',\n"
+            "          engine=moeblaze.Engine.CUDA_FUSED)\n"
+            "bf = dict(device='cuda', dtype=torch.bfloat16)\n"
+            "x = torch.randn(32, 64, **bf)\n"
+            "ids = torch.randint(0, 8, (32, 1), device='cuda').repeat(1, 2)\n"
+            "ids[:, 1] = (ids[:, 0] + 1) % 8\n"
+            "ids[5, 1] = 9\n"
+            "w = torch.rand(32, 2, device='cuda')\n"
+            "y = moe(x, torch.randn(8, 64, 128, **bf), torch.randn(8, 64, 64, **bf),\n"
+            "        topk_indices=ids, topk_weights=w)\n"
+            "torch.cuda.synchronize()\n"
+            "print('no error raised')\n")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(_HERE),
+                                                                          os.environ.get("PYTHONPATH")])))
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           timeout=300)
+        out = p.stdout + p.stderr
+        self.assertNotEqual(p.returncode, 0, out)
+        self.assertNotIn("no error raised", out)
+        # torch prints the assert's message where its CUDA build keeps it, else the generic
+        # device-side assert
+        self.assertTrue("topk_indices" in out or "device-side assert" in out, out)
+        print("\n    bad caller ids on the fused engine raised: %s" % out.strip().splitlines()[-1])
+
     def test_backward_allocates_no_saved_sized_gradient(self):
         """Backward's peak above the forward's memory is its workspace and the gradients: the
         saved buffer's output gets no zero gradient from autograd (it is as large as the saved

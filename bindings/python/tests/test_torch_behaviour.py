@@ -1,0 +1,168 @@
+"""MoELayer behaves as a torch module and as the Hugging Face blocks it converts: it follows
+``.to(dtype)``, ``.half()``, ``.bfloat16()`` and autocast; configuration errors are raised at
+construction; the converters honour the experts' activation (hidden_act) or refuse it, named."""
+import os
+import sys
+import unittest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if os.environ.get("MOEBLAZE_TEST_INSTALLED") != "1":
+    sys.path.insert(0, os.path.dirname(_HERE))
+
+import moeblaze  # noqa: E402,F401
+
+
+def _torch():
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@unittest.skipIf(_torch() is None, "torch is not installed")
+class TestMoELayerDtypes(unittest.TestCase):
+    def setUp(self):
+        import moeblaze.torch as mt
+        self.torch, self.mt = _torch(), mt
+        self.torch.manual_seed(0)
+
+    def test_follows_to_half_and_bfloat16(self):
+        torch = self.torch
+        layer = self.mt.MoELayer(16, 24, 4, 2, max_tokens=64)
+        x = torch.randn(20, 16)
+        want = layer(x)[0]
+        for convert, dt in ((lambda m: m.to(torch.bfloat16), torch.bfloat16), (lambda m: m.half(), torch.float16),
+                            (lambda m: m.bfloat16(), torch.bfloat16), (lambda m: m.float(), torch.float32)):
+            convert(layer)
+            xd = x.to(dt).requires_grad_()
+            y, aux, _ = layer(xd)
+            self.assertEqual(y.dtype, dt)
+            self.assertLess(_rel(y, want), 2e-2)  # the weights went through 16 bits on the way
+            (y.float().square().sum() + aux).backward()
+            self.assertEqual(layer.w_gate_up.grad.dtype, dt)
+            layer.zero_grad(set_to_none=True)
+
+    def test_autocast(self):
+        torch = self.torch
+        layer = self.mt.MoELayer(16, 24, 4, 2, max_tokens=64)
+        x = torch.randn(20, 16, requires_grad=True)
+        want = layer(x)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, aux, _ = layer(x)
+        self.assertEqual(y.dtype, torch.bfloat16)
+        self.assertLess(_rel(y, want), 2e-2)
+        (y.float().square().sum() + aux).backward()
+        self.assertEqual(layer.w_gate_up.dtype, torch.float32)  # the parameters keep their dtype
+        self.assertEqual(layer.w_gate_up.grad.dtype, torch.float32)
+        self.assertEqual(x.grad.dtype, torch.float32)
+
+    def test_mismatch_names_the_way_out(self):
+        torch = self.torch
+        layer = self.mt.MoELayer(16, 24, 4, 2, max_tokens=64)
+        with self.assertRaises(TypeError) as cm:
+            layer(torch.randn(4, 16, dtype=torch.bfloat16))
+        self.assertIn("layer.to(torch.bfloat16)", str(cm.exception))
+        self.assertIn("autocast", str(cm.exception))
+
+    def test_configuration_errors_at_construction(self):
+        with self.assertRaises(moeblaze.MoEBlazeError) as cm:
+            self.mt.MoELayer(16, 24, 4, 5, max_tokens=64)
+        self.assertIn("top_k = 5 exceeds num_experts = 4", str(cm.exception))
+        with self.assertRaises(moeblaze.MoEBlazeError):
+            self.mt.MoE(num_experts=4, top_k=5, hidden_size=16, ffn_hidden_size=24, max_tokens=64)
+        with self.assertRaises(moeblaze.MoEBlazeError):
+            self.mt.MoELayer(16, 24, 4, 2, max_tokens=64, window_tokens=65)
+
+
+@unittest.skipIf(_torch() is None, "torch is not installed")
+class TestHuggingFaceActivation(unittest.TestCase):
+    """The fused experts of transformers 5 (gate_up_proj, down_proj, act_fn from hidden_act)."""
+
+    def _block(self, act_fn):
+        torch = _torch()
+        import torch.nn as nn
+        import torch.nn.functional as F
+        d, h, E, k = 16, 24, 6, 2
+
+        class Router(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = nn.Parameter(torch.randn(E, d) / d ** 0.5)
+                self.top_k, self.norm_topk_prob = k, True
+
+        class Experts(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * h, d) / d ** 0.5)
+                self.down_proj = nn.Parameter(torch.randn(E, d, h) / h ** 0.5)
+                self.act_fn = act_fn
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate, self.experts = Router(), Experts()
+
+            def forward(self, x):
+                p = F.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+                w, i = p.topk(k, dim=-1)
+                w = w / w.sum(-1, keepdim=True)
+                y = torch.zeros_like(x)
+                for j in range(k):
+                    for e in range(E):
+                        m = (i[:, j] == e).nonzero()[:, 0]
+                        if m.numel():
+                            g, u = F.linear(x[m], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+                            o = F.linear(self.experts.act_fn(g) * u, self.experts.down_proj[e])
+                            y = y.index_add(0, m, w[m, j:j + 1] * o)
+                return y
+        return Block()
+
+    def test_activation_follows_the_experts(self):
+        torch = _torch()
+        from moeblaze.torch import MoELayer
+        x = torch.randn(25, 16)
+        for act_fn, want in ((torch.nn.SiLU(), "swiglu"), (torch.nn.GELU(), "geglu")):
+            block = self._block(act_fn)
+            layer = MoELayer.from_qwen3_moe(block, max_tokens=64)
+            self.assertEqual(layer.activation, want)
+            self.assertLess(_rel(layer(x)[0], block(x)), 1e-5)
+
+    def test_unsupported_activation_is_refused(self):
+        torch = _torch()
+        from moeblaze.torch import MoELayer
+        for act_fn in (torch.nn.GELU(approximate="tanh"), torch.nn.ReLU()):
+            with self.assertRaises(ValueError) as cm:
+                MoELayer.from_qwen3_moe(self._block(act_fn), max_tokens=64)
+            self.assertIn(type(act_fn).__name__, str(cm.exception))
+
+    def test_transformers_qwen3_moe_gelu(self):
+        try:
+            from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        except ImportError:
+            self.skipTest("transformers is not installed")
+        torch = _torch()
+        from moeblaze.torch import MoELayer
+        for act, want in (("gelu", "geglu"), ("silu", "swiglu")):
+            cfg = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=24, num_experts=6,
+                                 num_experts_per_tok=2, hidden_act=act, norm_topk_prob=True)
+            block = Qwen3MoeSparseMoeBlock(cfg)
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.normal_(0, 0.3)
+            layer = MoELayer.from_qwen3_moe(block, max_tokens=64)
+            self.assertEqual(layer.activation, want)
+            x = torch.randn(1, 25, 16)
+            self.assertLess(_rel(layer(x)[0], block(x)), 1e-5)
+        cfg.hidden_act = "gelu_pytorch_tanh"
+        with self.assertRaises(ValueError):
+            MoELayer.from_qwen3_moe(Qwen3MoeSparseMoeBlock(cfg), max_tokens=64)
+
+
+if __name__ == "__main__":
+    unittest.main()
