@@ -18,10 +18,10 @@ const libmoeblaze = get(ENV, "MOEBLAZE_LIBRARY", "libmoeblaze.so.0")
 
 # ---- version ------------------------------------------------------------------------------
 const MOEBLAZE_VERSION_MAJOR = 0
-const MOEBLAZE_VERSION_MINOR = 1
+const MOEBLAZE_VERSION_MINOR = 2
 const MOEBLAZE_VERSION_PATCH = 0
 moeblaze_version_encode(major, minor, patch) = UInt32(major * 1_000_000 + minor * 1_000 + patch)
-const MOEBLAZE_VERSION = moeblaze_version_encode(0, 1, 0)
+const MOEBLAZE_VERSION = moeblaze_version_encode(0, 2, 0)
 const MOEBLAZE_ABI_VERSION = UInt32(0)
 
 # ---- status ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ use core::marker::{PhantomData, PhantomPinned};
 
 // ---- version -------------------------------------------------------------------------------
 pub const MOEBLAZE_VERSION_MAJOR: u32 = 0;
-pub const MOEBLAZE_VERSION_MINOR: u32 = 1;
+pub const MOEBLAZE_VERSION_MINOR: u32 = 2;
 pub const MOEBLAZE_VERSION_PATCH: u32 = 0;
 /// `MOEBLAZE_VERSION_ENCODE(major, minor, patch)`.
 pub const fn moeblaze_version_encode(major: u32, minor: u32, patch: u32) -> u32 {

@@ -186,7 +186,7 @@ pub fn check(raw: i32) -> Result<()> {
 pub fn version() -> u32 {
     unsafe { sys::moeblaze_get_version() }
 }
-/// Run-time version string such as "0.1.0".
+/// Run-time version string such as "0.2.0".
 pub fn version_string() -> &'static str {
     unsafe { static_str(sys::moeblaze_get_version_string()) }
 }
