@@ -202,9 +202,9 @@ static double elapsed(backend* b) {
 /* The ceiling: dense bf16 cuBLAS GEMMs of the same total FLOPs, back to back (8192^3 each, or
  * one square GEMM of the same FLOPs when smaller). run_one times one repetition of it after each
  * repetition of the layer, so that both see the same clocks: the H100's dense rate moves by
- * ~10% between bursts and its sustained 700 W state (../shared/bench/peers-h100.md), and a
+ * ~10% between bursts and its sustained 700 W state (measured beside the peers), and a
  * ceiling timed once, apart from the layer, moved a config's % of dense by that much between runs
- * (perf/NOTES.md, step 22). */
+ * (perf/NOTES.md). */
 typedef struct dense_ceiling {
   int64_t n, count;  /* count GEMMs of n x n x n */
   double scale;      /* the layer's FLOPs over the GEMMs' */

@@ -205,9 +205,7 @@ def main():
                 base = torch.cuda.memory_allocated()
                 with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
                     y = fn()
-                saved = counter.total()
-                if name == "moeblaze":
-                    saved += mb.handle_for(dev).saved_size(L)
+                saved = counter.total()  # MoEBlaze's saved buffer is a saved tensor: counted here
                 torch.autograd.backward(y, dy)
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated() - base

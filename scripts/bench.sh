@@ -3,7 +3,7 @@
 # - With a GPU: the paper's configs on the CUDA engine, next to a dense cuBLAS GEMM of the same
 #   FLOPs (several minutes).
 # - Without one: a short CPU correctness run (--quick: every paper config scaled down, error
-#   against the fp64 reference with a pass/fail verdict, under a minute); the GPU numbers are in
+#   against the fp64 reference with a pass/fail verdict, under a minute once built); the GPU numbers are in
 #   perf/RESULTS.md.
 # Extra arguments go to moeblaze-bench as they are (try --help; e.g. --configs modern, or
 # --shape 32768,2048,768,128,8).

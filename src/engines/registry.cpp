@@ -32,10 +32,10 @@ const char* fused_refuses(const LayerConfig& cfg, const cuda::DeviceInfo* info) 
 }
 
 // AUTO takes the fused engine where it was measured at least as fast as cuBLASLt (H100, bf16
-// fwd+bwd, both engines in one session, perf/RESULTS.md "after step 21"): every layer with
+// fwd+bwd, both engines in one session, perf/RESULTS.md): every layer with
 // ffn_hidden <= 8192 that was benchmarked, from the coarse conf4 (E = 16, h = 8192: 0.98-1.02x)
 // and conf2 (E = 8: 0.99-1.09x) to the fine-grained ones (up to 2.6x at n = 256). Wider experts
-// (Mixtral's h = 14,336: 0.95x in step 17) keep cuBLASLt.
+// (Mixtral's h = 14,336: 0.95x) keep cuBLASLt.
 bool fused_auto(const LayerConfig& cfg) { return cfg.ffn_hidden <= 8192; }
 bool always(const LayerConfig&) { return true; }
 

@@ -15,7 +15,7 @@ inline namespace v0 {
 // epilogue that no MMA overlaps, where it was ~30 instructions per element (perf/NOTES.md, step
 // 10). Its relative error (ex2.approx's 2 + 1.2|u| ulps) stays under 1e-6 for |u| < 10 and 1e-5
 // anywhere, far below bf16/fp16 rounding; exp(-u) overflowing to inf still gives 0. The .ftz
-// forms (step 20): without them ex2 costs three more instructions (a range test and two scalings,
+// forms: without them ex2 costs three more instructions (a range test and two scalings,
 // for results below 2^-126), and those results vanish in 1 + e anyway, so the sigmoid is the
 // same bits. Every device path (epilogues, elementwise kernels) shares it.
 MOEBLAZE_HD float sigmoid_f(float u) {

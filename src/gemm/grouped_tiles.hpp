@@ -44,7 +44,7 @@ MOEBLAZE_HD int64_t total_tiles(const int32_t* prefix, int64_t num_experts, int3
 
 // Row blocks per raster group (expert_tile): a persistent grid's wave of ~132 consecutive work
 // items then covers a few groups of 16 row blocks by ~8 column blocks, so both operands' panels
-// stay in L2 (perf/NOTES.md, step 12). Row blocks fastest over a whole expert instead made a
+// stay in L2 (measured in perf/NOTES.md). Row blocks fastest over a whole expert instead made a
 // wave sweep all of a coarse expert's rows for one or two column blocks: an A panel larger than
 // L2 (conf4's down GEMM: 128 MB per expert) was read from DRAM once per column block.
 constexpr int32_t kRasterRowBlocks = 16;

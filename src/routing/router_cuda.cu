@@ -35,7 +35,7 @@ __global__ void logits_to_f32_kernel(const char* src, DType t, int64_t stride, i
 // engine's top_k): no taken-list, no shared memory,
 // and every lane of the group agrees on each pick. With the scores in registers (kPer > 0) each
 // lane sorts its experts' rank keys once and a pick is one integer maximum over the group
-// (SortedCandidates: the same order as ranks_before, perf/NOTES.md step 13); the pick's score
+// (SortedCandidates: the same order as ranks_before; measured in perf/NOTES.md); the pick's score
 // comes from its lane, bit for bit. The group's lane 0 writes the raw scores as gates, then
 // rescales its own writes when normalising.
 template <int kPer>

@@ -4,8 +4,12 @@
   library and runs with exit status 0;
 - the README's Python example runs and prints what the README's C program prints (same layer,
   same data);
-- every relative Markdown link in README.md, docs/, bindings/ and perf/ resolves.
-Usage: check_docs.py examples|links <source dir> [<build dir with src/libmoeblaze.so.0>]"""
+- every relative Markdown link in README.md, docs/, bindings/ and perf/ resolves;
+- the product speaks to its users (`docs_history`): no development-process reference (the word
+  issue or step followed by a number) and no path to the shared folder beside a checkout, in
+  the README, docs/, the sources, headers, tests, bindings, scripts, examples and perf/'s code.
+  perf/NOTES.md and perf/RESULTS.md keep the measurement history and are not checked.
+Usage: check_docs.py examples|links|history <source dir> [<build dir with src/libmoeblaze.so.0>]"""
 import os
 import re
 import subprocess
@@ -81,7 +85,44 @@ def check_examples(src, build):
     return same
 
 
+HISTORY = re.compile(r"(?<![-\w])(issues?|steps?) #?[0-9]+\b|\.\./shared/", re.I)
+HISTORY_TOPS = ("docs", "src", "include", "tests", "bindings", "scripts", "examples", "perf")
+HISTORY_EXTS = (".md", ".c", ".h", ".cpp", ".hpp", ".cu", ".cuh", ".py", ".sh", ".txt", ".rs", ".jl", ".toml", ".in")
+
+
+def history_files(src):
+    out = [os.path.join(src, "README.md"), os.path.join(src, "CMakeLists.txt")]
+    for top in HISTORY_TOPS:
+        for root, dirs, files in os.walk(os.path.join(src, top)):
+            dirs[:] = [d for d in dirs if d not in ("target", "__pycache__", "results", "corpus")]
+            for f in files:
+                rel = os.path.relpath(os.path.join(root, f), src)
+                if rel in ("perf/NOTES.md", "perf/RESULTS.md") or not f.endswith(HISTORY_EXTS):
+                    continue
+                out.append(os.path.join(root, f))
+    return sorted(out)
+
+
+def check_history(src):
+    bad = []
+    files = history_files(src)
+    for path in files:
+        for n, line in enumerate(open(path, encoding="utf-8", errors="replace"), 1):
+            m = HISTORY.search(line)
+            if m:
+                bad.append("%s:%d: %r" % (os.path.relpath(path, src), n, m.group(0)))
+    for b in bad:
+        print("development-process reference or outside path:", b)
+    print("history check: %d files, %d references" % (len(files), len(bad)))
+    return not bad
+
+
 if __name__ == "__main__":
     what, src = sys.argv[1], os.path.abspath(sys.argv[2])
-    ok = check_links(src) if what == "links" else check_examples(src, os.path.abspath(sys.argv[3]))
+    if what == "links":
+        ok = check_links(src)
+    elif what == "history":
+        ok = check_history(src)
+    else:
+        ok = check_examples(src, os.path.abspath(sys.argv[3]))
     sys.exit(0 if ok else 1)

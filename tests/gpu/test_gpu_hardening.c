@@ -1,4 +1,4 @@
-/* Issue 6 on the CUDA engine: saved buffers that forward did not write are rejected before any
+/* Hostile input on the CUDA engine: saved buffers that forward did not write are rejected before any
  * index in them is followed; a stream capture is refused before anything is enqueued and stays
  * valid (route, which does not sync, is captured and replays to the eager bits); size queries
  * give the same answer before, during and after a capture; non-finite router logits pick the

@@ -1,7 +1,7 @@
 // The grouped GEMM's automatic kernel choice (gemm/sm90 choose_kernel), host only: cooperative
 // for every epilogue and K, with 256-wide tiles from 256 output columns (gated: both halves); an
 // explicit choice is kept, ping-pong always 128 wide. The measurements behind the rule are in
-// perf/NOTES.md (steps 6 and 9).
+// perf/NOTES.md.
 #include <cstdio>
 #include <cstdlib>
 

@@ -1,4 +1,4 @@
-/* Why d logits in bf16 is further from the fp64 reference at L = 1 than at large L (issue 6):
+/* Why d logits in bf16 is further from the fp64 reference at L = 1 than at large L:
  * for random single-token layers it prints, per case, the relative error of d logits from the
  * CPU engine in bf16 and in f32 (same bf16-representable data) against the fp64 reference
  * with and without the engines' bf16 intermediates modelled, the error of the gate gradients

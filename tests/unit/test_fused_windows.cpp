@@ -1,7 +1,7 @@
 // The fused engine's automatic token windows (engines/fused/window.hpp), host only: one window for
 // the coarse layers at their benchmark sizes, 2 GiB windows where the token capacity is decided,
 // the row buffers bounded independently of L, and WINDOW_TOKENS taken as given. docs/memory.md
-// states the rule; perf/NOTES.md (step 21) the measurements behind it.
+// states the rule; perf/NOTES.md the measurements behind it.
 #include <algorithm>
 #include <cstdint>
 
@@ -40,7 +40,7 @@ LayerConfig layer(int64_t E, int64_t k, int64_t d, int64_t h, Activation a, Save
 int64_t row_bytes(const LayerConfig& c, int64_t w) { return w * moeblaze::fused_window_bytes_per_token(c); }
 
 void coarse_layers_run_one_window(void**) {
-  // the paper's conf2/3/4 at their benchmark sizes: 3-9% faster as one window (step 21)
+  // the paper's conf2/3/4 at their benchmark sizes: 3-9% faster as one window
   for (Activation a : {Activation::kSilu, Activation::kSwiglu}) {
     const FusedWindows conf2 = moeblaze::fused_windows(layer(8, 2, 1024, 4096, a), 65536);
     const FusedWindows conf3 = moeblaze::fused_windows(layer(16, 4, 1024, 4096, a), 65536);

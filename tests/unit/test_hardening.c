@@ -1,4 +1,4 @@
-/* Hostile input on the CPU engine, one regression test per finding of issue 6:
+/* Hostile input on the CPU engine, one regression test per finding:
  *  - a saved buffer that forward did not write (zeros, 0xFF, random bytes, another handle's,
  *    another L, a torn header, each kind of corrupted routing plan) gets INVALID_ARGUMENT
  *    from backward, which then writes nothing (before: heap overflow under ASan, or SUCCESS

@@ -1,5 +1,5 @@
 // Whether the fused engine's backward copies dy and x rows into expert order once per window
-// (perf/NOTES.md, step 17). The copy goes into the window's dx-parts buffer, which is free
+// (perf/NOTES.md). The copy goes into the window's dx-parts buffer, which is free
 // until the dx GEMM, so it costs no workspace: dy's rows feed the dact GEMM and dW_down, then
 // x's rows dW_gate_up, each operand by TMA instead of the GEMM producer's 16-byte cp.async
 // gathers (which hold the weight-gradient kernel to ~78% of a dense GEMM against ~92% on an

@@ -21,7 +21,7 @@ constexpr int64_t kFusedWindowBudgetBytes = int64_t{2} << 30;
 constexpr int64_t kFusedMinWindowTokens = 1024;
 // A call whose rows fit one window of at most this many bytes runs as one window: windows cost
 // 3-9% of a coarse layer's step (per-window GEMM tails and launches, the fp32 weight-gradient
-// sums; perf/NOTES.md, step 21), and below this size the bound they buy is not needed. Larger
+// sums; perf/NOTES.md), and below this size the bound they buy is not needed. Larger
 // calls (where the token capacity is decided) keep the 2 GiB windows.
 constexpr int64_t kFusedOneWindowBytes = int64_t{8} << 30;
 

@@ -122,7 +122,7 @@ __device__ __forceinline__ void epilogue_store_staged(const GroupedGemmParams& p
 // computed from the rounded pre as the elementwise kernels do, then rounded. The rounding is one
 // pack per pair (F2FP, two values), unpacked by two bit operations: a conversion per element
 // ran on the same quarter-rate pipe as the sigmoid's MUFU ops, in an epilogue no MMA overlaps
-// (perf/NOTES.md, step 12). act_of gives the act pair of packed pre pairs (up: the up pair when
+// (perf/NOTES.md). act_of gives the act pair of packed pre pairs (up: the up pair when
 // gated); act_pair that of accumulators q, q + 1 (and their up columns).
 template <class T, Activation A, bool Gated>
 __device__ __forceinline__ float2 act_of(uint32_t gate, uint32_t up) {

@@ -8,9 +8,9 @@
 // columns. The epilogue reads each thread's pairs from its boxes (ldmatrix, in the
 // accumulators' layout), writes dpre back in place (stmatrix, the same swizzled positions) and
 // stores those boxes by TMA from there, g * act through the staging boxes, then releases the
-// stage once its stores have read it. dact never reaches memory. Until step 22 the plain ones
+// stage once its stores have read it. dact never reaches memory. The plain ones once
 // ran on ping-pong 128 x 128 tiles with a 32 KB pre slot per warpgroup (the ping-pong mainloop
-// held it near half the tensor pipe, perf/NOTES.md steps 19-22), and the gated ones, which
+// held it near half the tensor pipe, perf/NOTES.md), and the gated ones, which
 // need twice the bytes, in a separate pass.
 #pragma once
 
@@ -68,7 +68,7 @@ struct PreLoads {
 // One packed pair of the backward: in, dact (fp32), the pre pair and, gated (act = f(gate) up),
 // the up pair; out, the packed dpre pair (gated: d gate, then d up) and g act pair, and da act
 // added to dot. The products are act_backward's, as in the separate pass (experts/expert_cuda.cu);
-// the rounding is one pack per pair (perf/NOTES.md, step 12).
+// the rounding is one pack per pair (perf/NOTES.md).
 template <class T, Activation A>
 struct BackwardPair {
   uint32_t dpre[2], gact;

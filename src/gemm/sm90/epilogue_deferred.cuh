@@ -7,7 +7,7 @@
 // MMAs. Same values, same stores, same order per warpgroup: only the time they happen moves.
 // Used by the varlen-M store epilogue (C = scale * acc, epilogue.cuh's store_pair); the weight
 // gradients' consumer keeps more state beside its accumulators and spilled with it, and gained
-// nothing measurable (perf/NOTES.md, step 15).
+// nothing measurable (perf/NOTES.md).
 #pragma once
 
 #include <cstdint>

@@ -242,8 +242,8 @@ void dispatch(const KernelChoice& kc, const GroupedGemmParams& p, const Epilogue
   else dispatch_major<T, 128, false>(p, e, s);
 }
 
-// MOEBLAZE_SM90_RASTER=<row blocks> overrides the raster group (0: a whole expert, the order
-// before step 12): a measurement knob (perf/NOTES.md), not part of the API.
+// MOEBLAZE_SM90_RASTER=<row blocks> overrides the raster group (0: a whole expert, the
+// earlier order): a measurement knob (perf/NOTES.md), not part of the API.
 int32_t raster_group() {
   static const int32_t group = [] {
     const char* v = std::getenv("MOEBLAZE_SM90_RASTER");
@@ -315,9 +315,9 @@ KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, Ke
   // The activation backward: cooperative tiles only (its pre stages follow each tile's k-blocks).
   if (epilogue == EpilogueKind::kActivationBackward) return {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative};
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
-  // Measured (perf/NOTES.md, steps 6 and 9): ping-pong won on the short-K store epilogues (the
+  // Measured (perf/NOTES.md): ping-pong won on the short-K store epilogues (the
   // fine-grained down GEMMs, K = 256..768) only while the cooperative tile's epilogue stalled its
-  // MMAs; since that epilogue drains by TMA under the next tile (step 8), the cooperative
+  // MMAs; since that epilogue drains by TMA under the next tile, the cooperative
   // 128 x 256 tile's higher reuse wins there too (engine fwd+bwd 1.5-6% faster at n = 256..768).
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = ConsumerSchedule::kCooperative;
   if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;

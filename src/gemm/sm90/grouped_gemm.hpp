@@ -42,10 +42,10 @@ KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, Ke
 // Whether the dact GEMM dact (K = d, n = h) should carry the activation backward in its epilogue
 // (EpilogueKind::kActivationBackward, when unsupported_reason allows it) rather than leave it to
 // a separate pass: for K <= 1024, or K <= 2048 when dy comes in expert order (by TMA); gated
-// activations only from h = 2048. Measured (perf/NOTES.md, steps 14, 17 and 22): with dy
+// activations only from h = 2048. Measured (perf/NOTES.md): with dy
 // gathered, dropping the pass wins at K = 512 and evens out at K = 1024, and the mainloop loses
 // more than the pass costs at K = 1536-2048 and beyond (plain and gated alike); with dy's rows
-// copied into expert order (step 17) it wins at K = 2048 too (fwd+bwd 1.5-3% at conf4 and conf7,
+// copied into expert order it wins at K = 2048 too (fwd+bwd 1.5-3% at conf4 and conf7,
 // SiLU; 1-3% on the paper's SwiGLU layers, h = 2048-8192). A gated tile takes twice the pre
 // stages: at h = 256 (SonicMoE's n = 256, K = 768) they cost more than the pass (1.5%); h = 512
 // and 1024 were not measured and keep the pass. MOEBLAZE_SM90_ACT_BACKWARD=separate|epilogue

@@ -31,7 +31,7 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint
 // stage): only the start-address field moves, and it cannot carry (shared memory ends below
 // 256 KB), so one 32-bit add on the low word. Rebuilding each descriptor from its address cost
 // ~10 instructions per wgmma, a large share of the ping-pong mainloop's issue time
-// (perf/NOTES.md, step 20).
+// (perf/NOTES.md).
 __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
   return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + (bytes >> 4));
 }
