@@ -260,32 +260,49 @@ class MoELayer(torch.nn.Module):
 
     @classmethod
     def from_torchtitan(cls, moe, max_tokens=65536, **attrs):
-        """From torchtitan's ``MoE`` (``moe.router``: ``gate``, ``top_k``, ``score_func``,
-        ``route_norm``, ``route_scale``; ``moe.experts``: ``w1``, ``w2``, ``w3``). Routing
-        follows the router (softmax or sigmoid, renormalised when ``route_norm``).
+        """From torchtitan's ``MoE``: ``moe.router`` (``gate``, ``top_k``, ``score_func``,
+        ``route_norm``, ``route_scale``) and the stacked experts, in either layout:
+        ``moe.routed_experts.inner_experts`` with ``w1_EFD``, ``w2_EDF``, ``w3_EFD``
+        (torchtitan 0.3) or ``moe.experts`` with ``w1``, ``w2``, ``w3`` (earlier releases).
+        Routing follows the router (softmax or sigmoid, renormalised when ``route_norm``).
 
-        Refused, with the reason (ValueError): ``route_scale != 1`` and ``score_before_experts``
+        Refused, with the reason (ValueError): ``route_scale != 1``, ``score_before_experts``
         (torchtitan then multiplies the expert's input by the gate; this layer multiplies its
-        output, which differs for a gated MLP), and a non-zero ``expert_bias`` (aux-loss-free
-        balancing is not part of this layer). Shared experts are not part of it either: keep
+        output, which differs for a gated MLP), group-limited routing (``num_expert_groups``),
+        and a non-zero expert bias (``expert_bias_E`` or ``expert_bias``: aux-loss-free balancing
+        is not part of this layer). Shared experts are not part of it either: keep
         ``moe.shared_experts`` and add its output."""
-        r, ex = moe.router, moe.experts
+        r = moe.router
+        ex = getattr(moe, "experts", None)
+        if ex is None and hasattr(moe, "routed_experts"):
+            ex = moe.routed_experts.inner_experts
+        if ex is None:
+            raise ValueError("from_torchtitan: %s has neither routed_experts.inner_experts nor "
+                             "experts" % type(moe).__name__)
+        if hasattr(ex, "w1_EFD"):
+            w1, w2, w3 = ex.w1_EFD, ex.w2_EDF, ex.w3_EFD
+        else:
+            w1, w2, w3 = ex.w1, ex.w2, ex.w3
         if float(getattr(r, "route_scale", 1.0)) != 1.0:
             raise ValueError("from_torchtitan: route_scale = %g is not supported (1 only)" % r.route_scale)
         if getattr(moe, "score_before_experts", False):
             raise ValueError("from_torchtitan: score_before_experts=True scales the experts' input; "
                              "this layer scales their output (set it to False)")
-        bias = getattr(moe, "expert_bias", None)
-        if bias is not None and bool((bias != 0).any()):
-            raise ValueError("from_torchtitan: a non-zero expert_bias (aux-loss-free balancing) "
-                             "is not supported")
+        if getattr(r, "num_expert_groups", None) is not None:
+            raise ValueError("from_torchtitan: group-limited routing (num_expert_groups = %s) is not "
+                             "supported" % r.num_expert_groups)
+        for name in ("expert_bias_E", "expert_bias"):
+            bias = getattr(moe, name, None)
+            if bias is not None and bool((bias != 0).any()):
+                raise ValueError("from_torchtitan: a non-zero %s (aux-loss-free balancing) is not "
+                                 "supported" % name)
         attrs.setdefault("score_function", str(r.score_func))
         attrs.setdefault("normalize_topk", 1 if r.route_norm else 0)
-        E, h, d = ex.w1.shape
+        E, h, d = w1.shape
         layer = cls(hidden_size=d, ffn_hidden_size=h, num_experts=E, top_k=int(r.top_k),
-                    activation="swiglu", max_tokens=max_tokens, dtype=ex.w1.dtype,
-                    device=ex.w1.device, **attrs)
-        return layer.load_grouped_experts(r.gate, ex.w1, ex.w2, ex.w3)
+                    activation="swiglu", max_tokens=max_tokens, dtype=w1.dtype,
+                    device=w1.device, **attrs)
+        return layer.load_grouped_experts(r.gate, w1, w2, w3)
 
 
 def _gated_activation(act_fn):

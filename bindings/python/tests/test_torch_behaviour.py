@@ -164,5 +164,94 @@ class TestHuggingFaceActivation(unittest.TestCase):
             MoELayer.from_qwen3_moe(Qwen3MoeSparseMoeBlock(cfg), max_tokens=64)
 
 
+@unittest.skipIf(_torch() is None, "torch is not installed")
+class TestTorchtitanLayouts(unittest.TestCase):
+    """torchtitan 0.3's MoE (routed_experts.inner_experts.w1_EFD / w2_EDF / w3_EFD, expert_bias_E)
+    beside the earlier layout, against the same math in plain PyTorch."""
+
+    def _moe(self, new_layout, score_func="softmax", route_norm=True):
+        torch = _torch()
+        import torch.nn as nn
+        import torch.nn.functional as F
+        d, h, E, k = 16, 24, 6, 2
+
+        class Router(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate = nn.Linear(d, E, bias=False)
+                self.top_k, self.score_func, self.route_norm, self.route_scale = k, score_func, route_norm, 1.0
+                self.num_expert_groups = None
+
+        class Experts(nn.Module):
+            def __init__(self):
+                super().__init__()
+                names = ("w1_EFD", "w2_EDF", "w3_EFD") if new_layout else ("w1", "w2", "w3")
+                for name, shape in zip(names, ((E, h, d), (E, d, h), (E, h, d))):
+                    setattr(self, name, nn.Parameter(torch.randn(*shape) / shape[-1] ** 0.5))
+
+            def weights(self):
+                if new_layout:
+                    return self.w1_EFD, self.w2_EDF, self.w3_EFD
+                return self.w1, self.w2, self.w3
+
+        class Routed(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner_experts = Experts()
+
+        class TitanMoE(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.router = Router()
+                if new_layout:
+                    self.routed_experts = Routed()
+                    self.register_buffer("expert_bias_E", torch.zeros(E))
+                else:
+                    self.experts = Experts()
+
+            def forward(self, x):
+                ex = self.routed_experts.inner_experts if new_layout else self.experts
+                w1, w2, w3 = ex.weights()
+                s = F.linear(x, self.router.gate.weight).float()
+                s = torch.sigmoid(s) if score_func == "sigmoid" else F.softmax(s, dim=-1)
+                w, i = s.topk(k, dim=-1)
+                if route_norm:
+                    w = w / (w.sum(-1, keepdim=True) + 1e-20)
+                y = torch.zeros_like(x)
+                for j in range(k):
+                    for e in range(E):
+                        m = (i[:, j] == e).nonzero()[:, 0]
+                        if m.numel():
+                            o = F.linear(F.silu(F.linear(x[m], w1[e])) * F.linear(x[m], w3[e]), w2[e])
+                            y = y.index_add(0, m, w[m, j:j + 1] * o)
+                return y
+        return TitanMoE()
+
+    def test_both_layouts(self):
+        torch = _torch()
+        from moeblaze.torch import MoELayer
+        x = torch.randn(25, 16)
+        for new_layout in (True, False):
+            for score_func, norm in (("softmax", True), ("sigmoid", False)):
+                moe = self._moe(new_layout, score_func, norm)
+                layer = MoELayer.from_torchtitan(moe, max_tokens=64)
+                self.assertLess(_rel(layer(x)[0], moe(x)), 1e-5)
+
+    def test_refusals(self):
+        torch = _torch()
+        from moeblaze.torch import MoELayer
+        moe = self._moe(True)
+        with torch.no_grad():
+            moe.expert_bias_E[2] = 0.5
+        with self.assertRaises(ValueError) as cm:
+            MoELayer.from_torchtitan(moe, max_tokens=64)
+        self.assertIn("expert_bias_E", str(cm.exception))
+        moe = self._moe(True)
+        moe.router.num_expert_groups = 2
+        with self.assertRaises(ValueError) as cm:
+            MoELayer.from_torchtitan(moe, max_tokens=64)
+        self.assertIn("num_expert_groups", str(cm.exception))
+
+
 if __name__ == "__main__":
     unittest.main()
