@@ -54,11 +54,12 @@ here = os.path.dirname(moeblaze.__file__)
 assert 'site-packages' in here, here
 assert moeblaze.library_path == os.path.join(here, 'libmoeblaze.so.0'), moeblaze.library_path
 print('installed package', here, 'loads', moeblaze.library_path)")
-# PyTorch (from PyPI, ~5 GiB with its CUDA wheels; about 2 minutes) so that the torch tests
-# (custom operators, torch.compile fullgraph, saved-tensor hooks) run on the CPU engine here
-# instead of skipping. MOEBLAZE_TEST_TORCH=0 leaves it out.
+# PyTorch (from PyPI, ~5 GiB with its CUDA wheels; about 2 minutes) and transformers so that
+# the torch tests (custom operators, torch.compile fullgraph, saved-tensor hooks, the Hugging
+# Face converters and experts backend) run on the CPU engine here instead of skipping.
+# MOEBLAZE_TEST_TORCH=0 leaves them out.
 if [ "${MOEBLAZE_TEST_TORCH:-1}" != 0 ]; then
-  build-pip/venv/bin/python -m pip install -q torch numpy > build-pip/torch.log 2>&1 || { tail -20 build-pip/torch.log; exit 1; }
+  build-pip/venv/bin/python -m pip install -q torch numpy transformers > build-pip/torch.log 2>&1 || { tail -20 build-pip/torch.log; exit 1; }
   build-pip/venv/bin/python -c "import torch; print('torch', torch.__version__)"
 fi
 (cd build-pip && env -u MOEBLAZE_LIBRARY MOEBLAZE_TEST_INSTALLED=1 venv/bin/python -m unittest discover \

@@ -165,6 +165,48 @@ class TestHuggingFaceActivation(unittest.TestCase):
 
 
 @unittest.skipIf(_torch() is None, "torch is not installed")
+class TestHuggingFaceExpertsBackend(unittest.TestCase):
+    """experts_implementation="moeblaze": a transformers Qwen3-MoE block runs its experts on the
+    library (the model's router, the experts' own weights, no copy), against transformers' eager
+    experts: outputs and every gradient."""
+
+    def test_qwen3_moe_block(self):
+        try:
+            from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        except ImportError:
+            self.skipTest("transformers is not installed")
+        import copy
+        import moeblaze.hf_experts as hf_experts
+        torch = _torch()
+        torch.manual_seed(0)
+        self.assertEqual(hf_experts.register(), "moeblaze")
+        for act in ("silu", "gelu"):
+            cfg = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=24, num_experts=6,
+                                 num_experts_per_tok=2, hidden_act=act, norm_topk_prob=True)
+            cfg._experts_implementation = "eager"
+            ref = Qwen3MoeSparseMoeBlock(cfg)
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p.normal_(0, 0.3)
+            blk = copy.deepcopy(ref)
+            blk.experts.config = copy.deepcopy(cfg)
+            blk.experts.config._experts_implementation = "moeblaze"
+            weights = blk.experts.gate_up_proj.data_ptr(), blk.experts.down_proj.data_ptr()
+            x = torch.randn(2, 13, 16)
+            xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+            yr, ym = ref(xr), blk(xm)
+            self.assertLess(_rel(ym, yr), 1e-5)
+            dy = torch.randn_like(yr)
+            (yr * dy).sum().backward()
+            (ym * dy).sum().backward()
+            self.assertLess(_rel(xm.grad, xr.grad), 1e-5)
+            for (name, a), (_, b) in zip(ref.named_parameters(), blk.named_parameters()):
+                self.assertLess(_rel(b.grad, a.grad), 1e-5, name)
+            self.assertEqual(weights, (blk.experts.gate_up_proj.data_ptr(), blk.experts.down_proj.data_ptr()))
+
+
+@unittest.skipIf(_torch() is None, "torch is not installed")
 class TestTorchtitanLayouts(unittest.TestCase):
     """torchtitan 0.3's MoE (routed_experts.inner_experts.w1_EFD / w2_EDF / w3_EFD, expert_bias_E)
     beside the earlier layout, against the same math in plain PyTorch."""
