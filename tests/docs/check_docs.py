@@ -8,7 +8,7 @@
 - the product speaks to its users (`docs_history`): no development-process reference (the word
   issue or step followed by a number) and no path to the shared folder beside a checkout, in
   the README, docs/, the sources, headers, tests, bindings, scripts, examples and perf/'s code.
-  perf/NOTES.md and perf/RESULTS.md keep the measurement history and are not checked.
+  perf/NOTES.md and perf/history/ keep the measurement history and are not checked.
 Usage: check_docs.py examples|links|history <source dir> [<build dir with src/libmoeblaze.so.0>]"""
 import os
 import re
@@ -94,10 +94,10 @@ def history_files(src):
     out = [os.path.join(src, "README.md"), os.path.join(src, "CMakeLists.txt")]
     for top in HISTORY_TOPS:
         for root, dirs, files in os.walk(os.path.join(src, top)):
-            dirs[:] = [d for d in dirs if d not in ("target", "__pycache__", "results", "corpus")]
+            dirs[:] = [d for d in dirs if d not in ("target", "__pycache__", "results", "corpus", "history")]
             for f in files:
                 rel = os.path.relpath(os.path.join(root, f), src)
-                if rel in ("perf/NOTES.md", "perf/RESULTS.md") or not f.endswith(HISTORY_EXTS):
+                if rel == "perf/NOTES.md" or not f.endswith(HISTORY_EXTS):
                     continue
                 out.append(os.path.join(root, f))
     return sorted(out)
