@@ -205,6 +205,42 @@ class TestHuggingFaceExpertsBackend(unittest.TestCase):
                 self.assertLess(_rel(b.grad, a.grad), 1e-5, name)
             self.assertEqual(weights, (blk.experts.gate_up_proj.data_ptr(), blk.experts.down_proj.data_ptr()))
 
+    def test_qwen3_moe_block_on_cuda(self):
+        """The same in bf16 on a CUDA device (the engine AUTO picks: fused on sm_90), against
+        transformers' eager experts in bf16: the same router, so the same experts per token."""
+        torch = _torch()
+        if not torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
+            self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
+        try:
+            from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        except ImportError:
+            self.skipTest("transformers is not installed")
+        import copy
+        import moeblaze.hf_experts as hf_experts
+        hf_experts.register()
+        torch.manual_seed(0)
+        cfg = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=512, num_experts=16,
+                             num_experts_per_tok=4, hidden_act="silu", norm_topk_prob=True)
+        cfg._experts_implementation = "eager"
+        blk = Qwen3MoeSparseMoeBlock(cfg).cuda().to(torch.bfloat16)
+        with torch.no_grad():
+            for p in blk.parameters():
+                p.normal_(0, 0.05)
+        ref = copy.deepcopy(blk)
+        blk.experts.config = copy.deepcopy(cfg)
+        blk.experts.config._experts_implementation = "moeblaze"
+        x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
+        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yr, ym = ref(xr), blk(xm)
+        self.assertLess(_rel(ym, yr), 3e-2)
+        dy = torch.randn_like(yr)
+        (yr * dy).sum().backward()
+        (ym * dy).sum().backward()
+        self.assertLess(_rel(xm.grad, xr.grad), 3e-2)
+        for (name, a), (_, b) in zip(ref.named_parameters(), blk.named_parameters()):
+            self.assertLess(_rel(b.grad, a.grad), 3e-2, name)
+
 
 @unittest.skipIf(_torch() is None, "torch is not installed")
 class TestTorchtitanLayouts(unittest.TestCase):
