@@ -2,7 +2,7 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|plan|torch|pytorch|example|policies|maxtokens|bench|engines|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|plan|torch|pytorch|example|policies|maxtokens|bench|engines|all]...
 # torch: perf/torch_baselines.py (TORCH_ARGS, e.g. "--configs modern --skip-naive").
 # engines: both CUDA engines (fused, cuBLASLt) on the paper's configs (SiLU, SwiGLU) and the modern
 # ones (SwiGLU), one table per engine and config file (not part of "all": about 6 minutes).
@@ -18,6 +18,8 @@
 # fuzz: the differential fuzzer of the CUDA engines (tests/gpu/fuzz_gpu.c) for FUZZ_SECONDS
 # (default 240), then under compute-sanitizer memcheck for FUZZ_MEMCHECK_SECONDS (default 60;
 # 0 skips it); FUZZ_SEED replays a run.
+# fsdp: a small model of MoELayer blocks under FSDP2 (fully_shard) on every GPU of the machine
+# (at least 2) against the same model on one GPU (tests/gpu/fsdp2_train.py); not part of "all".
 # sanitize: memcheck, racecheck, initcheck and synccheck on the quick subset of the GPU tests,
 # on test_gpu_hardening and on test_plan_cuda; sanitize-full: racecheck and initcheck on the full GPU test set
 # (not part of "all": about 10 minutes).
@@ -30,7 +32,7 @@ what=("$@")
 want() {
   for w in "${what[@]}"; do
     [ "$w" = "$1" ] && return 0
-    [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && return 0
+    [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && return 0
   done
   return 1
 }
@@ -145,6 +147,14 @@ if want fuzz; then
     rc=$?
     summary+=("gpu fuzz under memcheck: rc=$rc; $(grep -E '^fuzz_gpu' "$OUT/fuzz-memcheck.log" | tail -1); $(grep -E 'ERROR SUMMARY' "$OUT/fuzz-memcheck.log" | tail -1)")
   fi
+fi
+if want fsdp; then
+  gpus=$(nvidia-smi -L | wc -l)
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \
+    timeout 600 torchrun --standalone --nproc_per_node="$gpus" tests/gpu/fsdp2_train.py > "$OUT/fsdp.log" 2>&1
+  rc=$?
+  grep -E '^step|PASS|FAIL|Error' "$OUT/fsdp.log" | tail -34
+  summary+=("fsdp2 on $gpus GPUs: rc=$rc; $(grep -E '^(PASS|FAIL)' "$OUT/fsdp.log" | tail -1)")
 fi
 if want plan; then
   build-gpu/perf/plan-bench > "$OUT/plan-bench.md" 2>&1

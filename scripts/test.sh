@@ -80,6 +80,11 @@ if [ "${MOEBLAZE_TEST_TORCH:-1}" != 0 ]; then
   if grep -q "skipped 'torch is not installed'" build-pip/unittest.log; then
     echo "torch tests skipped although torch was installed"; exit 1
   fi
+  # MoELayer under FSDP2 (fully_shard) on two CPU processes (gloo) against one: the same
+  # check scripts/gpu-check.sh fsdp runs on GPUs.
+  (cd build-pip && env -u MOEBLAZE_LIBRARY FSDP_CHECK_DEVICE=cpu FSDP_CHECK_STEPS=10 \
+     venv/bin/torchrun --standalone --nproc_per_node=2 ../tests/gpu/fsdp2_train.py 2>&1 | tail -1 | tee fsdp.log)
+  grep -q '^PASS' build-pip/fsdp.log || exit 1
   # The example MoE language model, shrunk to a CPU smoke test: MoELayer and the pure-PyTorch
   # MoE must give the same fp32 loss curve (the full bf16 run is for a GPU: docs/pytorch.md).
   (cd build-pip && env -u MOEBLAZE_LIBRARY venv/bin/python ../examples/moe_lm.py --device cpu --dtype f32 \
