@@ -612,7 +612,7 @@ int main(int argc, char** argv) {
            "# the GPU results are in perf/RESULTS.md (and the README's summary).\n",
            gpus, o.tokens || o.quick ? "" : "; tokens reduced so that one fwd+bwd step costs about --cpu-gflop GFLOP");
   if (o.quick)
-    printf("# --quick: each layer scaled down (d <= 128, n in proportion, 128 tokens), one rep: a correctness check in seconds\n");
+    printf("# --quick: each layer scaled down (d and n / 8, tokens / 512), one rep: a correctness check in seconds\n");
   printf("# dtype %s, policy %s, routing from logits (softmax); error: one step vs the fp64 reference on the first tokens, pass below %.0e\n",
          dtype_name(o.dtype), o.policy == MOEBLAZE_SAVE_PREACT ? "SAVE_PREACT" : o.policy == MOEBLAZE_SAVE_ALL ? "SAVE_ALL" : "RECOMPUTE_UP",
          tolerance(o.dtype));
@@ -632,25 +632,24 @@ int main(int argc, char** argv) {
     bench_config quick_shape = cfgs[ci];
     const bench_config* c = &cfgs[ci];
     if (!selected(&o, c->name)) continue;
-    if (o.quick) {  /* the same layer scaled down: d <= 128, n in proportion, 128 tokens */
-      const int64_t d = c->d < 128 ? c->d : 128;
-      quick_shape.n = c->n * d / c->d > 8 ? c->n * d / c->d : 8;
-      quick_shape.d = d;
-      quick_shape.tokens = 128;
+    if (o.quick) {  /* the same layer scaled down: d and n / 8, tokens / 512 (at least 2 per expert) */
+      quick_shape.d = c->d / 8 > 8 ? c->d / 8 : 8;
+      quick_shape.n = c->n / 8 > 8 ? c->n / 8 : 8;
+      quick_shape.tokens = c->tokens / 512 > 2 * c->experts ? c->tokens / 512 : 2 * c->experts;
       c = &quick_shape;
     }
     for (int ai = 0; ai < o.num_activations; ++ai) {
       const int act = o.activations[ai];
       const int gated = act == MOEBLAZE_ACTIVATION_SWIGLU || act == MOEBLAZE_ACTIVATION_GEGLU;
       const double flop_per_token = 3.0 * 2.0 * (double)c->k * (double)c->d * (double)c->n * (gated ? 3.0 : 2.0);
-      const int64_t L_full = c->tokens;
+      const int64_t L_full = cfgs[ci].tokens, L_cap = c->tokens; /* the config's tokens; this run's cap */
       int64_t L = o.tokens;
-      if (L <= 0 && be.cuda) L = L_full;
+      if (L <= 0 && be.cuda) L = L_cap;
       if (L <= 0) {
         L = (int64_t)(o.cpu_gflop * 1e9 / flop_per_token);
         if (L < 2 * c->experts) L = 2 * c->experts; /* enough tokens that experts see work */
       }
-      if (L > L_full) L = L_full;
+      if (L > L_cap) L = L_cap;
       const double t_row = now_ms();
       result r = run_one(&be, &o, c, act, L);
       const double flops = flop_per_token * (double)L / (r.total * 1e-3) * scale;
