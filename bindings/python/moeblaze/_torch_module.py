@@ -50,6 +50,7 @@ class MoELayer(torch.nn.Module):
         self.attrs = dict(attrs)
         self._spec_dtype = None
         self._spec_for(dtype)
+        self._register_state_dict_hook(MoELayer._record_layout)
         d, h, E = self.hidden_size, self.ffn_hidden_size, self.num_experts
         g = 2 if self.activation in _GATED else 1
         kw = dict(dtype=dtype, device=device)
@@ -110,34 +111,27 @@ class MoELayer(torch.nn.Module):
         return y.reshape(*lead, self.hidden_size), aux, z
 
     # ---- the weight layout in the state_dict -------------------------------------------------
-    # The state_dict records the layout (as a one-element int8 tensor, so that tensor-only
-    # formats such as safetensors keep it). Loading converts a checkpoint of the other layout
-    # (the expert matrices transposed); a checkpoint without the record (older versions) is
-    # taken to be in this layer's layout, as before.
-    _LAYOUT_CODES = {"in_out": 0, "out_in": 1}
+    # The state_dict records the layout in its metadata (state_dict._metadata, which torch.save
+    # keeps), not as a key: a state_dict of this layer still loads strictly into a module with
+    # the same parameters and no such record (a pure-PyTorch reference MoE, say). Loading
+    # converts a checkpoint of the other layout (the expert matrices transposed); a checkpoint
+    # without the record (older versions, formats that drop metadata) is taken to be in this
+    # layer's layout.
+    _LAYOUT_KEY = "moeblaze_weight_layout"
 
-    def get_extra_state(self):
-        return torch.tensor([self._LAYOUT_CODES[self.weight_layout]], dtype=torch.int8)
-
-    def set_extra_state(self, state):
-        pass  # the layout was read (and the weights converted) in _load_from_state_dict
+    def _record_layout(self, state_dict, prefix, local_metadata):
+        local_metadata[self._LAYOUT_KEY] = self.weight_layout
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
-        if key in state_dict:
-            code = state_dict[key]
-            code = int(code.reshape(-1)[0]) if torch.is_tensor(code) else code
-            names = {v: k for k, v in self._LAYOUT_CODES.items()}
-            if code not in names:
-                error_msgs.append("%s: unknown weight layout record %r" % (key, code))
-                return
-            if names[code] != self.weight_layout:
-                for name in ("w_gate_up", "w_down"):
-                    if prefix + name in state_dict:
-                        state_dict[prefix + name] = state_dict[prefix + name].transpose(1, 2)
-        else:
-            state_dict[key] = self.get_extra_state()  # an older checkpoint: this layer's layout
+        layout = local_metadata.get(self._LAYOUT_KEY) if local_metadata else None
+        if layout is not None and layout not in ("in_out", "out_in"):
+            error_msgs.append("%s: unknown weight layout record %r" % (prefix or "MoELayer", layout))
+            return
+        if layout is not None and layout != self.weight_layout:
+            for name in ("w_gate_up", "w_down"):
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = state_dict[prefix + name].transpose(1, 2)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
