@@ -3,27 +3,15 @@ that do not fit their C type, log callbacks that call the library, saved tensors
 saved-tensor hooks, layouts the library does not take, empty batches, temporary layers and
 state_dicts of the other weight layout. Each case failed (crash, hang, wrong answer or a
 spurious error) before the binding handled it."""
-import os
-import sys
 import threading
 import time
 import unittest
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if os.environ.get("MOEBLAZE_TEST_INSTALLED") != "1":
-    sys.path.insert(0, os.path.dirname(_HERE))
+from support import torch_or_none as _torch
 
-import moeblaze  # noqa: E402
-from moeblaze import ArgKind, BindingError, Pass, Status  # noqa: E402
-from moeblaze import _types  # noqa: E402
-
-
-def _torch():
-    try:
-        import torch
-        return torch
-    except ImportError:
-        return None
+import moeblaze
+from moeblaze import ArgKind, BindingError, Pass, Status
+from moeblaze import _types
 
 
 def _layer_attrs(**extra):

@@ -1136,43 +1136,12 @@ class TestTorchModule(unittest.TestCase):
         down_proj [E, d, h]) with a router module holding weight [E, d], top_k and
         norm_topk_prob: outputs, gradients and the round trip."""
         torch = self.torch
-        import torch.nn as nn
-        import torch.nn.functional as F
         from moeblaze.torch import MoELayer
+        from support import fused_hf_block
         d, h, E, k = 16, 24, 6, 2
+        make_block = lambda: fused_hf_block(torch, d, h, E, k)  # noqa: E731
 
-        class Router(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.weight = nn.Parameter(torch.randn(E, d) / d ** 0.5)
-                self.top_k, self.norm_topk_prob = k, True
-
-        class Experts(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * h, d) / d ** 0.5)
-                self.down_proj = nn.Parameter(torch.randn(E, d, h) / h ** 0.5)
-
-        class Block(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.gate, self.experts = Router(), Experts()
-
-            def forward(self, x):
-                p = F.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
-                w, i = p.topk(k, dim=-1)
-                w = w / w.sum(-1, keepdim=True)
-                y = torch.zeros_like(x)
-                for j in range(k):
-                    for e in range(E):
-                        m = (i[:, j] == e).nonzero()[:, 0]
-                        if m.numel():
-                            g, u = F.linear(x[m], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-                            o = F.linear(F.silu(g) * u, self.experts.down_proj[e])
-                            y = y.index_add(0, m, w[m, j:j + 1] * o)
-                return y
-
-        block = Block()
+        block = make_block()
         layer = MoELayer.from_qwen3_moe(block, max_tokens=64)
         x = torch.randn(25, d)
         xr, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -1186,7 +1155,7 @@ class TestTorchModule(unittest.TestCase):
         self.assertLess(rel(layer.router_weight.grad, block.gate.weight.grad), 1e-4)
         self.assertLess(rel(layer.w_gate_up.grad.transpose(1, 2), block.experts.gate_up_proj.grad), 1e-4)
         self.assertLess(rel(layer.w_down.grad.transpose(1, 2), block.experts.down_proj.grad), 1e-4)
-        other = Block()
+        other = make_block()
         layer.store_fused_experts(other.gate.weight, other.experts.gate_up_proj, other.experts.down_proj)
         self.assertTrue(torch.equal(other(x), block(x)))
 

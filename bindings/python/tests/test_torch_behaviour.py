@@ -1,23 +1,11 @@
 """MoELayer behaves as a torch module and as the Hugging Face blocks it converts: it follows
 ``.to(dtype)``, ``.half()``, ``.bfloat16()`` and autocast; configuration errors are raised at
 construction; the converters honour the experts' activation (hidden_act) or refuse it, named."""
-import os
-import sys
 import unittest
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if os.environ.get("MOEBLAZE_TEST_INSTALLED") != "1":
-    sys.path.insert(0, os.path.dirname(_HERE))
+from support import fused_hf_block, torch_or_none as _torch
 
-import moeblaze  # noqa: E402,F401
-
-
-def _torch():
-    try:
-        import torch
-        return torch
-    except ImportError:
-        return None
+import moeblaze  # noqa: F401
 
 
 def _rel(a, b):
@@ -84,43 +72,7 @@ class TestHuggingFaceActivation(unittest.TestCase):
     """The fused experts of transformers 5 (gate_up_proj, down_proj, act_fn from hidden_act)."""
 
     def _block(self, act_fn):
-        torch = _torch()
-        import torch.nn as nn
-        import torch.nn.functional as F
-        d, h, E, k = 16, 24, 6, 2
-
-        class Router(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.weight = nn.Parameter(torch.randn(E, d) / d ** 0.5)
-                self.top_k, self.norm_topk_prob = k, True
-
-        class Experts(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * h, d) / d ** 0.5)
-                self.down_proj = nn.Parameter(torch.randn(E, d, h) / h ** 0.5)
-                self.act_fn = act_fn
-
-        class Block(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.gate, self.experts = Router(), Experts()
-
-            def forward(self, x):
-                p = F.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
-                w, i = p.topk(k, dim=-1)
-                w = w / w.sum(-1, keepdim=True)
-                y = torch.zeros_like(x)
-                for j in range(k):
-                    for e in range(E):
-                        m = (i[:, j] == e).nonzero()[:, 0]
-                        if m.numel():
-                            g, u = F.linear(x[m], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-                            o = F.linear(self.experts.act_fn(g) * u, self.experts.down_proj[e])
-                            y = y.index_add(0, m, w[m, j:j + 1] * o)
-                return y
-        return Block()
+        return fused_hf_block(_torch(), 16, 24, 6, 2, act_fn)
 
     def test_activation_follows_the_experts(self):
         torch = _torch()
