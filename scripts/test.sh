@@ -54,7 +54,7 @@ venv_bin=$PWD/build-pip/venv/bin
 "$venv_bin/auditwheel" show build-pip/dist/moeblaze-*.whl > build-pip/auditwheel.txt 2>&1
 plat=$(grep -oE 'manylinux_[0-9]+_[0-9]+_x86_64' build-pip/auditwheel.txt | head -1)
 [ -n "$plat" ] || { cat build-pip/auditwheel.txt; echo "auditwheel found no manylinux policy for the wheel"; exit 1; }
-PATH="$venv_bin:$PATH" "$venv_bin/auditwheel" repair -q --plat "$plat" -w build-pip/wheelhouse build-pip/dist/moeblaze-*.whl
+PATH="$venv_bin:$PATH" "$venv_bin/auditwheel" repair --plat "$plat" -w build-pip/wheelhouse build-pip/dist/moeblaze-*.whl > build-pip/repair.log 2>&1 || { tail -20 build-pip/repair.log; exit 1; }
 "$venv_bin/twine" check --strict build-pip/wheelhouse/*.whl
 echo "wheel: $(basename build-pip/wheelhouse/*.whl)"
 "$venv_bin/python" -m pip install -q build-pip/wheelhouse/*.whl > build-pip/install.log 2>&1 || { tail -20 build-pip/install.log; exit 1; }
