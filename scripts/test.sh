@@ -82,7 +82,7 @@ if [ "${MOEBLAZE_TEST_TORCH:-1}" != 0 ]; then
   fi
   # MoELayer under FSDP2 (fully_shard) on two CPU processes (gloo) against one: the same
   # check scripts/gpu-check.sh fsdp runs on GPUs.
-  (cd build-pip && env -u MOEBLAZE_LIBRARY FSDP_CHECK_DEVICE=cpu FSDP_CHECK_STEPS=10 \
+  (cd build-pip && env -u MOEBLAZE_LIBRARY FSDP_CHECK_DEVICE=cpu FSDP_CHECK_STEPS=6 \
      venv/bin/torchrun --standalone --nproc_per_node=2 ../tests/gpu/fsdp2_train.py 2>&1 | tail -1 | tee fsdp.log)
   grep -q '^PASS' build-pip/fsdp.log || exit 1
   # The example MoE language model, shrunk to a CPU smoke test: MoELayer and the pure-PyTorch
