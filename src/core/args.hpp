@@ -66,7 +66,8 @@ struct CallBuffer {
 
 // Refuses a call whose buffers share a byte with an argument or with each other where either
 // side is written (an OUTPUT inside the saved buffer would overwrite the plan that the combine
-// then follows). Run after decode_args, before anything is written.
+// then follows). Run after decode_args, which checked the arguments among themselves: only
+// the pairs with a buffer are tested here. Before anything is written.
 void check_call_buffers(const CallArgs& c, Pass pass, const CallBuffer* buffers, size_t num_buffers);
 
 const char* pass_name(Pass p);
