@@ -848,6 +848,35 @@ MOEBLAZE_API moeblaze_status_t moeblaze_backward(moeblaze_handle_t handle,
 MOEBLAZE_API moeblaze_status_t moeblaze_route(moeblaze_handle_t handle, const moeblaze_arg_t* args,
                                               size_t num_args, void* workspace,
                                               size_t workspace_bytes, moeblaze_stream_t stream);
+
+/**
+ * @brief Turns an error that a call reported through its #MOEBLAZE_ARG_STATUS scalar into a
+ *        CUDA device-side assertion that names the cause, without synchronising the host.
+ *
+ * For callers whose convention is asynchronous asserts, as PyTorch checks indices on the GPU:
+ * enqueues, on @p stream, one tiny kernel that does nothing when @p status reads 0 and
+ * otherwise fails an assertion whose text names the pass and the cause ("a caller expert id
+ * outside [0, NUM_EXPERTS) or repeated within a token"; "the saved buffer was not written by
+ * this layer's forward for these tokens"). The CUDA runtime prints that text to stderr and the
+ * caller's next synchronising call returns cudaErrorAssert; as after any device-side assert,
+ * the process's CUDA context is then unusable. Capturable in a CUDA graph. A caller who can
+ * afford a synchronisation reads the STATUS scalar instead (docs/errors.md).
+ * On a CPU handle the status is host memory and is read at once: a non-zero value returns
+ * #MOEBLAZE_STATUS_INVALID_ARGUMENT with the same message.
+ * @param[in] handle The handle whose call wrote @p status.
+ * @param[in] pass The pass of that call (which decides the message).
+ * @param[in] status The STATUS scalar given to that call: int32, ndim 0 or shape [1], on the
+ *            handle's device.
+ * @param[in] stream The stream the call ran on (CUDA handles).
+ * @retval MOEBLAZE_STATUS_SUCCESS Enqueued (CUDA), or the status reads 0 (CPU).
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT Bad @p pass or @p status; or, on a CPU handle, a
+ *         non-zero status.
+ * @retval MOEBLAZE_STATUS_CUDA_ERROR The launch failed.
+ * @since 0.2
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_assert_status(moeblaze_handle_t handle, moeblaze_pass_t pass,
+                                                      const moeblaze_tensor_t* status,
+                                                      moeblaze_stream_t stream);
 /** @} */
 
 #ifdef __cplusplus

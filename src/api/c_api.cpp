@@ -336,4 +336,13 @@ MOEBLAZE_API moeblaze_status_t moeblaze_route(moeblaze_handle_t h, const moeblaz
   });
 }
 
+MOEBLAZE_API moeblaze_status_t moeblaze_assert_status(moeblaze_handle_t h, moeblaze_pass_t pass,
+                                                      const moeblaze_tensor_t* status, moeblaze_stream_t stream) {
+  return api::guard(__func__, [&] {
+    require(h, "handle");
+    require(status, "status");
+    h->layer.assert_status(static_cast<Pass>(raw_enum(pass)), reinterpret_cast<const RawTensor*>(status), stream);
+  });
+}
+
 }  // extern "C"

@@ -305,6 +305,11 @@ const char* pass_name(Pass p) {
   return "?";
 }
 
+View decode_status(const LayerConfig& cfg, const RawTensor& status) {
+  const RawArg a{static_cast<int32_t>(ArgKind::kStatus), 0u, status};
+  return make_view(cfg, *find_kind(a.kind), a, 0);
+}
+
 CallArgs decode_args(const LayerConfig& cfg, Pass pass, const RawArg* args, size_t num_args) {
   const int p = static_cast<int>(pass);
   if (p < 0 || p > 3) fail(Status::kInvalidArgument, "unknown pass %d", p);

@@ -70,6 +70,9 @@ struct CallBuffer {
 // the pairs with a buffer are tested here. Before anything is written.
 void check_call_buffers(const CallArgs& c, Pass pass, const CallBuffer* buffers, size_t num_buffers);
 
+// A STATUS scalar on its own (moeblaze_assert_status): int32, on the handle's device.
+View decode_status(const LayerConfig& cfg, const RawTensor& status);
+
 const char* pass_name(Pass p);
 
 }  // namespace v0

@@ -2,7 +2,9 @@
 
 #include <cstdint>
 
+#include "core/device_errors.hpp"
 #include "core/memory_layout.hpp"
+#include "cuda/status_assert.hpp"
 #include "util/align.hpp"
 #include "util/error.hpp"
 
@@ -75,6 +77,24 @@ void Layer::route(const RawArg* args, size_t n, void* ws, size_t ws_bytes, void*
   const CallBuffer buffers[] = {{"workspace", ws, ws_need, true}};
   check_call_buffers(a, Pass::kRoute, buffers, 1);
   engine_->route(a, ws, stream);
+}
+
+void Layer::assert_status(Pass pass, const RawTensor* status, void* stream) const {
+  const int p = static_cast<int>(pass);
+  if (p < 0 || p > 3) fail(Status::kInvalidArgument, "unknown pass %d", p);
+  if (!status) fail(Status::kInvalidArgument, "status is NULL");
+  const View v = decode_status(cfg_, *status);
+  const cuda::StatusSite site = pass == Pass::kBackward ? cuda::StatusSite::kBackward
+                                : pass == Pass::kRoute  ? cuda::StatusSite::kRoute
+                                                        : cuda::StatusSite::kForward;
+  if (cfg_.device_type == kDeviceCuda) {
+    cuda::assert_status(reinterpret_cast<const int32_t*>(v.data), site, cfg_.device_id, stream);
+    return;
+  }
+  if (*reinterpret_cast<const int32_t*>(v.data) != 0)
+    fail(Status::kInvalidArgument, "%s", site == cuda::StatusSite::kForward    ? MOEBLAZE_DEVICE_ERROR_FORWARD
+                                         : site == cuda::StatusSite::kBackward ? MOEBLAZE_DEVICE_ERROR_BACKWARD
+                                                                               : MOEBLAZE_DEVICE_ERROR_ROUTE);
 }
 
 }  // namespace v0

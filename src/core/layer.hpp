@@ -30,6 +30,9 @@ class Layer {
   void backward(const RawArg* args, size_t num_args, const void* saved, size_t saved_bytes, void* workspace,
                 size_t workspace_bytes, void* stream) const;
   void route(const RawArg* args, size_t num_args, void* workspace, size_t workspace_bytes, void* stream) const;
+  // What a call of `pass` reported through its STATUS scalar: a device-side assertion in stream
+  // order on a CUDA handle, an error now on a CPU handle.
+  void assert_status(Pass pass, const RawTensor* status, void* stream) const;
 
  private:
   void check_tokens(int64_t num_tokens) const;

@@ -2,10 +2,18 @@
 
 #include <algorithm>
 
+#include "core/device_errors.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/device_guard.hpp"
+#include "cuda/status_assert.hpp"
 #include "util/align.hpp"
 #include "util/error.hpp"
 #include "util/vec8.cuh"
+
+// The CUDA runtime's assertion handler (what assert() calls on the device), declared here
+// because <assert.h> leaves it out under NDEBUG; the check must hold in release builds.
+extern "C" __device__ void __assert_fail(const char* assertion, const char* file, unsigned int line,
+                                         const char* function) noexcept;
 
 namespace moeblaze {
 inline namespace v0 {
@@ -27,6 +35,14 @@ __global__ void poison_kernel(const int32_t* flag, T* data, int64_t n0, int64_t 
 
 __global__ void status_kernel(const int32_t* flag, int32_t* status) {
   *status = *flag ? static_cast<int32_t>(Status::kInvalidArgument) : 0;
+}
+
+__global__ void assert_status_kernel(const int32_t* status, StatusSite site) {
+  if (*status == 0) return;
+  const char* cause = site == StatusSite::kForward    ? MOEBLAZE_DEVICE_ERROR_FORWARD
+                      : site == StatusSite::kBackward ? MOEBLAZE_DEVICE_ERROR_BACKWARD
+                                                      : MOEBLAZE_DEVICE_ERROR_ROUTE;
+  __assert_fail(cause, __FILE__, __LINE__, __func__);
 }
 
 }  // namespace
@@ -52,6 +68,12 @@ void write_status(const int32_t* flag, const View& status, cudaStream_t s) {
   if (!status.present) return;
   status_kernel<<<1, 1, 0, s>>>(flag, reinterpret_cast<int32_t*>(status.data));
   MOEBLAZE_CUDA_LAUNCH_CHECK("write_status");
+}
+
+void assert_status(const int32_t* status, StatusSite site, int32_t device_id, void* stream) {
+  DeviceGuard guard(device_id);
+  assert_status_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(status, site);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("assert_status");
 }
 
 }  // namespace cuda

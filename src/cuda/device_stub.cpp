@@ -1,5 +1,6 @@
 // Device discovery for builds without CUDA: there are no CUDA devices.
 #include "cuda/device.hpp"
+#include "cuda/status_assert.hpp"
 #include "util/error.hpp"
 
 namespace moeblaze {
@@ -13,6 +14,9 @@ DeviceInfo device_info(int32_t id) {
   fail(Status::kArchMismatch, "CUDA device %d requested, but this build of libmoeblaze has no CUDA support", id);
 }
 bool has_kernels_for(int32_t, int32_t) { return false; }
+void assert_status(const int32_t*, StatusSite, int32_t device_id, void*) {
+  fail(Status::kArchMismatch, "CUDA device %d requested, but this build of libmoeblaze has no CUDA support", device_id);
+}
 
 }  // namespace cuda
 }  // namespace v0

@@ -31,8 +31,20 @@ if command -v abidiff >/dev/null 2>&1; then
   if (( rc & 8 )); then cat /tmp/moeblaze-abidiff.$$; err "abidiff: INCOMPATIBLE ABI change against the baseline"; fi
   if (( rc & 4 )) && ! (( rc & 8 )); then
     cat /tmp/moeblaze-abidiff.$$
+    # Functions added since the baseline release are compatible when docs/symbols-in-versions
+    # names the release that introduced them; any other change is not.
+    summary=$(grep -E '^(Functions|Variables) changes summary' /tmp/moeblaze-abidiff.$$)
+    other_change=$(echo "$summary" | grep -vE ': 0 Removed, 0 Changed( \([0-9]+ filtered out\))?, [0-9]+ Added')
     if [ "${MOEBLAZE_ABI_ALLOW_ADDITIONS:-0}" = 1 ]; then echo "check_abi: compatible additions allowed by MOEBLAZE_ABI_ALLOW_ADDITIONS=1"
-    else err "abidiff: ABI changed (additions must update the baseline at a release and docs/symbols-in-versions)"; fi
+    elif [ -n "$other_change" ]; then err "abidiff: changes other than added functions: $other_change"
+    else
+      for f in $(sed -n "s/.*{\(moeblaze_[a-z0-9_]*\)@@MOEBLAZE_0}.*/\1/p" /tmp/moeblaze-abidiff.$$); do
+        since=$(awk -v f="$f" '$1 == f {print $2}' "$src/docs/symbols-in-versions")
+        if [ -z "$since" ] || [ "$since" = "0.1.0" ]; then
+          err "abidiff: $f was added since the baseline but docs/symbols-in-versions gives no later release for it"
+        else echo "check_abi: $f added in $since"; fi
+      done
+    fi
   fi
   rm -f /tmp/moeblaze-abidiff.$$
   echo "check_abi: abidiff against the baseline: rc $rc"

@@ -381,6 +381,40 @@ static void zero_tokens(void** state) {
  * token fail with INVALID_ARGUMENT before anything is written: y, TOKENS_PER_EXPERT and the
  * saved buffer keep their pre-filled bytes, and the guard bytes after every output stay
  * intact. check_args reads no data, so it accepts the same descriptors. */
+/* moeblaze_assert_status on a CPU handle reads the host scalar at once: 0 passes, anything else
+ * is INVALID_ARGUMENT with the cause of the pass in the message; bad arguments are refused. */
+static void assert_status_on_cpu(void** state) {
+  fixture* f = *state;
+  int32_t* st = (int32_t*)guarded(1);
+  const moeblaze_tensor_t t = tu_tensor(st, tu_i32, 0, NULL);
+  *st = 0;
+  for (int p = 0; p < 4; ++p) assert_ok(moeblaze_assert_status(f->h, (moeblaze_pass_t)p, &t, NULL));
+  *st = MOEBLAZE_STATUS_INVALID_ARGUMENT;
+  assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "caller expert id"));
+  assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_BACKWARD, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "saved buffer"));
+  *st = 0;
+  assert_int_equal(moeblaze_assert_status(NULL, MOEBLAZE_PASS_BACKWARD, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_BACKWARD, NULL, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_assert_status(f->h, (moeblaze_pass_t)4, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_assert_status(f->h, (moeblaze_pass_t)-1, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  moeblaze_tensor_t bad = t;
+  bad.dtype = tu_i64;
+  assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_BACKWARD, &bad, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  bad = t;
+  bad.data = NULL;
+  assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_BACKWARD, &bad, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  bad = t;
+  bad.device.device_type = MOEBLAZE_DEVICE_CUDA;
+  assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_BACKWARD, &bad, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  const int64_t two = 2;
+  bad = tu_tensor(st, tu_i32, 1, &two);
+  assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_BACKWARD, &bad, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_true(guard_intact(st, sizeof *st));
+  tu_free(st);
+}
+
 static void caller_ids_are_validated(void** state) {
   fixture* f = *state;
   int64_t* ids64 = (int64_t*)guarded(2 * L0 * K0);
@@ -795,6 +829,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(tokens_and_buffers, setup, teardown),
       cmocka_unit_test_setup_teardown(zero_tokens, setup, teardown),
       cmocka_unit_test_setup_teardown(caller_ids_are_validated, setup, teardown),
+      cmocka_unit_test_setup_teardown(assert_status_on_cpu, setup, teardown),
       cmocka_unit_test_setup_teardown(argument_list_rules, setup, teardown),
       cmocka_unit_test(messages_are_thread_local),
       cmocka_unit_test(destroy_keeps_the_message),

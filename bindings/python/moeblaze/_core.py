@@ -678,3 +678,15 @@ class Handle(_Owned):
         st = _stream(stream)
         with self._call():
             _L.moeblaze_route(self, arr, len(args), ws, wsb, st)
+
+    def assert_status(self, pass_, status, stream=None):
+        """moeblaze_assert_status: ``status`` (a Tensor descriptor of the STATUS scalar a call
+        of ``pass_`` was given) non-zero stops the stream with a device-side assertion naming
+        the cause (CUDA; nothing is synchronised), or raises MoEBlazeError now (CPU)."""
+        self._require_open()
+        if not isinstance(status, Tensor):
+            raise TypeError("moeblaze.Handle.assert_status: status must be a moeblaze.Tensor")
+        p = checked_int(Pass.parse(pass_), INT32, "pass", "moeblaze.Handle")
+        st = _stream(stream)
+        with self._call():
+            _L.moeblaze_assert_status(self, p, byref(status), st)

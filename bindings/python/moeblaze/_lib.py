@@ -18,7 +18,7 @@ import os
 from ctypes import (CFUNCTYPE, POINTER, c_char_p, c_double, c_int32, c_int64, c_size_t, c_uint32,
                     c_void_p)
 
-from ._types import ABI_VERSION, Arg, AttrInfo, DType, Status
+from ._types import ABI_VERSION, Arg, AttrInfo, DType, Status, Tensor
 from .errors import BindingError, MoEBlazeError
 
 __all__ = ["lib", "library_path", "LOG_FN", "raw_function", "last_error_message"]
@@ -100,6 +100,7 @@ _CHECKED = {
     "moeblaze_backward": [_handle_t, POINTER(Arg), c_size_t, c_void_p, c_size_t, c_void_p,
                           c_size_t, _stream_t],
     "moeblaze_route": [_handle_t, POINTER(Arg), c_size_t, c_void_p, c_size_t, _stream_t],
+    "moeblaze_assert_status": [_handle_t, c_int32, POINTER(Tensor), _stream_t],
 }
 
 #: Every symbol this binding declares (the ABI test compares it with exported-symbols.txt).

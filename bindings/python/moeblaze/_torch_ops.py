@@ -220,14 +220,6 @@ def _stream(device):
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
-_DEVICE_ERRORS = {
-    "forward": "moeblaze: the layer's forward reported INVALID_ARGUMENT on the device: a caller "
-               "expert id (topk_indices) outside [0, num_experts) or repeated within a token",
-    "backward": "moeblaze: the layer's backward reported INVALID_ARGUMENT on the device: the saved "
-                "buffer is not one that this layer's forward wrote for these tokens",
-}
-
-
 def _device_status(args, dev):
     """A CUDA call reports what it finds on the device (bad caller ids, a bad saved buffer)
     through MOEBLAZE_ARG_STATUS instead of a host sync; returns the status tensor, or None on
@@ -239,12 +231,13 @@ def _device_status(args, dev):
     return status
 
 
-def _check_device_status(status, what):
-    """Raises, without a host sync, when the call reported an error on the device: an
-    asynchronous assert, as torch's own indexing checks its indices (the CUDA error surfaces at
-    the next synchronising call, and the process's CUDA context is then lost)."""
+def _check_device_status(handle, status, pass_, dev):
+    """Fails, without a host sync, when the call reported an error on the device: the library
+    enqueues a device-side assertion whose text names the cause (moeblaze_assert_status), as
+    torch's own indexing checks its indices. The CUDA error surfaces at the next synchronising
+    call, and the process's CUDA context is then lost."""
     if status is not None:
-        torch._assert_async(status == 0, _DEVICE_ERRORS[what])
+        handle.assert_status(pass_, tensor_descriptor(status), stream=_stream(dev))
 
 
 def _routing_args(args, mode, router, topk_ids, topk_weights):
@@ -327,7 +320,7 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
     status = _device_status(args, dev)
     handle.forward(Pass.FORWARD_TRAINING, args, workspace.data_ptr(), target.data_ptr(),
                    stream=_stream(dev), workspace_bytes=workspace.numel(), saved_bytes=saved_bytes)
-    _check_device_status(status, "forward")
+    _check_device_status(handle, status, Pass.FORWARD_TRAINING, dev)
     if target is not saved:
         saved.copy_(target)
     return y, aux, z, ids, gates, counts, saved
@@ -411,7 +404,7 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
     handle.backward(args, saved.data_ptr(), workspace.data_ptr(),
                     stream=_stream(dev), saved_bytes=saved_bytes,
                     workspace_bytes=workspace.numel())
-    _check_device_status(status, "backward")
+    _check_device_status(handle, status, Pass.BACKWARD, dev)
     return dx, d_router, d_weights, d_wgu, d_wd
 
 

@@ -445,6 +445,26 @@ class TestConfigAndHandle(unittest.TestCase):
         h.close()
         self.assertTrue(h.closed)
 
+    def test_assert_status_on_cpu(self):
+        from array import array
+        with moeblaze.Handle(**_cfg_kwargs()) as h:
+            st = array("i", [0])
+            t = moeblaze.host_tensor(st, (), moeblaze.I32)
+            for p in (Pass.FORWARD_TRAINING, Pass.BACKWARD, Pass.ROUTE):
+                h.assert_status(p, t)
+            st[0] = Status.INVALID_ARGUMENT
+            with self.assertRaises(MoEBlazeError) as cm:
+                h.assert_status(Pass.FORWARD_TRAINING, moeblaze.host_tensor(st, (), moeblaze.I32))
+            self.assertIn("caller expert id", str(cm.exception))
+            with self.assertRaises(MoEBlazeError) as cm:
+                h.assert_status(Pass.BACKWARD, moeblaze.host_tensor(st, (), moeblaze.I32))
+            self.assertIn("saved buffer", str(cm.exception))
+            with self.assertRaises(TypeError):
+                h.assert_status(Pass.BACKWARD, st)
+            wide = array("q", [0])
+            with self.assertRaises(MoEBlazeError):
+                h.assert_status(Pass.BACKWARD, moeblaze.host_tensor(wide, (), moeblaze.I64))
+
     def test_finalizer_releases(self):
         h = moeblaze.Handle(**_cfg_kwargs())
         fin = h._finalizer

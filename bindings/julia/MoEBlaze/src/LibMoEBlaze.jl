@@ -335,11 +335,15 @@ function moeblaze_route(h, args, nargs, ws, wsb, stream)
     @check @ccall libmoeblaze.moeblaze_route(h::moeblaze_handle_t, args::Ptr{moeblaze_arg_t},
         nargs::Csize_t, ws::Ptr{Cvoid}, wsb::Csize_t, stream::Ptr{Cvoid})::Int32
 end
+function moeblaze_assert_status(h, pass, status, stream)
+    @check @ccall libmoeblaze.moeblaze_assert_status(h::moeblaze_handle_t, pass::Int32,
+        status::Ptr{moeblaze_tensor_t}, stream::Ptr{Cvoid})::Int32
+end
 
 # Every exported C symbol wrapped above (compared with tests/abi/exported-symbols.txt by
 # test/runtests.jl).
 const WRAPPED = [
-    :moeblaze_attr_query, :moeblaze_backward, :moeblaze_check_args, :moeblaze_config_create,
+    :moeblaze_assert_status, :moeblaze_attr_query, :moeblaze_backward, :moeblaze_check_args, :moeblaze_config_create,
     :moeblaze_config_destroy, :moeblaze_config_get_dtype, :moeblaze_config_get_f64,
     :moeblaze_config_get_i64, :moeblaze_config_set_dtype, :moeblaze_config_set_f64,
     :moeblaze_config_set_i64, :moeblaze_create, :moeblaze_destroy, :moeblaze_forward,

@@ -392,6 +392,12 @@ extern "C" {
         workspace_bytes: usize,
         stream: moeblaze_stream_t,
     ) -> moeblaze_status_t;
+    pub fn moeblaze_assert_status(
+        handle: moeblaze_handle_t,
+        pass: moeblaze_pass_t,
+        status: *const moeblaze_tensor_t,
+        stream: moeblaze_stream_t,
+    ) -> moeblaze_status_t;
 }
 
 #[cfg(test)]
@@ -435,7 +441,7 @@ mod tests {
     /// Every function of the extern block, as a pointer: fails to link if one is missing.
     #[test]
     fn every_symbol_links() {
-        let ptrs: [usize; 29] = [
+        let ptrs: [usize; 30] = [
             moeblaze_get_version as *const () as usize,
             moeblaze_get_version_string as *const () as usize,
             moeblaze_get_abi_version as *const () as usize,
@@ -465,6 +471,7 @@ mod tests {
             moeblaze_forward as *const () as usize,
             moeblaze_backward as *const () as usize,
             moeblaze_route as *const () as usize,
+            moeblaze_assert_status as *const () as usize,
         ];
         assert!(ptrs.iter().all(|&p| p != 0));
         assert_eq!(ptrs.len(), declared_functions().len());

@@ -1,0 +1,12 @@
+// What a sync-free call reports through its STATUS scalar, in words: the text of the device-side
+// assertion that moeblaze_assert_status raises and of the CPU handle's error. String literals,
+// so a kernel can pass them to the assertion handler as they are.
+#pragma once
+
+#define MOEBLAZE_DEVICE_ERROR_FORWARD                                                              \
+  "moeblaze forward reported INVALID_ARGUMENT through STATUS: a caller expert id (TOPK_INDICES) " \
+  "outside [0, NUM_EXPERTS) or repeated within a token"
+#define MOEBLAZE_DEVICE_ERROR_BACKWARD                                                             \
+  "moeblaze backward reported INVALID_ARGUMENT through STATUS: the saved buffer was not written " \
+  "by this layer's forward for these tokens"
+#define MOEBLAZE_DEVICE_ERROR_ROUTE "moeblaze route reported INVALID_ARGUMENT through STATUS"
