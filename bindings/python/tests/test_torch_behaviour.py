@@ -194,6 +194,47 @@ class TestHuggingFaceExpertsBackend(unittest.TestCase):
             self.assertLess(_rel(b.grad, a.grad), 3e-2, name)
 
 
+_BAD_IDS_ON_CUDA = r"""
+import torch, moeblaze.torch as mt
+layer = mt.MoE(num_experts=8, top_k=2, hidden_size=64, ffn_hidden_size=128, max_tokens=32,
+               activation="swiglu", activation_dtype="bf16")
+x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+wgu = torch.randn(8, 64, 256, device="cuda", dtype=torch.bfloat16) * 0.05
+wd = torch.randn(8, 128, 64, device="cuda", dtype=torch.bfloat16) * 0.05
+ids = torch.stack([torch.arange(32) % 8, (torch.arange(32) + 1) % 8], 1).to("cuda")
+ids[5, 1] = 8                        # outside [0, num_experts)
+gates = torch.full((32, 2), 0.5, device="cuda")
+y = layer(x, wgu, wd, topk_indices=ids, topk_weights=gates)
+print("ENQUEUED", flush=True)
+try:
+    torch.cuda.synchronize()
+    print("NO ERROR")
+except RuntimeError as e:
+    print("RAISED", str(e).splitlines()[0])
+"""
+
+
+@unittest.skipIf(_torch() is None, "torch is not installed")
+class TestDeviceErrors(unittest.TestCase):
+    def test_bad_caller_ids_on_cuda_name_the_cause(self):
+        """Caller ids out of range on CUDA: the call returns without a sync, the next sync raises,
+        and the device-side assertion printed to stderr names the cause. In a child process,
+        since the assertion ends the CUDA context."""
+        torch = _torch()
+        if not torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
+            self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
+        import os
+        import subprocess
+        import sys
+        res = subprocess.run([sys.executable, "-c", _BAD_IDS_ON_CUDA], capture_output=True, text=True,
+                             timeout=300, env=dict(os.environ))
+        out = res.stdout + res.stderr
+        self.assertIn("ENQUEUED", res.stdout, out)
+        self.assertIn("RAISED", res.stdout, out)
+        self.assertIn("device-side assert", res.stdout, out)
+        self.assertIn("a caller expert id (TOPK_INDICES) outside [0, NUM_EXPERTS)", out)
+
+
 @unittest.skipIf(_torch() is None, "torch is not installed")
 class TestTorchtitanLayouts(unittest.TestCase):
     """torchtitan 0.3's MoE (routed_experts.inner_experts.w1_EFD / w2_EDF / w3_EFD, expert_bias_E)
