@@ -19,8 +19,13 @@ RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, int64_t window, vo
     w.plan_scratch = c.take<char>(routing::plan_scratch_bytes_cuda(L, E));
   } else {
     w.dlogits = c.take<float>(static_cast<size_t>(L * E));
-    w.x_f32 = c.take<float>(static_cast<size_t>(window * d));
-    w.wg_f32 = c.take<float>(static_cast<size_t>(E * d));
+    if (tensor_core_backward()) {
+      w.dlogits_pair = c.take<uint16_t>(static_cast<size_t>(window * 2 * E));
+      w.wg_pair = c.take<uint16_t>(static_cast<size_t>(2 * E * d));
+    } else {
+      w.x_f32 = c.take<float>(static_cast<size_t>(window * d));
+      w.wg_f32 = c.take<float>(static_cast<size_t>(E * d));
+    }
     w.router_dx = c.take<float>(static_cast<size_t>(window * d));
     w.dwg_f32 = c.take<float>(static_cast<size_t>(E * d));
   }
@@ -36,6 +41,10 @@ RouterWork CudaRouter::carve_head(Carver& c, Pass pass, int64_t L, int64_t windo
     plan = r.plan;
   }
   return w;
+}
+
+bool CudaRouter::tensor_core_backward() const {
+  return cfg_.act_dtype == DType::kBF16 && cfg_.weight_dtype == DType::kBF16;
 }
 
 void CudaRouter::gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
@@ -88,8 +97,19 @@ bool CudaRouter::backward(const CallArgs& a, const Needs& needs, const RoutingPl
 void CudaRouter::backward_begin(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const {
   if (!needs.router_grad) return;
   logits(a, w, s);
-  if (a.mode == RoutingMode::kRouterWeight && needs.router_adds_dx)
-    routing::logits_to_f32_cuda(a.router_weight, cfg_.num_experts, cfg_.hidden, w.wg_f32, s);
+  if (a.mode != RoutingMode::kRouterWeight || !needs.router_adds_dx) return;
+  const int64_t E = cfg_.num_experts, d = cfg_.hidden;
+  if (!tensor_core_backward()) {
+    routing::logits_to_f32_cuda(a.router_weight, E, d, w.wg_f32, s);
+    return;
+  }
+  // W_g twice, [2E, d]: the dx GEMM's B against the [hi | lo] pair of d logits.
+  const size_t row_bytes = sizeof(uint16_t) * static_cast<size_t>(d);
+  const size_t pitch = sizeof(uint16_t) * static_cast<size_t>(a.router_weight.stride[0]);
+  for (int half = 0; half < 2; ++half)
+    MOEBLAZE_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(w.wg_pair) + half * E * row_bytes, row_bytes,
+                                          a.router_weight.data, pitch, row_bytes, static_cast<size_t>(E),
+                                          cudaMemcpyDeviceToDevice, s));
 }
 
 bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, int64_t t0, int64_t rows,
@@ -102,7 +122,22 @@ bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const Ro
                                 a.grad_z.present ? reinterpret_cast<const float*>(a.grad_z.data) : nullptr,
                                 plan.expert_token_offsets, dlogits, s);
   if (a.mode != RoutingMode::kRouterWeight) return false;
-  // Router GEMMs in fp32: dW_g = dlogits^T x (summed over the windows in order), dx += dlogits W_g.
+  // dW_g = dlogits^T x (summed over the windows in order), dx += dlogits W_g.
+  if (!a.d_router_weight.present && !needs.router_adds_dx) return false;
+  if (tensor_core_backward()) {
+    const View x = a.x.rows(t0, rows);
+    routing::split_bf16_pair_cuda(dlogits, rows, E, w.dlogits_pair, s);
+    const uint16_t* hi = static_cast<const uint16_t*>(w.dlogits_pair);
+    if (a.d_router_weight.present) {
+      gemm(E, d, rows, {hi, DType::kBF16, 2 * E, true}, {x.data, DType::kBF16, x.stride[0], false}, w.dwg_f32, w, s,
+           first ? 0.f : 1.f);
+      gemm(E, d, rows, {hi + E, DType::kBF16, 2 * E, true}, {x.data, DType::kBF16, x.stride[0], false}, w.dwg_f32, w, s,
+           1.f);
+    }
+    if (!needs.router_adds_dx) return false;
+    gemm(rows, d, 2 * E, {hi, DType::kBF16, 2 * E, false}, {w.wg_pair, DType::kBF16, d, false}, w.router_dx, w, s);
+    return true;
+  }
   routing::logits_to_f32_cuda(a.x.rows(t0, rows), rows, d, w.x_f32, s);
   if (a.d_router_weight.present)
     gemm(E, d, rows, {dlogits, DType::kF32, E, true}, {w.x_f32, DType::kF32, d, false}, w.dwg_f32, w, s, first ? 0.f : 1.f);

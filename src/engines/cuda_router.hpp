@@ -25,8 +25,12 @@ struct RouterWork {
   float* loss_scratch = nullptr;  //           forward, route
   void* plan_scratch = nullptr;   //           forward, route
   float* dlogits = nullptr;       // [L, E]    backward
-  float* x_f32 = nullptr;         // [W, d]    backward, ROUTER_WEIGHT: the router GEMMs in fp32
-  float* wg_f32 = nullptr;        // [E, d]                (W: the tokens of one window)
+  // Backward with ROUTER_WEIGHT (W: the tokens of one window). bf16 layers: the router GEMMs on
+  // tensor cores, d logits as a bf16 hi/lo pair against W_g stacked twice; other dtypes: in fp32.
+  void* dlogits_pair = nullptr;   // [W, 2E] bf16
+  void* wg_pair = nullptr;        // [2E, d] bf16
+  float* x_f32 = nullptr;         // [W, d]    fp32 path
+  float* wg_f32 = nullptr;        // [E, d]    fp32 path
   float* router_dx = nullptr;     // [W, d]
   float* dwg_f32 = nullptr;       // [E, d]    summed over the windows
   void* gemm_ws = nullptr;        // cuBLASLt workspace, shared with the engine
@@ -62,6 +66,8 @@ class CudaRouter {
 
  private:
   void logits(const CallArgs& a, const RouterWork& w, cudaStream_t s) const;
+  // The backward's router GEMMs run on tensor cores (bf16 x and W_g).
+  bool tensor_core_backward() const;
   void gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
             const RouterWork& w, cudaStream_t s, float beta = 0.f) const;
 

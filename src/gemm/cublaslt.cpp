@@ -31,6 +31,15 @@ struct Descs {
   cublasLtMatmulPreference_t pref = &pref_storage;
 };
 
+// The largest power of two (at most 256) that divides an address: cuBLASLt's preference
+// defaults assume 256-byte operands, and an algorithm chosen under that assumption may fault on
+// a row view in the middle of a tensor.
+uint32_t alignment_of(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t low = a & (~a + 1);
+  return static_cast<uint32_t>(a == 0 || low > 256 ? 256 : low);
+}
+
 }  // namespace
 
 CublasLtGemm::CublasLtGemm() {
@@ -62,6 +71,13 @@ void CublasLtGemm::gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, c
   MOEBLAZE_CUBLAS_CHECK(api.pref_init(d.pref, sizeof d.pref_storage));
   MOEBLAZE_CUBLAS_CHECK(api.pref_set_attribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
                                                              sizeof ws_bytes));
+  // cuBLASLt's A is our B (see above), its B our A, and C is D.
+  const uint32_t align[4] = {alignment_of(B.data), alignment_of(A.data), alignment_of(C), alignment_of(C)};
+  const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i)
+    MOEBLAZE_CUBLAS_CHECK(api.pref_set_attribute(d.pref, align_attr[i], &align[i], sizeof align[i]));
   cublasLtMatmulHeuristicResult_t heur;
   int found = 0;
   MOEBLAZE_CUBLAS_CHECK(api.algo_get_heuristic(handle_, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &heur, &found));

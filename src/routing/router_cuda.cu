@@ -4,6 +4,8 @@
 #include <cmath>
 #include <type_traits>
 
+#include <cuda_bf16.h>
+
 #include "cuda/cuda_check.hpp"
 #include "routing/plan_check_cuda.hpp"
 #include "routing/router_cuda.hpp"
@@ -28,6 +30,16 @@ __global__ void logits_to_f32_kernel(const char* src, DType t, int64_t stride, i
   if (i >= L * E) return;
   int64_t row = i / E, col = i % E;
   out[i] = load_f32(src + row * stride * static_cast<int64_t>(dtype_size(t)), t, col);
+}
+
+__global__ void split_bf16_pair_kernel(const float* src, int64_t rows, int64_t cols, __nv_bfloat16* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows * cols) return;
+  const int64_t row = i / cols, col = i % cols;
+  const float v = src[i];
+  const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+  out[row * 2 * cols + col] = hi;
+  out[row * 2 * cols + cols + col] = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
 // One token per group of lanes (routing/token_group.cuh). Pick j is the group's best expert
@@ -285,6 +297,13 @@ void logits_to_f32_cuda(const View& v, int64_t L, int64_t E, float* out, cudaStr
   if (L * E == 0) return;
   logits_to_f32_kernel<<<blocks_for(L * E, 256), 256, 0, s>>>(v.data, v.dtype, v.stride[0], L, E, out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("logits_to_f32");
+}
+
+void split_bf16_pair_cuda(const float* src, int64_t rows, int64_t cols, void* out, cudaStream_t s) {
+  if (rows * cols == 0) return;
+  split_bf16_pair_kernel<<<blocks_for(rows * cols, 256), 256, 0, s>>>(src, rows, cols,
+                                                                       static_cast<__nv_bfloat16*>(out));
+  MOEBLAZE_CUDA_LAUNCH_CHECK("split_bf16_pair");
 }
 
 void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, int32_t* ids, float* gates, float* lse,

@@ -18,6 +18,11 @@ namespace routing {
 // logits (any float dtype, strided rows) -> fp32 [L, E].
 void logits_to_f32_cuda(const View& logits, int64_t L, int64_t E, float* out, cudaStream_t s);
 
+// fp32 [rows, cols] -> bf16 [rows, 2 cols]: columns [0, cols) the rounded value hi, columns
+// [cols, 2 cols) the rounded remainder lo = v - hi, so a bf16 tensor-core GEMM over the pair
+// (K doubled) sums hi + lo to about 16 significant bits instead of bf16's 8.
+void split_bf16_pair_cuda(const float* src, int64_t rows, int64_t cols, void* out, cudaStream_t s);
+
 // Per token: scores, top-k (ties to the lower id), gates; writes ids/gates (token order) and
 // lse[t]. One warp per token.
 void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, int32_t* ids, float* gates,
