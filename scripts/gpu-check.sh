@@ -2,7 +2,10 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|plan|torch|pytorch|example|policies|maxtokens|bench|engines|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
+# sidebyside: perf/side_by_side.py on SonicMoE's configs (SIDE_CONFIGS), with SonicMoE run first
+# through .peers/run_sonic.sh when its bundle is carried in .peers/sonic/site (not part of "all").
+# profile: the CUDA kernels of one MoEBlaze fwd+bwd through moeblaze.torch (PROFILE_CONFIG).
 # torch: perf/torch_baselines.py (TORCH_ARGS, e.g. "--configs modern --skip-naive").
 # engines: both CUDA engines (fused, cuBLASLt) on the paper's configs (SiLU, SwiGLU) and the modern
 # ones (SwiGLU), one table per engine and config file (not part of "all": about 6 minutes).
@@ -32,7 +35,8 @@ what=("$@")
 want() {
   for w in "${what[@]}"; do
     [ "$w" = "$1" ] && return 0
-    [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && return 0
+    [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && [ "$1" != sidebyside ] \
+      && [ "$1" != profile ] && return 0
   done
   return 1
 }
@@ -222,6 +226,27 @@ if want engines; then
     sonic=""; [ $cf = modern ] && sonic="--configs perf/configs/modern-configs.json"
     python3 perf/engines_table.py "$OUT/engines-$cf-fused.md" "$OUT/engines-$cf-cublaslt.md" $sonic > "$OUT/engines-$cf-table.md" 2>&1
   done
+fi
+if want sidebyside; then  # perf/side_by_side.py; SonicMoE first when its bundle is carried in .peers/
+  sonic_arg=()
+  if [ -f .peers/run_sonic.sh ] && [ -d .peers/sonic/site ]; then
+    SONIC_BUNDLE=$PWD/.peers/sonic/site OUT=$OUT TOTAL_S=${SONIC_TOTAL_S:-570} bash .peers/run_sonic.sh ${SIDE_CONFIGS:-} \
+      > "$OUT/sonic.txt" 2>&1
+    summary+=("sonic: rc=$?; $(grep -c '^sonic [0-9]' "$OUT/sonic.txt") lines, $(grep -c ' NA NA NA' "$OUT/sonic.txt") NA")
+    grep -E '^sonic' "$OUT/sonic.txt"
+    sonic_arg=(--sonic "$OUT/sonic.txt")
+  fi
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONUNBUFFERED=1 timeout ${SIDE_TIMEOUT:-500} \
+    python3 perf/side_by_side.py ${SIDE_CONFIGS:+--configs $SIDE_CONFIGS} "${sonic_arg[@]}" ${SIDE_ARGS:-} \
+    --json "$OUT/side_by_side.json" > "$OUT/side_by_side.md" 2>&1
+  summary+=("side by side: rc=$?")
+  cat "$OUT/side_by_side.md"
+fi
+if want profile; then  # the kernels of one MoEBlaze fwd+bwd through moeblaze.torch
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONUNBUFFERED=1 timeout 300 \
+    python3 perf/side_by_side.py --profile ${PROFILE_CONFIG:-40960,768,256,128,8} > "$OUT/profile.md" 2>&1
+  summary+=("profile: rc=$?")
+  head -40 "$OUT/profile.md"
 fi
 if want bench; then
   build-gpu/perf/moeblaze-bench --json "$OUT/bench.jsonl" > "$OUT/bench.md" 2>&1

@@ -620,22 +620,34 @@ class Handle(_Owned):
 
     __getitem__ = get
 
+    # The sizes depend on the handle's (immutable) configuration and the token count only, so
+    # each answer is kept: a training step asks for them on every call.
     def workspace_size(self, pass_, num_tokens):
         self._require_open()
-        out = c_size_t()
         p = checked_int(Pass.parse(pass_), INT32, "pass", "moeblaze.Handle")
         L = checked_int(num_tokens, INT64, "num_tokens", "moeblaze.Handle")
-        with self._call():
-            _L.moeblaze_get_workspace_size(self, p, c_int64(L), byref(out))
-        return out.value
+        cache = self.__dict__.setdefault("_sizes", {})
+        if (p, L) not in cache:
+            out = c_size_t()
+            with self._call():
+                _L.moeblaze_get_workspace_size(self, p, c_int64(L), byref(out))
+            if len(cache) > 256:
+                cache.clear()
+            cache[(p, L)] = out.value
+        return cache[(p, L)]
 
     def saved_size(self, num_tokens):
         self._require_open()
-        out = c_size_t()
         L = checked_int(num_tokens, INT64, "num_tokens", "moeblaze.Handle")
-        with self._call():
-            _L.moeblaze_get_saved_size(self, c_int64(L), byref(out))
-        return out.value
+        cache = self.__dict__.setdefault("_sizes", {})
+        if ("saved", L) not in cache:
+            out = c_size_t()
+            with self._call():
+                _L.moeblaze_get_saved_size(self, c_int64(L), byref(out))
+            if len(cache) > 256:
+                cache.clear()
+            cache[("saved", L)] = out.value
+        return cache[("saved", L)]
 
     def check_args(self, pass_, args):
         self._require_open()

@@ -24,12 +24,13 @@ to autograd.
 """
 import threading
 import weakref
+from ctypes import c_int64
 from typing import List, Optional, Tuple
 
 import torch
 
 from ._core import ArgList, Config, Handle
-from ._types import BUFFER_ALIGNMENT, ArgKind, Attr, DeviceType, Pass, Tensor
+from ._types import BUFFER_ALIGNMENT, ArgKind, Attr, DeviceType, Pass, Tensor, dtype_from_name
 
 ROUTE_LOGITS = 1
 ROUTE_WEIGHT = 2
@@ -140,19 +141,38 @@ def _spec_from_attrs(attrs):
     return LayerSpec(**attrs)
 
 
+_DTYPE_STRUCTS = {t: dtype_from_name(name) for t, name in _DTYPES.items()}
+
+
 def tensor_descriptor(t):
-    """A moeblaze Tensor over ``t`` (no copy); ``t`` must stay alive during the call."""
-    if t.dtype not in _DTYPES:
+    """A moeblaze Tensor over ``t`` (no copy); ``t`` must stay alive during the call. Built
+    field by field: a torch tensor's address, shape and strides always fit their C types, and
+    this runs for every argument of every step."""
+    dtype = _DTYPE_STRUCTS.get(t.dtype)
+    if dtype is None:
         raise TypeError("moeblaze: unsupported dtype %s" % t.dtype)
-    if t.device.type == "cuda":
-        dev_type, dev_id = DeviceType.CUDA, t.device.index
-    elif t.device.type == "cpu":
+    dev = t.device
+    if dev.type == "cuda":
+        dev_type, dev_id = DeviceType.CUDA, dev.index
+    elif dev.type == "cpu":
         dev_type, dev_id = DeviceType.CPU, 0
     else:
-        raise ValueError("moeblaze supports CPU and CUDA tensors, not %s" % t.device)
-    desc = Tensor.make(t.data_ptr(), tuple(t.shape), _DTYPES[t.dtype], dev_type, dev_id,
-                       strides=tuple(t.stride()) if t.dim() else None)
-    desc._keepalive.append(t)
+        raise ValueError("moeblaze supports CPU and CUDA tensors, not %s" % dev)
+    nd = t.dim()
+    desc = Tensor()
+    desc.data = t.data_ptr() or None
+    desc.device.device_type = dev_type
+    desc.device.device_id = dev_id
+    desc.ndim = nd
+    desc.dtype = dtype
+    shp = (c_int64 * max(nd, 1))(*t.shape)
+    desc.shape = shp
+    keep = [shp, t]
+    if nd:
+        st = (c_int64 * nd)(*t.stride())
+        desc.strides = st
+        keep.append(st)
+    desc._keepalive = keep
     return desc
 
 

@@ -35,6 +35,8 @@ UINT64 = (0, 2 ** 64 - 1)
 def checked_int(value, bounds, what, where="moeblaze"):
     """``value`` as an int inside ``bounds`` (a C type's range), or BindingError naming it.
     Integral values only: bools and numpy integers pass, floats and strings do not."""
+    if type(value) is int and bounds[0] <= value <= bounds[1]:  # the common case, on every call
+        return value
     from .errors import BindingError  # errors.py imports nothing of this package
     try:
         v = operator.index(value)
@@ -45,6 +47,16 @@ def checked_int(value, bounds, what, where="moeblaze"):
         raise BindingError(Status.INVALID_ARGUMENT, where, "%s = %d is outside [%d, %d], the range of "
                            "its C type" % (what, v, bounds[0], bounds[1]))
     return v
+
+
+def _checked_ints(values, bounds, what, where):
+    """checked_int over a sequence; the element's name is formatted only for an error."""
+    lo, hi = bounds
+    values = list(values)
+    for v in values:
+        if type(v) is not int or not lo <= v <= hi:
+            return [checked_int(x, bounds, "%s[%d]" % (what, i), where) for i, x in enumerate(values)]
+    return values
 
 
 def version_encode(major, minor, patch):
@@ -301,7 +313,7 @@ class Tensor(Structure):
         ``data`` is an integer address (or None). The caller keeps the memory alive.
         """
         where = "moeblaze.Tensor"
-        shape = [checked_int(s, INT64, "shape[%d]" % i, where) for i, s in enumerate(shape)]
+        shape = _checked_ints(shape, INT64, "shape", where)
         t = cls()
         t.data = None if data is None else checked_int(data, UINT64, "data address", where)
         t.device = Device(checked_int(device_type, INT32, "device_type", where),
@@ -312,7 +324,7 @@ class Tensor(Structure):
         t.shape = ctypes.cast(shp, POINTER(c_int64))
         keep = [shp]
         if strides is not None:
-            strides = [checked_int(s, INT64, "strides[%d]" % i, where) for i, s in enumerate(strides)]
+            strides = _checked_ints(strides, INT64, "strides", where)
             st = (c_int64 * max(len(strides), 1))(*strides)
             t.strides = ctypes.cast(st, POINTER(c_int64))
             keep.append(st)
