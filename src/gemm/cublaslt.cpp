@@ -42,6 +42,13 @@ uint32_t alignment_of(const void* p) {
 
 }  // namespace
 
+bool CublasLtGemm::AlgoKey::operator==(const AlgoKey& o) const {
+  return m == o.m && n == o.n && k == o.k && lda == o.lda && ldb == o.ldb && ldc == o.ldc && a_dtype == o.a_dtype &&
+         b_dtype == o.b_dtype && c_dtype == o.c_dtype && a_trans == o.a_trans && b_trans == o.b_trans &&
+         align[0] == o.align[0] && align[1] == o.align[1] && align[2] == o.align[2] && align[3] == o.align[3] &&
+         workspace_bytes == o.workspace_bytes;
+}
+
 CublasLtGemm::CublasLtGemm() {
   MOEBLAZE_CUBLAS_CHECK(cublaslt_api().create(&handle_));
   const char* init = std::getenv("MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS");
@@ -78,14 +85,38 @@ void CublasLtGemm::gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, c
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i)
     MOEBLAZE_CUBLAS_CHECK(api.pref_set_attribute(d.pref, align_attr[i], &align[i], sizeof align[i]));
-  cublasLtMatmulHeuristicResult_t heur;
-  int found = 0;
-  MOEBLAZE_CUBLAS_CHECK(api.algo_get_heuristic(handle_, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &heur, &found));
-  if (found == 0) fail(Status::kCublasError, "cuBLASLt found no algorithm for a %lld x %lld x %lld GEMM", static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K));
+  const AlgoKey key{M, N, K, A.ld, B.ld, ldc, static_cast<int32_t>(A.dtype), static_cast<int32_t>(B.dtype),
+                    static_cast<int32_t>(ct), A.trans, B.trans, {align[0], align[1], align[2], align[3]}, ws_bytes};
+  cublasLtMatmulAlgo_t algo;
+  bool cached = false;
+  {
+    std::lock_guard<std::mutex> lock(algo_mutex_);
+    for (const AlgoEntry& e : algo_cache_)
+      if (e.used && e.key == key) {
+        algo = e.algo;
+        cached = true;
+        break;
+      }
+  }
+  if (!cached) {
+    cublasLtMatmulHeuristicResult_t heur;
+    int found = 0;
+    MOEBLAZE_CUBLAS_CHECK(api.algo_get_heuristic(handle_, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &heur, &found));
+    if (found == 0)
+      fail(Status::kCublasError, "cuBLASLt found no algorithm for a %lld x %lld x %lld GEMM", static_cast<long long>(M),
+           static_cast<long long>(N), static_cast<long long>(K));
+    algo = heur.algo;
+    std::lock_guard<std::mutex> lock(algo_mutex_);
+    AlgoEntry& slot = algo_cache_[algo_next_];
+    algo_next_ = (algo_next_ + 1) % kAlgoCacheSize;
+    slot.key = key;
+    slot.algo = algo;
+    slot.used = true;
+  }
   if (mark_outputs_initialized_ && beta == 0.f)
     MOEBLAZE_CUDA_CHECK(cudaMemset2DAsync(C, static_cast<size_t>(ldc) * dtype_size(ct), 0,
                                           static_cast<size_t>(N) * dtype_size(ct), static_cast<size_t>(M), s));
-  MOEBLAZE_CUBLAS_CHECK(api.matmul(handle_, d.op, &alpha, B.data, d.a, A.data, d.b, &beta, C, d.c, C, d.c, &heur.algo,
+  MOEBLAZE_CUBLAS_CHECK(api.matmul(handle_, d.op, &alpha, B.data, d.a, A.data, d.b, &beta, C, d.c, C, d.c, &algo,
                                        ws, ws_bytes, s));
 }
 

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 
 #include "util/dtype.hpp"
 
@@ -35,6 +36,27 @@ class CublasLtGemm {
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
  private:
+  // Everything cuBLASLt's heuristic looks at, for one GEMM.
+  struct AlgoKey {
+    int64_t m, n, k, lda, ldb, ldc;
+    int32_t a_dtype, b_dtype, c_dtype, a_trans, b_trans;
+    uint32_t align[4];
+    size_t workspace_bytes;
+    bool operator==(const AlgoKey& o) const;
+  };
+  struct AlgoEntry {
+    AlgoKey key;
+    cublasLtMatmulAlgo_t algo;
+    bool used = false;
+  };
+  // The heuristic's answers, kept: a query costs tens of microseconds of host time and a step
+  // repeats the same GEMMs (the cuBLASLt engine runs one per expert and pass). A fixed table,
+  // replaced round-robin, so a GEMM never allocates; guarded for handles shared by threads.
+  static constexpr int kAlgoCacheSize = 64;
+  mutable std::mutex algo_mutex_;
+  mutable AlgoEntry algo_cache_[kAlgoCacheSize];
+  mutable int algo_next_ = 0;
+
   cublasLtHandle_t handle_ = nullptr;
   // MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS=1 (read once, at creation): zero each output before a
   // beta = 0 GEMM. compute-sanitizer's initcheck does not see the TMA bulk stores of cuBLASLt's
