@@ -36,7 +36,7 @@ want() {
   for w in "${what[@]}"; do
     [ "$w" = "$1" ] && return 0
     [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && [ "$1" != sidebyside ] \
-      && [ "$1" != profile ] && return 0
+      && [ "$1" != profile ] && [ "$1" != ncu ] && return 0
   done
   return 1
 }
@@ -247,6 +247,14 @@ if want profile; then  # the kernels of one MoEBlaze fwd+bwd through moeblaze.to
     python3 perf/side_by_side.py --profile ${PROFILE_CONFIG:-40960,768,256,128,8} > "$OUT/profile.md" 2>&1
   summary+=("profile: rc=$?")
   head -40 "$OUT/profile.md"
+fi
+if want ncu; then  # Nsight Compute on the named kernels of one fwd+bwd through moeblaze.torch
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 timeout 400 ncu --kernel-name "regex:${NCU_KERNELS:-route_tokens|router_backward|loss_partials}" \
+    --launch-count ${NCU_COUNT:-3} --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    python3 perf/side_by_side.py --profile ${PROFILE_CONFIG:-40960,768,256,128,8} > "$OUT/ncu.txt" 2>&1
+  summary+=("ncu: rc=$?")
+  grep -E '^  [a-z_].*\(|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Memory Throughput|Compute \(SM\) Throughput|Warp Cycles Per Issued|Stall|One or More|Executed Ipc A' "$OUT/ncu.txt" | head -80
 fi
 if want bench; then
   build-gpu/perf/moeblaze-bench --json "$OUT/bench.jsonl" > "$OUT/bench.md" 2>&1

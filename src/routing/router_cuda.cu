@@ -112,19 +112,36 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
 }
 
 // partial[c * E + e] = sum of scores of expert e over token chunk c; partial_lse[c] = sum lse^2.
+// A block is kLossExperts experts x kLossRows token rows: row r sums the chunk's tokens r,
+// r + kLossRows, ..., and the rows' sums are added in row order (fixed: deterministic). Warp 0
+// sums lse^2 over the chunk the same way, lane by lane, then by a fixed butterfly.
+constexpr int kLossExperts = 128, kLossRows = 8;
 __global__ void loss_partials_kernel(ScoreFn fn, const float* logits, const float* lse, int64_t L, int64_t E,
                                      float* partial, float* partial_lse) {
+  __shared__ float rows[kLossRows][kLossExperts];
   const int64_t c = blockIdx.x;
   const int64_t t0 = c * kLossChunkCuda, t1 = min(L, t0 + kLossChunkCuda);
-  for (int64_t e = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < E; e += gridDim.y * static_cast<int64_t>(blockDim.x)) {
+  const int tx = threadIdx.x % kLossExperts, ty = threadIdx.x / kLossExperts;
+  for (int64_t e0 = blockIdx.y * static_cast<int64_t>(kLossExperts); e0 < E; e0 += gridDim.y * static_cast<int64_t>(kLossExperts)) {
+    const int64_t e = e0 + tx;
     float s = 0.f;
-    for (int64_t t = t0; t < t1; ++t) s += score(fn, logits[t * E + e], lse[t]);
-    partial[c * E + e] = s;
+    if (e < E)
+      for (int64_t t = t0 + ty; t < t1; t += kLossRows) s += score(fn, logits[t * E + e], lse[t]);
+    rows[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && e < E) {
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < kLossRows; ++r) sum += rows[r][tx];
+      partial[c * E + e] = sum;
+    }
+    __syncthreads();
   }
-  if (blockIdx.y == 0 && threadIdx.x == 0) {
+  if (blockIdx.y == 0 && threadIdx.x < 32) {
     float z = 0.f;
-    for (int64_t t = t0; t < t1; ++t) z += lse[t] * lse[t];
-    partial_lse[c] = z;
+    for (int64_t t = t0 + threadIdx.x; t < t1; t += 32) z += lse[t] * lse[t];
+    for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+    if (threadIdx.x == 0) partial_lse[c] = z;
   }
 }
 
@@ -331,8 +348,8 @@ void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float
   float* partial = scratch;
   float* partial_lse = scratch + chunks * E;
   if (chunks > 0) {
-    dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(ceil_div(E, 128), 64)));
-    loss_partials_kernel<<<grid, 128, 0, s>>>(cfg.score_fn, logits, lse, L, E, partial, partial_lse);
+    dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(ceil_div(E, kLossExperts), 64)));
+    loss_partials_kernel<<<grid, kLossExperts * kLossRows, 0, s>>>(cfg.score_fn, logits, lse, L, E, partial, partial_lse);
     MOEBLAZE_CUDA_LAUNCH_CHECK("loss_partials");
   }
   loss_finish_kernel<<<1, 256, 0, s>>>(cfg.aux_loss_coeff, cfg.z_loss_coeff, L, E, cfg.top_k, chunks, partial,
