@@ -59,13 +59,22 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
   const auto logit = lane_values<kPer>(g, E, [=](int, int64_t e) { return g.live ? row[e] : 0.f; });
   const float lse = group_lse<kPer>(g, E, logit);
   const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
-  const bool writer = g.live && g.sub == 0;
   const int64_t t = g.token;
+  // Pick j is kept by lane j % width of the group (k <= 64 and k <= E, so at most two picks per
+  // lane), and the group writes its k ids and gates at the end as k consecutive stores, with no
+  // re-read of the gates to normalise them.
   float norm = 0.f;
-  auto emit = [&](int64_t j, int best_i, float best) {
-    if (writer) {
-      ids[t * k + j] = best_i;
-      gates[t * k + j] = best;
+  int kept_id[2] = {0, 0};
+  float kept_gate[2] = {0.f, 0.f};
+  auto emit = [&](int j, int best_i, float best) {
+    if ((j & (g.width - 1)) == g.sub) {  // constant indices: the two slots stay in registers
+      if (j < g.width) {
+        kept_id[0] = best_i;
+        kept_gate[0] = best;
+      } else {
+        kept_id[1] = best_i;
+        kept_gate[1] = best;
+      }
     }
     norm += best;
   };
@@ -79,7 +88,7 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
     }
     cand.sort();
     const int base = (threadIdx.x % 32) & ~(g.width - 1);  // the group's first lane
-    for (int64_t j = 0; j < k; ++j) {
+    for (int j = 0; j < static_cast<int>(k); ++j) {
       float best;
       const int best_i = rank_key_id(cand.pop(g.width, base, best));
       emit(j, best_i, best);
@@ -87,7 +96,7 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
   } else {
     float prev = 0.f;  // the previous pick's rank_value
     int prev_i = -1;
-    for (int64_t j = 0; j < k; ++j) {
+    for (int j = 0; j < static_cast<int>(k); ++j) {
       float best = 0.f;  // rank_value
       int best_i = -1;
       for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
@@ -104,11 +113,16 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
       prev_i = best_i;
     }
   }
-  if (writer) {
-    if (normalize)
-      for (int64_t j = 0; j < k; ++j) gates[t * k + j] = gates[t * k + j] / norm;
-    lse_out[t] = lse;
+  if (!g.live) return;
+#pragma unroll
+  for (int second = 0; second < 2; ++second) {
+    const int j = g.sub + second * g.width;
+    if (j < k) {
+      ids[t * k + j] = kept_id[second];
+      gates[t * k + j] = normalize ? kept_gate[second] / norm : kept_gate[second];
+    }
   }
+  if (g.sub == 0) lse_out[t] = lse;
 }
 
 // partial[c * E + e] = sum of scores of expert e over token chunk c; partial_lse[c] = sum lse^2.
