@@ -8,7 +8,8 @@
 # profile: the CUDA kernels of one MoEBlaze fwd+bwd through moeblaze.torch (PROFILE_CONFIG).
 # torch: perf/torch_baselines.py (TORCH_ARGS, e.g. "--configs modern --skip-naive").
 # engines: both CUDA engines (fused, cuBLASLt) on the paper's configs (SiLU, SwiGLU) and the modern
-# ones (SwiGLU), one table per engine and config file (not part of "all": about 6 minutes).
+# ones (SwiGLU), one table per engine and config file (not part of "all": about 6 minutes;
+# ENGINES_ONLY=name,... limits it to those configs).
 # pytorch: the Python binding's tests with torch on the GPU (CUDA autograd, MoELayer on the fused
 # engine under torch.compile and CUDA graphs).
 # example: examples/moe_lm.py in bf16, on the engine AUTO picks and on the fused engine under
@@ -215,6 +216,7 @@ if want engines; then
     for cf in paper modern; do
       acts=swiglu; [ $cf = paper ] && acts=silu,swiglu
       timeout 400 build-gpu/perf/moeblaze-bench --configs $cf --activations $acts --engine $eng --no-check \
+        ${ENGINES_ONLY:+--only $ENGINES_ONLY} \
         > "$OUT/engines-$cf-$eng.md" 2>&1
       summary+=("moeblaze-bench --configs $cf --engine $eng: rc=$?")
     done
