@@ -9,8 +9,9 @@ router GEMM is timed, not counted).
 
   - MoEBlaze: through ``moeblaze.torch.MoE`` (what a PyTorch user calls), engine AUTO;
   - torch._grouped_mm: tokens sorted by expert, torchtitan style, the same router;
-  - SonicMoE: not run here (it needs its own environment: ../shared/peers/run_sonic.sh); its
-    output lines (``sonic T,d,n,E,K fwd_ms bwd_ms fwdbwd_tflops``) are read from --sonic FILE
+  - SonicMoE: not run here (it needs its own environment; scripts/gpu-check.sh sidebyside runs
+    its own benchmark first when a SonicMoE bundle and its run_sonic.sh are carried in .peers/);
+    its output lines (``sonic T,d,n,E,K fwd_ms bwd_ms fwdbwd_tflops``) are read from --sonic FILE
     when given, and must come from the same GPU in the same session.
 
 Every step is timed alone with CUDA events after an L2 flush (as triton's do_bench does); the

@@ -39,10 +39,10 @@ __global__ void gates_to_positions_kernel(const int32_t* map, const float* gates
 }
 
 // One thread per 8 columns (vector path, h % 8 == 0) or per column.
-template <class T, int W>
-__global__ void activation_forward_kernel(Activation a, int64_t P, int64_t h, const T* pre, int64_t ld, T* act) {
+template <class T, int W, Activation A>
+__global__ void activation_forward_kernel(int64_t P, int64_t h, const T* pre, int64_t ld, T* act) {
   const int64_t chunks = h / W;
-  const bool gated = is_gated(a);
+  constexpr bool gated = is_gated(A);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < P * chunks;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t p = i / chunks, c = (i % chunks) * W;
@@ -56,7 +56,7 @@ __global__ void activation_forward_kernel(Activation a, int64_t P, int64_t h, co
       if (gated) b[0] = Elem<T>::load1(row + h + c);
     }
 #pragma unroll
-    for (int q = 0; q < W; ++q) o[q] = gated ? act_fn(a, u[q]) * b[q] : act_fn(a, u[q]);
+    for (int q = 0; q < W; ++q) o[q] = gated ? act_fn<A>(u[q]) * b[q] : act_fn<A>(u[q]);
     if (W == 8) Elem<T>::store8(act + p * h + c, o);
     else Elem<T>::store1(act + p * h + c, o[0]);
   }
@@ -64,8 +64,8 @@ __global__ void activation_forward_kernel(Activation a, int64_t P, int64_t h, co
 
 // One warp per row; lanes take W-column chunks in a fixed order, then a fixed-order shuffle
 // reduction: dg is bitwise reproducible.
-template <class T, int W>
-__global__ void activation_backward_kernel(Activation a, int64_t P, int64_t h, const T* pre, const int32_t* pre_rows,
+template <class T, int W, Activation A>
+__global__ void activation_backward_kernel(int64_t P, int64_t h, const T* pre, const int32_t* pre_rows,
                                            const float* gate, T* dpre, T* gact, float* dg_pos,
                                            const int32_t* rows_done) {
   const int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
@@ -75,7 +75,7 @@ __global__ void activation_backward_kernel(Activation a, int64_t P, int64_t h, c
     if (lane == 0) dg_pos[p] = 0.f;
     return;
   }
-  const bool gated = is_gated(a);
+  constexpr bool gated = is_gated(A);
   const int64_t ld = gated ? 2 * h : h;
   const T* pr = pre + (pre_rows ? static_cast<int64_t>(pre_rows[p]) : p) * ld;
   T* dr = dpre + p * ld;
@@ -95,7 +95,7 @@ __global__ void activation_backward_kernel(Activation a, int64_t P, int64_t h, c
     }
 #pragma unroll
     for (int q = 0; q < W; ++q) {
-      const ActBackward v = act_backward(a, u[q], gated ? b[q] : 0.f, g * da[q]);
+      const ActBackward v = act_backward<A>(u[q], gated ? b[q] : 0.f, g * da[q]);
       const float act = round_as<T>(v.act);
       dot += da[q] * act;
       o1[q] = v.du;
@@ -152,8 +152,11 @@ void activation_forward_cuda(Activation a, DType dt, int64_t P, int64_t h, const
   MOEBLAZE_DISPATCH_FLOAT(dt, T, {
     const T* in = static_cast<const T*>(pre);
     T* out = static_cast<T*>(act);
-    if (vec) activation_forward_kernel<T, 8><<<grid_for(P * h / 8, 256), 256, 0, s>>>(a, P, h, in, ld, out);
-    else activation_forward_kernel<T, 1><<<grid_for(P * h, 256), 256, 0, s>>>(a, P, h, in, ld, out);
+    with_activation(a, [&](auto t) {
+      constexpr Activation A = decltype(t)::value;
+      if (vec) activation_forward_kernel<T, 8, A><<<grid_for(P * h / 8, 256), 256, 0, s>>>(P, h, in, ld, out);
+      else activation_forward_kernel<T, 1, A><<<grid_for(P * h, 256), 256, 0, s>>>(P, h, in, ld, out);
+    });
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("activation_forward");
 }
@@ -166,10 +169,13 @@ void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, cons
   const unsigned blocks = static_cast<unsigned>(ceil_div(P, 8));
   MOEBLAZE_DISPATCH_FLOAT(dt, T, {
     const T* in = static_cast<const T*>(pre);
-    if (vec)
-      activation_backward_kernel<T, 8><<<blocks, 256, 0, s>>>(a, P, h, in, pre_rows, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos, rows_done);
-    else
-      activation_backward_kernel<T, 1><<<blocks, 256, 0, s>>>(a, P, h, in, pre_rows, gate, static_cast<T*>(dpre), static_cast<T*>(gact), dg_pos, rows_done);
+    T* dp = static_cast<T*>(dpre);
+    T* ga = static_cast<T*>(gact);
+    with_activation(a, [&](auto t) {
+      constexpr Activation A = decltype(t)::value;
+      if (vec) activation_backward_kernel<T, 8, A><<<blocks, 256, 0, s>>>(P, h, in, pre_rows, gate, dp, ga, dg_pos, rows_done);
+      else activation_backward_kernel<T, 1, A><<<blocks, 256, 0, s>>>(P, h, in, pre_rows, gate, dp, ga, dg_pos, rows_done);
+    });
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("activation_backward");
 }

@@ -129,9 +129,9 @@ __device__ __forceinline__ float2 act_of(uint32_t gate, uint32_t up) {
   const float2 u = Elem<T>::unpack2(gate);
   if constexpr (Gated) {
     const float2 b = Elem<T>::unpack2(up);
-    return make_float2(act_fn(A, u.x) * b.x, act_fn(A, u.y) * b.y);
+    return make_float2(act_fn<A>(u.x) * b.x, act_fn<A>(u.y) * b.y);
   } else {
-    return make_float2(act_fn(A, u.x), act_fn(A, u.y));
+    return make_float2(act_fn<A>(u.x), act_fn<A>(u.y));
   }
 }
 template <class T, int BN, Activation A, bool Gated>
@@ -236,11 +236,8 @@ __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, 
     else epilogue_activation_as<T, BN, A, G>(p, e, tc, frag, acc);
   };
   with_flag(p.gated != 0, [&](auto g) {
-    switch (e.activation) {  // act_fn's three nonlinearities
-      case Activation::kRelu: run(std::integral_constant<Activation, Activation::kRelu>{}, g); break;
-      case Activation::kGelu: case Activation::kGeglu: run(std::integral_constant<Activation, Activation::kGelu>{}, g); break;
-      default: run(std::integral_constant<Activation, Activation::kSilu>{}, g); break;
-    }
+    // The three nonlinearities: gating is the flag g.
+    with_activation(e.activation, [&](auto a) { run(ActTag<Nonlinearity<decltype(a)::value>::kPlain>{}, g); });
   });
 }
 

@@ -77,7 +77,7 @@ struct BackwardPair {
     const float2 da = Elem<T>::unpack2(Elem<T>::pack2(a0, a1));  // dact in the dtype, as the separate pass reads it
     const float2 u = Elem<T>::unpack2(pre);
     const float2 b = is_gated(A) ? Elem<T>::unpack2(up) : make_float2(0.f, 0.f);
-    const ActBackward v0 = act_backward(A, u.x, b.x, g * da.x), v1 = act_backward(A, u.y, b.y, g * da.y);
+    const ActBackward v0 = act_backward<A>(u.x, b.x, g * da.x), v1 = act_backward<A>(u.y, b.y, g * da.y);
     const float2 act = Elem<T>::unpack2(Elem<T>::pack2(v0.act, v1.act));
     dpre[0] = Elem<T>::pack2(v0.du, v1.du);
     dpre[1] = is_gated(A) ? Elem<T>::pack2(v0.db, v1.db) : 0u;
@@ -234,23 +234,9 @@ __device__ __forceinline__ void act_backward_fragment(const GroupedGemmParams& p
                                                       const EpilogueMaps& maps, TileStore& ts, const StageRing<S>& ring,
                                                       uint32_t& it, const TileCoord& tc, int frag,
                                                       const RowScales& gate, const float (&acc)[BN / 2]) {
-  switch (e.activation) {
-    case Activation::kRelu:
-      act_backward_fragment_as<T, Activation::kRelu, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);
-      break;
-    case Activation::kSwiglu:
-      act_backward_fragment_as<T, Activation::kSwiglu, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);
-      break;
-    case Activation::kGeglu:
-      act_backward_fragment_as<T, Activation::kGeglu, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);
-      break;
-    case Activation::kGelu:
-      act_backward_fragment_as<T, Activation::kGelu, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);
-      break;
-    default:
-      act_backward_fragment_as<T, Activation::kSilu, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);
-      break;
-  }
+  with_activation(e.activation, [&](auto a) {
+    act_backward_fragment_as<T, decltype(a)::value, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);
+  });
 }
 
 }  // namespace sm90
