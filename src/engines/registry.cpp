@@ -7,6 +7,7 @@
 
 #include "core/engine.hpp"
 #include "cuda/device.hpp"
+#include "gemm/sm90/heuristics.hpp"
 #include "util/error.hpp"
 
 namespace moeblaze {
@@ -31,12 +32,10 @@ const char* fused_refuses(const LayerConfig& cfg, const cuda::DeviceInfo* info) 
   return fused_engine_refuses(cfg, info ? info->sm_major : 0);
 }
 
-// AUTO takes the fused engine where it was measured at least as fast as cuBLASLt (H100, bf16
-// fwd+bwd, both engines in one session, perf/RESULTS.md): every layer with
-// ffn_hidden <= 8192 that was benchmarked, from the coarse conf4 (E = 16, h = 8192: 0.98-1.02x)
-// and conf2 (E = 8: 0.99-1.09x) to the fine-grained ones (up to 2.6x at n = 256). Wider experts
-// (Mixtral's h = 14,336: 0.95x) keep cuBLASLt.
-bool fused_auto(const LayerConfig& cfg) { return cfg.ffn_hidden <= 8192; }
+// AUTO's choice between the CUDA engines is a measured rule (gemm/sm90/heuristics.hpp).
+bool fused_auto(const LayerConfig& cfg) {
+  return gemm::sm90::fused_engine_auto(cfg.hidden, cfg.ffn_hidden, cfg.num_experts, cfg.top_k);
+}
 bool always(const LayerConfig&) { return true; }
 
 const char* cublaslt_refuses(const LayerConfig& cfg, const cuda::DeviceInfo*) {

@@ -1071,7 +1071,7 @@ int main(void) {
    * span several windows (weight gradients summed across them, saved pre read at the call's
    * positions). fused-pregather runs those windows with the backward's copy of dy and x rows into
    * expert order (MOEBLAZE_FUSED_PREGATHER=always, read when a handle is created), which the
-   * rule keeps for experts wider than these tests' (engines/fused/pregather.hpp). */
+   * rule keeps for experts wider than these tests' (gemm/sm90/heuristics.hpp). */
   static const struct { int64_t engine, window; const char* name; int pregather; } engines[] = {
       {MOEBLAZE_ENGINE_CUDA_CUBLASLT, 0, "cublaslt", 0},
       {MOEBLAZE_ENGINE_CUDA_FUSED, 0, "fused", 0},

@@ -285,7 +285,7 @@ void windowed_sums(void**) {
 }
 
 // Both operands in expert order, both by TMA (the fused engine's backward on a copy of dy's or
-// x's rows, engines/fused/pregather.hpp): whole k-blocks by TMA and each expert's last, partial
+// x's rows, gemm/sm90/heuristics.hpp): whole k-blocks by TMA and each expert's last, partial
 // block by cp.async; tails, skew with empty experts, transposed, accumulate, windowed sums.
 void both_in_expert_order(void**) {
   uint64_t seed = 601;

@@ -51,7 +51,7 @@ void coarse_layers_run_one_window(void**) {
     assert_int_equal(conf4.tokens, 32768);
   }
   // conf4 SwiGLU's one window holds ~7 GiB of rows: no more than the cap
-  assert_true(row_bytes(layer(16, 4, 2048, 8192, Activation::kSwiglu), 32768) <= moeblaze::kFusedOneWindowBytes);
+  assert_true(row_bytes(layer(16, 4, 2048, 8192, Activation::kSwiglu), 32768) <= moeblaze::gemm::sm90::kOneWindowBytes);
 }
 
 void large_calls_keep_budget_windows(void**) {
@@ -61,8 +61,8 @@ void large_calls_keep_budget_windows(void**) {
     const FusedWindows w = moeblaze::fused_windows(c, L);
     const int64_t per_token = moeblaze::fused_window_bytes_per_token(c);
     assert_true(w.count > 1);
-    assert_int_equal(w.tokens, std::max(moeblaze::kFusedMinWindowTokens, moeblaze::kFusedWindowBudgetBytes / per_token));
-    assert_true(row_bytes(c, w.tokens) <= moeblaze::kFusedWindowBudgetBytes);
+    assert_int_equal(w.tokens, std::max(moeblaze::gemm::sm90::kMinWindowTokens, moeblaze::gemm::sm90::kWindowBudgetBytes / per_token));
+    assert_true(row_bytes(c, w.tokens) <= moeblaze::gemm::sm90::kWindowBudgetBytes);
     assert_int_equal(w.count, (L + w.tokens - 1) / w.tokens);
   }
 }
@@ -72,14 +72,14 @@ void rows_bounded_independently_of_l(void**) {
                                 layer(4, 1, 512, 2048, Activation::kSilu),
                                 layer(64, 8, 2048, 1024, Activation::kGelu, SavePolicy::kRecomputeUp)};
   for (const LayerConfig& c : layers) {
-    const int64_t bound = std::max(moeblaze::kFusedOneWindowBytes,
-                                   moeblaze::kFusedWindowBudgetBytes + moeblaze::fused_weight_grad_sum_bytes(c));
+    const int64_t bound = std::max(moeblaze::gemm::sm90::kOneWindowBytes,
+                                   moeblaze::gemm::sm90::kWindowBudgetBytes + moeblaze::fused_weight_grad_sum_bytes(c));
     for (int64_t L = 1; L <= (int64_t{1} << 26); L = L * 3 / 2 + 1) {
       const FusedWindows w = moeblaze::fused_windows(c, L);
       assert_true(w.tokens >= 1 && w.tokens <= L);
       assert_int_equal(w.count, (L + w.tokens - 1) / w.tokens);
       // a window never holds more rows than the bound (the minimum window aside)
-      if (w.tokens > moeblaze::kFusedMinWindowTokens) assert_true(row_bytes(c, w.tokens) <= bound);
+      if (w.tokens > moeblaze::gemm::sm90::kMinWindowTokens) assert_true(row_bytes(c, w.tokens) <= bound);
     }
   }
 }

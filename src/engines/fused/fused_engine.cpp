@@ -11,14 +11,13 @@
 //             varlen-K weight gradients gathering x and dy (summed over the windows in fp32,
 //             rounded once); dx GEMM; router backward of the window's tokens; combine.
 //             Wide experts copy dy's and x's rows into expert order first, so that these GEMMs
-//             read them by TMA (engines/fused/pregather.hpp).
+//             read them by TMA (the rule: gemm/sm90/heuristics.hpp).
 // Nothing synchronises the host and nothing allocates: every call can be captured in a CUDA
 // graph. Bad caller ids and saved buffers that fail their checks are found on the device; the
 // call then fills its outputs with NaN and reports through STATUS (docs/errors.md).
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -31,7 +30,6 @@
 #include "cuda/device_guard.hpp"
 #include "cuda/saved_header_cuda.hpp"
 #include "engines/cuda_router.hpp"
-#include "engines/fused/pregather.hpp"
 #include "engines/fused/window.hpp"
 #include "experts/expert_cuda.hpp"
 #include "gemm/cublaslt.hpp"
@@ -128,13 +126,7 @@ class FusedEngine final : public Engine {
     cuda::DeviceGuard guard(cfg_.device_id);
     gemm_ = std::make_unique<gemm::CublasLtGemm>();
     router_ = std::make_unique<CudaRouter>(cfg_, *gemm_);
-    // MOEBLAZE_FUSED_PREGATHER=always|never overrides the rule (a measurement and test knob,
-    // perf/NOTES.md; not part of the API), read once per handle.
-    pregather_ = fused_pregather_pays(cfg_);
-    if (const char* v = std::getenv("MOEBLAZE_FUSED_PREGATHER")) {
-      if (!std::strcmp(v, "always")) pregather_ = true;
-      if (!std::strcmp(v, "never")) pregather_ = false;
-    }
+    pregather_ = gemm::sm90::pregather(cfg_.gate_up_cols(), cfg_.ffn_hidden);
   }
   EngineKind kind() const override { return EngineKind::kCudaFused; }
   size_t workspace_size(Pass pass, int64_t L) const override { return carve(pass, L, nullptr).bytes; }
@@ -175,7 +167,7 @@ class FusedEngine final : public Engine {
   LayerConfig cfg_;
   std::unique_ptr<gemm::CublasLtGemm> gemm_;  // the router's logits GEMM
   std::unique_ptr<CudaRouter> router_;
-  bool pregather_ = false;  // the backward copies dy and x rows into expert order (pregather.hpp)
+  bool pregather_ = false;  // the backward copies dy and x rows into expert order (gemm/sm90/heuristics.hpp)
 };
 
 FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
@@ -292,7 +284,7 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   sm90::GroupedGemmParams up = up_gemm(a, win.token);
   const sm90::EpilogueParams up_epi = activation_epilogue(w.pre, nullptr, nullptr, nullptr, 0);
   // The rows of dy or x at the window's positions: gathered through its tokens, or, with the
-  // copy (pregather.hpp), in expert order in dx_part (free until the dx GEMM), read by TMA.
+  // copy (gemm/sm90/heuristics.hpp), in expert order in dx_part (free until the dx GEMM), read by TMA.
   const int64_t W = w.windows.tokens * k;
   struct PositionRows {
     const void* data;

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/config.hpp"
+#include "gemm/sm90/heuristics.hpp"
 #include "gemm/sm90/tile_config.hpp"
 #include "util/align.hpp"
 #include "util/dtype.hpp"
@@ -15,23 +16,14 @@
 namespace moeblaze {
 inline namespace v0 {
 
-// The automatic window keeps a backward window's row buffers near this many bytes.
-constexpr int64_t kFusedWindowBudgetBytes = int64_t{2} << 30;
-// ... and never below this many tokens (smaller windows starve the GEMMs of rows).
-constexpr int64_t kFusedMinWindowTokens = 1024;
-// A call whose rows fit one window of at most this many bytes runs as one window: windows cost
-// 3-9% of a coarse layer's step (per-window GEMM tails and launches, the fp32 weight-gradient
-// sums; perf/NOTES.md), and below this size the bound they buy is not needed. Larger
-// calls (where the token capacity is decided) keep the 2 GiB windows.
-constexpr int64_t kFusedOneWindowBytes = int64_t{8} << 30;
-
 // dg per position: fp32 partial sums, one per column block of the dact GEMM's activation
 // backward (gemm/sm90/tile_config.hpp).
 inline int64_t fused_dg_parts(const LayerConfig& cfg) { return gemm::sm90::act_backward_dg_parts(cfg.ffn_hidden); }
 
 // Bytes of a backward window's row buffers per token: recomputed pre (RECOMPUTE_UP), g * act,
 // dpre, the dx parts and the dg partial sums per position, the window plan, and the router
-// backward's fp32 x and dx rows.
+// backward's fp32 dx rows and a second fp32 row (its x rows in fp32, or, bf16 layers, the
+// smaller bf16 d-logit pairs when E <= d).
 inline int64_t fused_window_bytes_per_token(const LayerConfig& cfg) {
   const int64_t es = static_cast<int64_t>(dtype_size(cfg.act_dtype)), gh = cfg.gate_up_cols();
   const int64_t rows = cfg.ffn_hidden + gh + cfg.hidden + (cfg.save_policy == SavePolicy::kRecomputeUp ? gh : 0);
@@ -49,15 +41,15 @@ inline int64_t fused_weight_grad_sum_bytes(const LayerConfig& cfg) {
 }
 
 // WINDOW_TOKENS when set; else windows of the budget, unless one window of the whole call
-// needs no more than kFusedOneWindowBytes, or no more than those windows plus the fp32 sums they
-// bring. Either way the row buffers stay below max(kFusedOneWindowBytes, budget + sums), a
+// needs no more than gemm::sm90::kOneWindowBytes, or no more than those windows plus the fp32 sums they
+// bring. Either way the row buffers stay below max(gemm::sm90::kOneWindowBytes, budget + sums), a
 // bound independent of L.
 inline FusedWindows fused_windows(const LayerConfig& cfg, int64_t L) {
   int64_t w = cfg.window_tokens;
   if (w == 0) {
     const int64_t per_token = fused_window_bytes_per_token(cfg);
-    w = std::max(kFusedMinWindowTokens, kFusedWindowBudgetBytes / per_token);
-    if (L * per_token <= std::max(kFusedOneWindowBytes, w * per_token + fused_weight_grad_sum_bytes(cfg))) w = L;
+    w = std::max(gemm::sm90::kMinWindowTokens, gemm::sm90::kWindowBudgetBytes / per_token);
+    if (L * per_token <= std::max(gemm::sm90::kOneWindowBytes, w * per_token + fused_weight_grad_sum_bytes(cfg))) w = L;
   }
   w = std::max<int64_t>(1, std::min(w, L));
   return {w, std::max<int64_t>(1, ceil_div(L, w))};

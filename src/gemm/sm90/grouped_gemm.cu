@@ -5,8 +5,6 @@
 namespace cubw = CUB_NS_QUALIFIER;
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda/cuda_check.hpp"
 #include "gemm/sm90/epilogue.cuh"
@@ -193,15 +191,8 @@ EpilogueMaps epilogue_maps(DType dt, const GroupedGemmParams& p, const EpilogueP
   return m;
 }
 
-// A in expert order goes by TMA (unsupported_reason has checked the alignment TMA needs),
-// unless MOEBLAZE_SM90_A_LOAD=cp.async (a measurement knob, perf/NOTES.md, not part of the API).
-bool a_by_tma(const GroupedGemmParams& p) {
-  static const bool allowed = [] {
-    const char* v = std::getenv("MOEBLAZE_SM90_A_LOAD");
-    return !(v && !std::strcmp(v, "cp.async"));
-  }();
-  return allowed && !p.a_index && p.a_rows > 0;
-}
+// A in expert order goes by TMA (unsupported_reason has checked the alignment TMA needs).
+bool a_by_tma(const GroupedGemmParams& p) { return a_by_tma_allowed() && !p.a_index && p.a_rows > 0; }
 
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 void launch(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
@@ -242,16 +233,6 @@ void dispatch(const KernelChoice& kc, const GroupedGemmParams& p, const Epilogue
   else dispatch_major<T, 128, false>(p, e, s);
 }
 
-// MOEBLAZE_SM90_RASTER=<row blocks> overrides the raster group (0: a whole expert, the
-// earlier order): a measurement knob (perf/NOTES.md), not part of the API.
-int32_t raster_group() {
-  static const int32_t group = [] {
-    const char* v = std::getenv("MOEBLAZE_SM90_RASTER");
-    return v && *v ? static_cast<int32_t>(std::max(0L, std::strtol(v, nullptr, 10))) : kRasterRowBlocks;
-  }();
-  return group;
-}
-
 }  // namespace
 
 size_t schedule_bytes(int64_t num_experts) { return 2 * align_up(sizeof(int32_t) * (num_experts + 1), 256); }
@@ -276,6 +257,11 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
   if (p.k <= 0 || p.n <= 0 || p.k % 8 || p.n % 8 || p.lda % 8 || p.ldb % 8)
     return "K and N must be positive multiples of 8, and the operands' leading dimensions multiples of 8";
   if (!aligned16(p.a) || !aligned16(p.b)) return "operands must be 16-byte aligned";
+  // The weights' TMA map (tensor_map.cpp): every stride a multiple of 16 bytes below 2^40.
+  const int64_t es = static_cast<int64_t>(dtype_size(dt)), max_stride = int64_t{1} << 40;
+  if (p.b_expert_stride % 8 || p.b_expert_stride < 0 || p.b_expert_stride * es >= max_stride ||
+      p.ldb * es >= max_stride || p.lda * es >= max_stride)
+    return "the weights' expert stride must be a non-negative multiple of 8 elements, and every stride below 2^40 bytes";
   if (p.gated && e.kind != EpilogueKind::kActivation) return "gated tiles pair columns for the activation epilogue only";
   if (e.kind == EpilogueKind::kStore && (e.ldc % 2 || reinterpret_cast<uintptr_t>(e.c) % 4))
     return "the output's leading dimension must be even and the output 4-byte aligned";
@@ -297,40 +283,6 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
        reinterpret_cast<uintptr_t>(e.pre) % 4))
     return "the activation outputs' leading dimensions must be even and the outputs 4-byte aligned";
   return nullptr;
-}
-
-// MOEBLAZE_SM90_SCHEDULE=cooperative|pingpong overrides the automatic choice: a tuning and
-// measurement knob (perf/NOTES.md), not part of the API.
-ConsumerSchedule schedule_override() {
-  static const ConsumerSchedule forced = [] {
-    const char* v = std::getenv("MOEBLAZE_SM90_SCHEDULE");
-    if (v && !std::strcmp(v, "cooperative")) return ConsumerSchedule::kCooperative;
-    if (v && !std::strcmp(v, "pingpong")) return ConsumerSchedule::kPingPong;
-    return ConsumerSchedule::kAuto;
-  }();
-  return forced;
-}
-
-KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc) {
-  // The activation backward: cooperative tiles only (its pre stages follow each tile's k-blocks).
-  if (epilogue == EpilogueKind::kActivationBackward) return {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative};
-  if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
-  // Measured (perf/NOTES.md): ping-pong won on the short-K store epilogues (the
-  // fine-grained down GEMMs, K = 256..768) only while the cooperative tile's epilogue stalled its
-  // MMAs; since that epilogue drains by TMA under the next tile, the cooperative
-  // 128 x 256 tile's higher reuse wins there too (engine fwd+bwd 1.5-6% faster at n = 256..768).
-  if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = ConsumerSchedule::kCooperative;
-  if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;
-  if (kc.block_n == 0) kc.block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
-  return kc;
-}
-
-bool act_backward_in_epilogue(const GroupedGemmParams& dact, bool gated) {
-  static const int forced = [] {  // 0: by the rule, 1: epilogue, -1: separate
-    const char* v = std::getenv("MOEBLAZE_SM90_ACT_BACKWARD");
-    return v && !std::strcmp(v, "separate") ? -1 : v && !std::strcmp(v, "epilogue") ? 1 : 0;
-  }();
-  return forced ? forced > 0 : dact.k <= (dact.a_index ? 1024 : 2048) && (!gated || dact.n >= 2048);
 }
 
 void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s) {

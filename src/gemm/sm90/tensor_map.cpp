@@ -111,23 +111,6 @@ bool expert_matrices_tensor_map(DType dt, void* data, int64_t experts, int64_t r
   return try_encode(dt, data, 3, dims, strides, box, out) == CUDA_SUCCESS;
 }
 
-bool staged_epilogue_allowed() {
-  static const bool allowed = [] {
-    const char* v = std::getenv("MOEBLAZE_SM90_EPILOGUE");
-    const char* init = std::getenv("MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS");
-    return !(v && !std::strcmp(v, "registers")) && !(init && !std::strcmp(init, "1"));
-  }();
-  return allowed;
-}
-
-bool deferred_epilogue_allowed() {
-  static const bool allowed = [] {
-    const char* v = std::getenv("MOEBLAZE_SM90_EPILOGUE");
-    return !(v && !std::strcmp(v, "staged"));
-  }();
-  return allowed;
-}
-
 }  // namespace sm90
 }  // namespace gemm
 }  // namespace v0

@@ -33,17 +33,6 @@ bool output_tensor_map(DType dt, void* data, int64_t rows, int64_t cols, int hal
 bool expert_matrices_tensor_map(DType dt, void* data, int64_t experts, int64_t rows, int64_t cols, int64_t ld,
                                 int64_t expert_stride, TmaDescriptor* out);
 
-// Whether the epilogues may stage full tiles to TMA stores: yes, unless
-// MOEBLAZE_SM90_EPILOGUE=registers (a measurement knob, perf/NOTES.md, not part of the API) or
-// MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS=1 (compute-sanitizer's initcheck does not see TMA bulk
-// stores, gemm/cublaslt.hpp; under it every output is stored from registers). Read once.
-bool staged_epilogue_allowed();
-
-// Whether the cooperative store epilogue may defer its staging into the next tile's mainloop
-// (gemm/sm90/epilogue_deferred.cuh): yes, unless MOEBLAZE_SM90_EPILOGUE=staged (the step-8
-// epilogue, a measurement knob). Read once.
-bool deferred_epilogue_allowed();
-
 }  // namespace sm90
 }  // namespace gemm
 }  // namespace v0

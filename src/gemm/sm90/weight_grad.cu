@@ -1,6 +1,7 @@
 // The sm_90a weight-gradient GEMM: the grouped GEMM's ring, consumers and register split, with
 // the varlen-K producer (mainloop_k.cuh) and the weight-gradient epilogue. Compiled for sm_90a only.
 #include "gemm/sm90/epilogue.cuh"
+#include "gemm/sm90/heuristics.hpp"
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/mainloop_k.cuh"
 #include "gemm/sm90/tensor_map.hpp"
@@ -95,6 +96,9 @@ const char* weight_grad_unsupported_reason(DType dt, const WeightGradParams& p) 
   if (p.m <= 0 || p.n <= 0 || p.m % 8 || p.n % 8 || p.lda % 8 || p.ldb % 8)
     return "the gradient's rows and columns and the operands' leading dimensions must be multiples of 8";
   if (!aligned16(p.a) || !aligned16(p.b)) return "operands must be 16-byte aligned";
+  const int64_t es = static_cast<int64_t>(dtype_size(dt)), max_stride = int64_t{1} << 40;
+  if (p.lda * es >= max_stride || p.ldb * es >= max_stride)  // the operands' TMA maps (tensor_map.cpp)
+    return "the operands' leading dimensions must stay below 2^40 bytes";
   if (p.ldc % 2 || p.c_expert_stride % 2 || reinterpret_cast<uintptr_t>(p.c) % 4)
     return "the gradient's strides must be even and the gradient 4-byte aligned";
   if (p.acc32 && reinterpret_cast<uintptr_t>(p.acc32) % 8) return "the fp32 partial sums must be 8-byte aligned";

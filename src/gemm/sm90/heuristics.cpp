@@ -1,0 +1,90 @@
+#include "gemm/sm90/heuristics.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+namespace moeblaze {
+inline namespace v0 {
+namespace gemm {
+namespace sm90 {
+namespace {
+
+// The value of an environment knob, or "" (read once by each caller's static).
+const char* knob(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+}  // namespace
+
+// Both engines in one H100 session, bf16 fwd+bwd (perf/RESULTS.md): the fused engine was at
+// least as fast on every benchmarked layer with ffn_hidden <= 8192, from the coarse conf4
+// (E = 16, h = 8192: 0.98-1.02x) and conf2 (E = 8: 0.99-1.09x) to the fine-grained ones (up to
+// 2.6x at n = 256); wider experts (Mixtral's h = 14,336: 0.95x) keep cuBLASLt.
+bool fused_engine_auto(int64_t, int64_t ffn_hidden, int64_t, int64_t) { return ffn_hidden <= 8192; }
+
+bool pregather(int64_t gate_up_cols, int64_t ffn_hidden) {
+  static const int forced = [] {  // 0: by the rule, 1: always, -1: never
+    const char* v = knob("MOEBLAZE_FUSED_PREGATHER");
+    return !std::strcmp(v, "always") ? 1 : !std::strcmp(v, "never") ? -1 : 0;
+  }();
+  return forced ? forced > 0 : gate_up_cols + ffn_hidden >= 4608;
+}
+
+static ConsumerSchedule schedule_override() {
+  static const ConsumerSchedule forced = [] {
+    const char* v = knob("MOEBLAZE_SM90_SCHEDULE");
+    if (!std::strcmp(v, "cooperative")) return ConsumerSchedule::kCooperative;
+    if (!std::strcmp(v, "pingpong")) return ConsumerSchedule::kPingPong;
+    return ConsumerSchedule::kAuto;
+  }();
+  return forced;
+}
+
+KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc) {
+  // The activation backward: cooperative tiles only (its pre stages follow each tile's k-blocks).
+  if (epilogue == EpilogueKind::kActivationBackward) return {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative};
+  if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
+  if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = ConsumerSchedule::kCooperative;
+  if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;
+  if (kc.block_n == 0) kc.block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
+  return kc;
+}
+
+bool act_backward_in_epilogue(const GroupedGemmParams& dact, bool gated) {
+  static const int forced = [] {  // 0: by the rule, 1: epilogue, -1: separate
+    const char* v = knob("MOEBLAZE_SM90_ACT_BACKWARD");
+    return !std::strcmp(v, "separate") ? -1 : !std::strcmp(v, "epilogue") ? 1 : 0;
+  }();
+  return forced ? forced > 0 : dact.k <= (dact.a_index ? 1024 : 2048) && (!gated || dact.n >= 2048);
+}
+
+int32_t raster_group() {
+  static const int32_t group = [] {
+    const char* v = knob("MOEBLAZE_SM90_RASTER");
+    return *v ? static_cast<int32_t>(std::max(0L, std::strtol(v, nullptr, 10))) : kRasterRowBlocks;
+  }();
+  return group;
+}
+
+bool a_by_tma_allowed() {
+  static const bool allowed = std::strcmp(knob("MOEBLAZE_SM90_A_LOAD"), "cp.async") != 0;
+  return allowed;
+}
+
+bool staged_epilogue_allowed() {
+  static const bool allowed = std::strcmp(knob("MOEBLAZE_SM90_EPILOGUE"), "registers") != 0 &&
+                              std::strcmp(knob("MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS"), "1") != 0;
+  return allowed;
+}
+
+bool deferred_epilogue_allowed() {
+  static const bool allowed = std::strcmp(knob("MOEBLAZE_SM90_EPILOGUE"), "staged") != 0;
+  return allowed;
+}
+
+}  // namespace sm90
+}  // namespace gemm
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,96 @@
+// Every tuning and engine-choice rule of the sm_90a path in one place, each with the
+// measurement it rests on (perf/NOTES.md), and the environment knobs that override them (read
+// once per process; docs/integration.md lists them). Host code on plain values: the kernels see
+// only what these rules decide, through their parameter structs.
+#pragma once
+
+#include <cstdint>
+
+#include "gemm/sm90/params.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace gemm {
+namespace sm90 {
+
+// ---- engine choice -------------------------------------------------------------------------
+
+// Whether AUTO takes the fused engine over cuBLASLt for a layer it can serve (both engines
+// measured in one session on the H100, bf16 fwd+bwd).
+bool fused_engine_auto(int64_t hidden, int64_t ffn_hidden, int64_t num_experts, int64_t top_k);
+
+// ---- the fused engine's token windows ------------------------------------------------------
+
+// The automatic window keeps a backward window's row buffers near this many bytes,
+constexpr int64_t kWindowBudgetBytes = int64_t{2} << 30;
+// never below this many tokens (smaller windows starve the GEMMs of rows),
+constexpr int64_t kMinWindowTokens = 1024;
+// and a call whose rows fit one window of at most this many bytes runs as one window: windows
+// cost 3-9% of a coarse layer's step (per-window GEMM tails and launches, the fp32
+// weight-gradient sums), and below this size the bound they buy is not needed.
+constexpr int64_t kOneWindowBytes = int64_t{8} << 30;
+
+// ---- the backward's copy of dy and x into expert order -------------------------------------
+
+// Whether the backward copies dy's and x's rows into expert order once per window, into the
+// window's dx-parts buffer (free until the dx GEMM, so no workspace is added): dy's rows then
+// feed the dact GEMM and dW_down, x's rows dW_gate_up, each by TMA instead of the producer's
+// 16-byte cp.async gathers, which hold the weight gradients to ~78% of a dense GEMM against
+// ~92% on an expert-order copy. The copy moves 2 d bytes per position and tensor twice; the
+// weight gradients it speeds up do 2 d (g h + h) FLOPs per position, so it pays from
+// g h + h ~ 4,600 weight-gradient columns. Measured: -3 to -7% fwd+bwd at g h + h =
+// 6,144-43,008, +2.5% at 3,072. MOEBLAZE_FUSED_PREGATHER=always|never overrides it.
+bool pregather(int64_t gate_up_cols, int64_t ffn_hidden);
+
+// ---- the grouped GEMM ----------------------------------------------------------------------
+
+// How the two consumer warpgroups share the work (grouped_gemm.cu): both on every 128 x BN tile
+// (cooperative), or each on its own 128 x 128 tiles, alternating their MMAs so that one's
+// epilogue overlaps the other's MMAs (ping-pong).
+enum class ConsumerSchedule : int32_t { kAuto = 0, kCooperative = 1, kPingPong = 2 };
+
+struct KernelChoice {
+  int block_n = 0;  // cooperative: 128 or 256 (0: choose from n); ping-pong: 128
+  ConsumerSchedule schedule = ConsumerSchedule::kAuto;
+};
+
+// The kernel a choice resolves to for these parameters and epilogue (every field set).
+// Cooperative 128 x 256 tiles wherever the output has 256 columns: ping-pong won on the short-K
+// store epilogues (the fine-grained down GEMMs, K = 256..768) only while the cooperative tile's
+// epilogue stalled its MMAs; with that epilogue drained by TMA under the next tile, the larger
+// tile's reuse wins there too (fwd+bwd 1.5-6% faster at n = 256..768).
+// MOEBLAZE_SM90_SCHEDULE=cooperative|pingpong overrides the schedule.
+KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc);
+
+// Whether the dact GEMM (K = d, n = h) carries the activation backward in its epilogue
+// (EpilogueKind::kActivationBackward, when unsupported_reason allows it) rather than leave it to
+// a separate pass: for K <= 1024, or K <= 2048 when dy comes in expert order (by TMA); gated
+// activations only from h = 2048. Measured: with dy gathered, dropping the pass wins at
+// K = 512 and evens out at K = 1024, and the mainloop loses more than the pass costs at
+// K = 1536-2048 and beyond; with dy's rows in expert order it wins at K = 2048 too (fwd+bwd
+// 1.5-3% at conf4 and conf7, SiLU; 1-3% on the paper's SwiGLU layers, h = 2048-8192). A gated
+// tile takes twice the pre stages: at h = 256 (K = 768) they cost more than the pass (1.5%).
+// MOEBLAZE_SM90_ACT_BACKWARD=separate|epilogue forces either.
+bool act_backward_in_epilogue(const GroupedGemmParams& dact, bool gated);
+
+// Row blocks per raster group of the tile order (gemm/grouped_tiles.hpp): 16, so that a wave of
+// the persistent grid keeps both operands' panels in L2. MOEBLAZE_SM90_RASTER=<row blocks>
+// overrides it (0: a whole expert).
+int32_t raster_group();
+
+// A in expert order is loaded by TMA (else by the producer's cp.async, as gathered rows are):
+// MOEBLAZE_SM90_A_LOAD=cp.async turns it off.
+bool a_by_tma_allowed();
+
+// Epilogue stores: staged through shared memory and stored by TMA where the tile allows it, and
+// for the store epilogue deferred under the next tile's MMAs (10-43% faster GEMMs, 7-12% faster
+// fwd+bwd). MOEBLAZE_SM90_EPILOGUE=registers turns staging off, =staged keeps staging without
+// deferring; MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS=1 (a compute-sanitizer initcheck aid) stores
+// from registers too.
+bool staged_epilogue_allowed();
+bool deferred_epilogue_allowed();
+
+}  // namespace sm90
+}  // namespace gemm
+}  // namespace v0
+}  // namespace moeblaze
