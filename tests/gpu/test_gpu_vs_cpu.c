@@ -651,7 +651,7 @@ static void bad_caller_ids_write_nothing(void** state) {
   }
 }
 
-/* AUTO picks the fused engine on sm_90 for bf16/fp16 layers with ffn_hidden <= 8192 (measured at
+/* AUTO picks the fused engine on sm_90 for bf16/fp16 layers with ffn_hidden <= 16384 (measured at
  * least as fast as cuBLASLt there; src/engines/registry.cpp) and cuBLASLt otherwise; an explicit
  * fused request is served on sm_90 for bf16/fp16 layers whose d and h are multiples of 8, and
  * otherwise fails with its reason (AUTO then falls back to cuBLASLt). */
@@ -669,9 +669,10 @@ static void auto_engine_choice(void** state) {
       /* small d */
       {8, 64, 32, tu_bf16, 1, 1},       {8, 64, 32, tu_f16, 1, 1},       {8, 64, 32, tu_f32, 0, 0},
       {8, 36, 32, tu_bf16, 0, 0},       {4, 512, 2048, tu_bf16, 1, 1},   {16, 512, 2056, tu_bf16, 1, 1},
-      /* coarse: up to ffn_hidden 8192 the fused engine; wider experts cuBLASLt */
+      /* coarse: up to ffn_hidden 16384 the fused engine; wider experts cuBLASLt */
       {16, 520, 2048, tu_bf16, 1, 1},   {16, 1024, 4096, tu_bf16, 1, 1}, {8, 2048, 8192, tu_f16, 1, 1},
-      {8, 1024, 8200, tu_bf16, 1, 0},   {8, 512, 14336, tu_bf16, 1, 0},  {8, 512, 14336, tu_f32, 0, 0},
+      {8, 1024, 8200, tu_bf16, 1, 1},   {8, 512, 14336, tu_bf16, 1, 1},  {8, 512, 14336, tu_f32, 0, 0},
+      {4, 512, 16392, tu_bf16, 1, 0},
       {8, 1028, 4096, tu_bf16, 0, 0}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
     tu_layer l = tu_layer_default(cases[i].E, 2, cases[i].d, cases[i].h, 64, MOEBLAZE_ACTIVATION_SWIGLU);

@@ -18,11 +18,13 @@ const char* knob(const char* name) {
 
 }  // namespace
 
-// Both engines in one H100 session, bf16 fwd+bwd (perf/RESULTS.md): the fused engine was at
-// least as fast on every benchmarked layer with ffn_hidden <= 8192, from the coarse conf4
-// (E = 16, h = 8192: 0.98-1.02x) and conf2 (E = 8: 0.99-1.09x) to the fine-grained ones (up to
-// 2.6x at n = 256); wider experts (Mixtral's h = 14,336: 0.95x) keep cuBLASLt.
-bool fused_engine_auto(int64_t, int64_t ffn_hidden, int64_t, int64_t) { return ffn_hidden <= 8192; }
+// Both engines in one H100 session, bf16 fwd+bwd (moeblaze-bench, perf/NOTES.md): the fused
+// engine was the faster on every benchmarked layer, from the coarse conf4 (E = 16, h = 8192:
+// 61.07 vs 62.80 ms SwiGLU) and conf2 to the fine-grained ones (Qwen3-30B-A3B-like 14.29 vs
+// 18.54 ms) and the DeepSeek-V3-like slice (29.76 vs 31.32 ms), up to Mixtral's h = 14,336
+// (51.90 vs 52.01 ms, equal within noise, at a fraction of cuBLASLt's workspace). Wider experts
+// than any measured keep cuBLASLt.
+bool fused_engine_auto(int64_t, int64_t ffn_hidden, int64_t, int64_t) { return ffn_hidden <= 16384; }
 
 bool pregather(int64_t gate_up_cols, int64_t ffn_hidden) {
   static const int forced = [] {  // 0: by the rule, 1: always, -1: never
