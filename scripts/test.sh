@@ -76,10 +76,16 @@ assert moeblaze.get_build_info() == os.environ['EXPECTED_BUILD_INFO'], 'the whee
 print('installed package', here, 'loads', moeblaze.library_path)")
 # PyTorch (from PyPI, ~5 GiB with its CUDA wheels; about 2 minutes) and transformers so that
 # the torch tests (custom operators, torch.compile fullgraph, saved-tensor hooks, the Hugging
-# Face converters and experts backend) run on the CPU engine here instead of skipping.
+# Face converters and experts backend, torchtitan's MoE) run on the CPU engine here instead of
+# skipping.
 # MOEBLAZE_TEST_TORCH=0 leaves them out.
 if [ "${MOEBLAZE_TEST_TORCH:-1}" != 0 ]; then
   build-pip/venv/bin/python -m pip install -q torch numpy transformers > build-pip/torch.log 2>&1 || { tail -20 build-pip/torch.log; exit 1; }
+  # torchtitan 0.3.0 for MoELayer.from_torchtitan against its own MoE: only the modules that
+  # import it (its training stack's requirements, datasets and wandb among them, are not needed).
+  build-pip/venv/bin/python -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 einops \
+    >> build-pip/torch.log 2>&1 && build-pip/venv/bin/python -m pip install -q tyro torchdata >> build-pip/torch.log 2>&1 \
+    || { tail -20 build-pip/torch.log; exit 1; }
   build-pip/venv/bin/python -c "import torch; print('torch', torch.__version__)"
 fi
 (cd build-pip && env -u MOEBLAZE_LIBRARY MOEBLAZE_TEST_INSTALLED=1 venv/bin/python -m unittest discover \
@@ -87,6 +93,9 @@ fi
 if [ "${MOEBLAZE_TEST_TORCH:-1}" != 0 ]; then
   if grep -q "skipped 'torch is not installed'" build-pip/unittest.log; then
     echo "torch tests skipped although torch was installed"; exit 1
+  fi
+  if grep -q "skipped 'torchtitan 0.3 is not importable" build-pip/unittest.log; then
+    echo "the torchtitan test skipped although torchtitan was installed"; grep "torchtitan 0.3" build-pip/unittest.log; exit 1
   fi
   # MoELayer under FSDP2 (fully_shard) on two CPU processes (gloo) against one: the same
   # check scripts/gpu-check.sh fsdp runs on GPUs.

@@ -240,6 +240,43 @@ class TestTorchtitanLayouts(unittest.TestCase):
     """torchtitan 0.3's MoE (routed_experts.inner_experts.w1_EFD / w2_EDF / w3_EFD, expert_bias_E)
     beside the earlier layout, against the same math in plain PyTorch."""
 
+    def test_torchtitan_package(self):
+        """The real torchtitan 0.3 MoE (when the package imports): MoELayer.from_torchtitan
+        matches its output and input gradient within bf16 noise
+        (torchtitan runs its experts in bf16 whatever the parameters' dtype)."""
+        torch = _torch()
+        try:
+            from torchtitan.models.common.linear import Linear
+            from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+            from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+        except Exception as e:  # not installed, or a release with another layout
+            self.skipTest("torchtitan 0.3 is not importable: %s" % e)
+        import warnings
+        import moeblaze.torch as mt
+        E, d, h, k = 8, 32, 64, 2
+        experts = RoutedExperts.Config(inner_experts=GroupedExperts.Config(dim=d, hidden_dim=h, num_experts=E),
+                                       token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k))
+        router = TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=d, out_features=E),
+                                              top_k=k, score_func="softmax", route_norm=True)
+        torch.manual_seed(0)
+        moe = MoE.Config(num_experts=E, routed_experts=experts, router=router, load_balance_coeff=1e-3).build()
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.normal_(0, 0.1)
+        layer = mt.MoELayer.from_torchtitan(moe)
+        x = torch.randn(2, 16, d)
+        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torchtitan's fp32 autocast on the CPU
+            yr = moe(xr)
+        ym = layer(xm)
+        ym = ym[0] if isinstance(ym, tuple) else ym
+        self.assertLess(_rel(ym, yr), 3e-2)
+        dy = torch.randn_like(yr)
+        (yr * dy).sum().backward()
+        (ym * dy).sum().backward()
+        self.assertLess(_rel(xm.grad, xr.grad), 3e-2)
+
     def _moe(self, new_layout, score_func="softmax", route_norm=True):
         torch = _torch()
         import torch.nn as nn
