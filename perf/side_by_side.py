@@ -25,7 +25,6 @@ Usage: python3 perf/side_by_side.py [--configs T,d,n,E,K ...] [--sonic FILE] [--
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -35,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
 import moeblaze  # noqa: E402
 import moeblaze.torch as mbt  # noqa: E402
+from cuda_timing import median_ms  # noqa: E402
 
 SONIC_CONFIGS = ["40960,768,256,128,8", "24576,1536,256,128,8", "24576,1536,1024,32,2", "32768,4096,512,128,8",
                  "32768,4096,1024,64,4", "32768,4096,1024,128,8", "32768,4096,2048,64,4", "32768,2048,768,128,8",
@@ -43,23 +43,13 @@ ENGINE_NAMES = {int(moeblaze.Engine.CUDA_FUSED): "fused", int(moeblaze.Engine.CU
 
 
 class Timer:
-    """Median of per-step CUDA-event times, each step after an L2 flush."""
+    """Steps timed alone after an L2 flush (as triton's do_bench does)."""
 
     def __init__(self):
         self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
     def median_ms(self, fn, reps, warmup=3):
-        times = []
-        for r in range(warmup + reps):
-            self.flush_buf.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            if r >= warmup:
-                times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return median_ms(fn, reps, warmup, before=self.flush_buf.zero_)
 
 
 def dense_tflops(timer, reps):

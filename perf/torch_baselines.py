@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -30,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
 import moeblaze  # noqa: E402
 import moeblaze.torch as mbt  # noqa: E402
+from cuda_timing import median_ms  # noqa: E402
 
 
 def up_proj(mm, x, w_up):
@@ -95,19 +95,6 @@ class SavedBytes:
         return sum(self.seen.values())
 
 
-def time_ms(fn, reps, warmup=3):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for r in range(warmup + reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if r >= warmup:
-            out.append(start.elapsed_time(end))
-    return statistics.median(out)
-
-
 def dense_ms(flops, reps):
     n = 8192
     f0 = 2.0 * n ** 3
@@ -121,7 +108,7 @@ def dense_ms(flops, reps):
     def run():
         for _ in range(count):
             torch.matmul(a, b)
-    return time_ms(run, reps) * flops / (2.0 * n ** 3 * count)
+    return median_ms(run, reps) * flops / (2.0 * n ** 3 * count)
 
 
 ENGINES = {"auto": moeblaze.Engine.AUTO, "fused": moeblaze.Engine.CUDA_FUSED,
@@ -197,8 +184,8 @@ def main():
                     y = fn()
                     torch.autograd.backward(y, dy)
                     clear_grads()
-                t_f = time_ms(fwd, args.reps)
-                t_fb = time_ms(fwd_bwd, args.reps)
+                t_f = median_ms(fwd, args.reps)
+                t_fb = median_ms(fwd_bwd, args.reps)
                 counter = SavedBytes([x, logits, wgu, wd] + (list(w_up) if isinstance(w_up, tuple) else []))
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
