@@ -1,5 +1,5 @@
 #include "cuda/cuda_check.hpp"
-#include "experts/activation.hpp"
+#include "math/activation.hpp"
 #include "experts/expert_cuda.hpp"
 #include "util/align.hpp"
 #include "util/dtype.hpp"

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "experts/activation.hpp"
+#include "math/activation.hpp"
 #include "util/rows.hpp"
 
 namespace moeblaze {

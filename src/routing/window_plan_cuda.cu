@@ -7,7 +7,7 @@
 namespace cubw = CUB_NS_QUALIFIER;
 
 #include "cuda/cuda_check.hpp"
-#include "routing/offsets_cuda.cuh"
+#include "util/offsets_cuda.cuh"
 #include "routing/window_plan_cuda.hpp"
 
 namespace moeblaze {

@@ -16,7 +16,7 @@
 #include <random>
 #include <vector>
 
-#include "experts/activation.hpp"
+#include "math/activation.hpp"
 #include "gemm/sm90/grouped_gemm.hpp"
 #include "util/dtype.hpp"
 

@@ -1,6 +1,6 @@
 // The activation backward in the dact GEMM's epilogue (EpilogueKind::kActivationBackward) against
 // a host reference built from the naive fp32 GEMM (grouped_gemm_problem.cuh) and
-// experts/activation.hpp: dpre, g act and the dg partial sums, for every activation (the gated
+// math/activation.hpp: dpre, g act and the dg partial sums, for every activation (the gated
 // ones read gate and up and write both halves of dpre) with dy gathered or in expert order
 // (read by TMA), bf16 and fp16, both
 // B layouts, h not a multiple of 64 or 128, skewed and single-expert routings, one row, the saved

@@ -1,13 +1,13 @@
 // The grouped GEMM's epilogues, applied by each consumer warpgroup to its wgmma fragment: thread
 // (warp w, lane l) holds rows 16 w + l/4 and +8, columns 8 i + 2 (l%4) and +1, for i < BN/8, as
 // acc[4 i + q] (q: bit 0 the column, bit 1 the row). Rows past the tile's share of its expert
-// and columns past n are masked, never written. The activation math is experts/activation.hpp's,
+// and columns past n are masked, never written. The activation math is math/activation.hpp's,
 // the one definition shared with the CPU engine and the elementwise kernels.
 #pragma once
 
 #include <type_traits>
 
-#include "experts/activation.hpp"
+#include "math/activation.hpp"
 #include "gemm/grouped_tiles.hpp"
 #include "gemm/sm90/epilogue_tma.cuh"
 #include "gemm/sm90/params.hpp"

@@ -18,7 +18,7 @@
 
 #include <climits>
 
-#include "experts/activation.hpp"
+#include "math/activation.hpp"
 #include "gemm/sm90/epilogue.cuh"
 #include "gemm/sm90/mainloop.cuh"
 

@@ -14,7 +14,7 @@ namespace cubw = CUB_NS_QUALIFIER;
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/mainloop.cuh"
 #include "gemm/sm90/tensor_map.hpp"
-#include "routing/offsets_cuda.cuh"
+#include "util/offsets_cuda.cuh"
 #include "util/align.hpp"
 #include "util/error.hpp"
 #include "util/vec8.cuh"
@@ -27,13 +27,13 @@ namespace {
 
 constexpr int kScheduleThreads = 1024;
 
-// One block: out_off = the sanitised offsets (routing/offsets_cuda.cuh), then the row-block prefix.
+// One block: out_off = the sanitised offsets (util/offsets_cuda.cuh), then the row-block prefix.
 __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const int32_t* offsets, int32_t E, int32_t m_total,
                                                                     int32_t* out_off, int32_t* prefix) {
   using Scan = cubw::BlockScan<int32_t, kScheduleThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int32_t carry_sum;
-  routing::sanitize_offsets_block<kScheduleThreads>(offsets, E, m_total, out_off);
+  sanitize_offsets_block<kScheduleThreads>(offsets, E, m_total, out_off);
   if (threadIdx.x == 0) carry_sum = 0;
   __syncthreads();
   for (int32_t base = 0; base < E; base += kScheduleThreads) {

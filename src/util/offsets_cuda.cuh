@@ -10,7 +10,6 @@
 
 namespace moeblaze {
 inline namespace v0 {
-namespace routing {
 
 struct OffsetsMaxOp {
   __device__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; }
@@ -36,6 +35,5 @@ __device__ void sanitize_offsets_block(const int32_t* offsets, int32_t E, int32_
   }
 }
 
-}  // namespace routing
 }  // namespace v0
 }  // namespace moeblaze
