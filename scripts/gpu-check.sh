@@ -14,8 +14,8 @@
 # engine under torch.compile and CUDA graphs).
 # example: examples/moe_lm.py in bf16, on the engine AUTO picks and on the fused engine under
 # torch.compile(reduce-overhead); matplotlib from wheels carried in .whl/ when the image has none.
-# gemm: the sm_90a grouped GEMMs alone: their kernel tests (varlen M, weight gradients, the
-# activation-backward epilogue), a
+# gemm: the sm_90a grouped GEMMs alone: their kernel tests (the stage pipeline, the tile
+# scheduler, varlen M, weight gradients, the activation-backward epilogue), a
 # SASS check (HGMMA, no local memory) and perf/grouped-gemm-bench (GEMM_BENCH_ARGS, e.g.
 # "--bn 256"; "skip" runs no bench); GEMM_SANITIZE="memcheck racecheck synccheck" runs the
 # kernel tests under those tools.
@@ -65,18 +65,20 @@ fi
 summary+=("build: ok in $(( $(date +%s) - t0 )) s; fatbin: $(cuobjdump --list-elf build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';') PTX: $(cuobjdump --list-ptx build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';')")
 
 if want gemm; then
-  for obj in $(find build-gpu -name 'grouped_gemm.cu.o' -o -name 'weight_grad.cu.o'); do
+  # the generated per-variant objects (src/gemm/sm90/kernels.cmake)
+  for obj in $(find build-gpu/src -path '*sm90_kernels*' -name '*.cu.o' | sort); do
     cuobjdump -sass "$obj" > "$OUT/$(basename "$obj" .cu.o).sass" 2>&1
     summary+=("$(basename "$obj" .cu.o) SASS: HGMMA $(grep -c HGMMA "$OUT/$(basename "$obj" .cu.o).sass"), local-memory LDL/STL $(grep -cE 'LDL|STL' "$OUT/$(basename "$obj" .cu.o).sass")")
   done
-  for t in test_sm90_grouped_gemm test_sm90_weight_grad test_sm90_act_backward; do
+  for t in test_sm90_pipeline test_sm90_tile_scheduler test_sm90_grouped_gemm test_sm90_weight_grad test_sm90_act_backward; do
     timeout 300 build-gpu/tests/kernels/$t > "$OUT/$t.log" 2>&1
     rc=$?
     grep -vE '^\[ *(RUN|  OK) *\]' "$OUT/$t.log" | tail -20
     summary+=("$t: rc=$rc; $(grep -E 'PASSED|FAILED' "$OUT/$t.log" | tr '\n' ' ')")
     for tool in ${GEMM_SANITIZE:-}; do  # e.g. "memcheck racecheck synccheck"
+      quick=(); [ $t = test_sm90_pipeline ] && quick=(quick)  # 1/16 of the fills under the tools
       timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
-        build-gpu/tests/kernels/$t > "$OUT/$t-$tool.log" 2>&1
+        build-gpu/tests/kernels/$t "${quick[@]}" > "$OUT/$t-$tool.log" 2>&1
       summary+=("$t under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$t-$tool.log" | tail -1)")
     done
   done

@@ -401,6 +401,8 @@ const char* fused_engine_refuses(const LayerConfig& cfg, int sm_major) {
   if (sm_major != 9) return "it runs on sm_90 (Hopper) GPUs only";
   if (cfg.act_dtype != cfg.weight_dtype) return "it needs activation_dtype == weight_dtype";
   if (cfg.act_dtype != DType::kBF16 && cfg.act_dtype != DType::kF16) return "it takes bf16 or fp16 (fp32 runs on cuBLASLt)";
+  if (!gemm::sm90::kernels_built(cfg.act_dtype))
+    return "this build left out its kernels for this dtype (CMake option MOEBLAZE_SM90_DTYPES)";
   if (cfg.hidden % 8 || cfg.ffn_hidden % 8) return "it needs hidden and ffn_hidden to be multiples of 8";
   return nullptr;
 }

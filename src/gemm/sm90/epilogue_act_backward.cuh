@@ -193,13 +193,14 @@ __device__ __forceinline__ void store_dg(const EpilogueParams& e, const TileCoor
 }
 
 // A consumer warpgroup's fragment of the tile, after its MMAs: the tile's pre stages in ring
-// order (`it` moves past them), each released by every thread's own arrival (the ring counts
-// threads: init_ring's release = 32) once its reads and writes of the boxes are done; the
+// order (st moves past them), each released by every thread's own arrival (the ring counts
+// threads: PipelineArrivals' per_warp = 32) once its reads and writes of the boxes are done; the
 // leader's waits for its stores to have read them.
-template <class T, Activation A, int BN, int S>
+template <class T, Activation A, int BN>
 __device__ __forceinline__ void act_backward_fragment_as(const GroupedGemmParams& p, const EpilogueParams& e,
                                                          const EpilogueMaps& maps, TileStore& ts,
-                                                         const StageRing<S>& ring, uint32_t& it, const TileCoord& tc,
+                                                         const StageRing<TileConfig<BN>>& ring,
+                                                         typename StageRing<TileConfig<BN>>::State& st, const TileCoord& tc,
                                                          int frag, const RowScales& gate, const float (&acc)[BN / 2]) {
   constexpr bool kGated = is_gated(A);
   constexpr int kPerPart = kGated ? 2 : 1;  // stages per kActBackwardBlockN columns (one dg part)
@@ -207,10 +208,9 @@ __device__ __forceinline__ void act_backward_fragment_as(const GroupedGemmParams
   const int32_t cols = p.n - tc.col_block * BN;
   float dot[2] = {0.f, 0.f};
 #pragma unroll
-  for (int q = 0; q < pre_stages(BN, kGated); ++q, ++it) {
-    const uint32_t s = it % S;
-    mbar_wait(&ring.full[s], (it / S) & 1);
-    const uint32_t boxes = ring.base + s * TileConfig<BN>::kStageBytes + 2 * frag * kPreBoxBytes;
+  for (int q = 0; q < pre_stages(BN, kGated); ++q, st.advance()) {
+    ring.pipe.wait(st);
+    const uint32_t boxes = ring.stage_addr(st) + 2 * frag * kPreBoxBytes;
     // Column boxes per stage: two of a plain pre, one of gate and up.
     constexpr int kBoxes = kGated ? 1 : 2;
 #pragma unroll
@@ -225,17 +225,18 @@ __device__ __forceinline__ void act_backward_fragment_as(const GroupedGemmParams
       dot[0] = dot[1] = 0.f;
     }
     if (staged && ts.leader) cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<0>{});
-    cuda::ptx::mbarrier_arrive(&ring.empty[s]);
+    ring.pipe.release_thread(st);
   }
 }
 
-template <class T, int BN, int S>
+template <class T, int BN>
 __device__ __forceinline__ void act_backward_fragment(const GroupedGemmParams& p, const EpilogueParams& e,
-                                                      const EpilogueMaps& maps, TileStore& ts, const StageRing<S>& ring,
-                                                      uint32_t& it, const TileCoord& tc, int frag,
+                                                      const EpilogueMaps& maps, TileStore& ts,
+                                                      const StageRing<TileConfig<BN>>& ring,
+                                                      typename StageRing<TileConfig<BN>>::State& st, const TileCoord& tc, int frag,
                                                       const RowScales& gate, const float (&acc)[BN / 2]) {
   with_activation(e.activation, [&](auto a) {
-    act_backward_fragment_as<T, decltype(a)::value, BN>(p, e, maps, ts, ring, it, tc, frag, gate, acc);
+    act_backward_fragment_as<T, decltype(a)::value, BN>(p, e, maps, ts, ring, st, tc, frag, gate, acc);
   });
 }
 

@@ -16,6 +16,9 @@ inline namespace v0 {
 namespace gemm {
 namespace sm90 {
 
+// Whether this build compiled the sm_90a kernels of dtype dt (kernel_variants.hpp).
+bool kernels_built(DType dt);
+
 // Workspace of a schedule for E experts (two int32 arrays of E + 1), 256-byte aligned.
 size_t schedule_bytes(int64_t num_experts);
 

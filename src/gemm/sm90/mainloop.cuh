@@ -18,8 +18,10 @@
 
 #include "gemm/grouped_tiles.hpp"
 #include "gemm/sm90/params.hpp"
+#include "gemm/sm90/pipeline.cuh"
 #include "gemm/sm90/ptx.cuh"
 #include "gemm/sm90/tile_config.hpp"
+#include "gemm/sm90/tile_scheduler.cuh"
 #include "gemm/sm90/wgmma.cuh"
 
 namespace moeblaze {
@@ -27,50 +29,41 @@ inline namespace v0 {
 namespace gemm {
 namespace sm90 {
 
-template <int Stages>
+// The CTA's shared memory for a TileConfig Cfg: the operand stages and their pipeline, the
+// epilogue's staging boxes, the ping-pong turns and the tile slots.
+template <class Cfg>
 struct StageRing {
-  static constexpr int kStages = Stages;
+  static constexpr int kStages = Cfg::kStages;
+  using State = PipelineState<kStages>;
   uint8_t* ptr;     // stage 0 (1024-byte aligned), generic address
   uint32_t base;    // the same, shared address
-  uint64_t* full;   // [stages]
-  uint64_t* empty;  // [stages]
-  uint64_t* turn;   // [2] ping-pong: warpgroup w may start its next tile's MMAs when turn[w] completes
-  uint8_t* staging; // the epilogue's staging boxes (TileConfig::kStagingBytes, 1024-byte aligned)
+  StagePipeline<kStages> pipe;
+  MmaTurns turns;
+  uint8_t* staging; // the epilogue's staging boxes (Cfg::kStagingBytes, 1024-byte aligned)
   TileCoord* tiles; // [kTileSlots] the CTA's j-th tile's coordinates in slot j % kTileSlots
-  uint32_t release; // the arrivals on empty[s] that a consumer warp's lane 0 makes for its warp
+
+  __device__ __forceinline__ uint8_t* stage_ptr(State st) const { return ptr + st.index() * Cfg::kStageBytes; }
+  __device__ __forceinline__ uint32_t stage_addr(State st) const { return base + st.index() * Cfg::kStageBytes; }
 };
 
-// Carves the ring from the dynamic shared memory (Cfg::kSmemBytes, Cfg a TileConfig) and
-// initialises its barriers: full[s] expects full_arrivals arrivals, empty[s] empty_arrivals
-// warps' (lane 0 of each consumer warp that reads a stage, arriving `release` times), turn[w]
-// one. release = 32 counts threads, so that a stage whose bytes every consumer thread read
-// (an epilogue's loads) can be released by each thread's own arrival: compute-sanitizer's
-// racecheck orders a thread's accesses before the producer's refill only through that
-// thread's arrival. Every thread of the block calls it (it ends with a block barrier).
-template <class Cfg, int S = Cfg::kStages>
-__device__ __forceinline__ StageRing<S> init_ring(uint8_t* smem_raw, uint32_t full_arrivals, uint32_t empty_arrivals = 8,
-                                                  uint32_t release = 1) {
+// Carves the ring from the dynamic shared memory (Cfg::kSmemBytes) and initialises its
+// barriers with the given arrival counts. Every thread of the block calls it (it ends with a
+// block barrier).
+template <class Cfg>
+__device__ __forceinline__ StageRing<Cfg> init_ring(uint8_t* smem_raw, const PipelineArrivals& arrivals) {
+  constexpr int S = Cfg::kStages;
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  StageRing<S> ring;
+  StageRing<Cfg> ring;
   ring.ptr = smem;
   ring.base = smem_addr(smem);
   ring.staging = smem + S * Cfg::kStageBytes;
-  ring.full = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes);
-  ring.empty = ring.full + S;
-  ring.turn = ring.empty + S;
-  ring.tiles = reinterpret_cast<TileCoord*>(ring.turn + 2);
-  ring.release = release;
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes);  // full[S], empty[S], turn[2]
+  ring.pipe = StagePipeline<S>::init(barriers, arrivals);
+  ring.turns = MmaTurns::init(barriers + 2 * S);
+  ring.tiles = reinterpret_cast<TileCoord*>(barriers + 2 * S + 2);
   static_assert(sizeof(TileCoord) == kTileSlotBytes, "TileConfig sizes the tile slots");
   static_assert((2 * S + 2) * 8 % 16 == 0, "the tile slots are 16-byte aligned (read_tile_slot)");
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      cuda::ptx::mbarrier_init(&ring.full[s], full_arrivals);
-      cuda::ptx::mbarrier_init(&ring.empty[s], empty_arrivals * release);
-    }
-    cuda::ptx::mbarrier_init(&ring.turn[0], 1);
-    cuda::ptx::mbarrier_init(&ring.turn[1], 1);
-    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
-  }
+  if (threadIdx.x == 0) cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   __syncthreads();
   return ring;
 }
@@ -85,25 +78,6 @@ __device__ __forceinline__ int32_t b_box_start(const GroupedGemmParams& p, int32
   return col_block * tile_columns(p.gated, BN) + box * box_cols - half * (BN / 2) + half * p.n;
 }
 
-// decode_tile (gemm/grouped_tiles.hpp) for a whole warp: the same tile, found by a 32-way search
-// (each lane tests one candidate expert, a ballot picks the last whose tiles start at or before
-// `work`) in ceil(log32 E) dependent loads instead of log2 E: 2 round trips to L2 for
-// E <= 1024, then the expert's offsets. Every lane of the warp calls it.
-__device__ __forceinline__ TileCoord decode_tile_warp(int64_t work, const Schedule& sc, int32_t col_blocks) {
-  const int32_t* prefix = sc.rb_prefix;
-  const int32_t num_experts = sc.num_experts;
-  const int lane = threadIdx.x & 31;
-  int32_t lo = 0, span = num_experts;  // the answer lies in [lo, lo + span); prefix[lo] * col_blocks <= work
-  while (span > 1) {
-    const int32_t step = (span + 31) / 32, e = lo + lane * step;
-    const bool at_or_before = e < lo + span && static_cast<int64_t>(__ldg(prefix + e)) * col_blocks <= work;
-    const int last = 31 - __clz(__ballot_sync(0xffffffffu, at_or_before));  // lane 0's candidate, lo, always holds
-    lo += last * step;
-    span = min(step, num_experts - lo);
-  }
-  return expert_tile(work, lo, sc.offsets, prefix, kBlockM, col_blocks, sc.raster_group);
-}
-
 // The CTA's j-th tile's coordinates, from its slot, for a whole warp (every lane calls it):
 // lane 0 reads the slot and the other lanes get it by shuffle. The producer rewrites the slot
 // kTileSlots tiles later, ordered after the read by the empty-barrier arrivals that lane 0 makes
@@ -116,23 +90,23 @@ __device__ __forceinline__ TileCoord read_tile_slot(const TileCoord* slots, int6
           __shfl_sync(0xffffffffu, v.w, 0)};
 }
 
-// Stage s's B boxes for tile tc, k-block k0, by TMA (the elected producer thread).
-template <int BN, Major BMajor, int S>
-__device__ __forceinline__ void issue_b(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing<S>& ring,
-                                       uint32_t s, const TileCoord& tc, int32_t k0) {
+// A stage's B boxes for tile tc, k-block k0, by TMA (the elected producer thread): b_ptr is the
+// stage's B operand, `bar` its full barrier.
+template <int BN, Major BMajor>
+__device__ __forceinline__ void issue_b(const GroupedGemmParams& p, const TmaDescriptor& bmap, uint8_t* b_ptr, uint64_t* bar,
+                                       const TileCoord& tc, int32_t k0) {
   using namespace cuda::ptx;
-  uint8_t* b_ptr = ring.ptr + s * TileConfig<BN>::kStageBytes + TileConfig<BN>::kABytes;
   if constexpr (BMajor == Major::kMN) {  // smem [BN/64 boxes][64 k rows][128 B]
 #pragma unroll
     for (int box = 0; box < BN / 64; ++box) {
       const int32_t c[3] = {b_box_start<BN>(p, tc.col_block, box, 64), k0, tc.expert};
-      cp_async_bulk_tensor(space_cluster, space_global, b_ptr + box * (kBlockK * 128), &bmap, c, &ring.full[s]);
+      cp_async_bulk_tensor(space_cluster, space_global, b_ptr + box * (kBlockK * 128), &bmap, c, bar);
     }
   } else {  // smem [BN n rows][128 B]: one box of BN rows, or two of BN/2 when gated
     const int boxes = p.gated ? 2 : 1, rows = BN / boxes;
     for (int box = 0; box < boxes; ++box) {
       const int32_t c[3] = {k0, b_box_start<BN>(p, tc.col_block, box, rows), tc.expert};
-      cp_async_bulk_tensor(space_cluster, space_global, b_ptr + box * rows * 128, &bmap, c, &ring.full[s]);
+      cp_async_bulk_tensor(space_cluster, space_global, b_ptr + box * rows * 128, &bmap, c, bar);
     }
   }
 }
@@ -149,21 +123,20 @@ struct NoEpilogueLoads {
 };
 
 // Gathered A (a_index set): the producer warpgroup's 128 threads copy A rows with 16-byte
-// cp.async (full[s] counts their 128 arrivals + the elected thread's expect_tx; an epilogue
-// stage, their plain arrivals and its expect_tx).
-template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads, int S>
-__device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing<S>& ring,
+// cp.async (full[s] counts their arrivals + the elected thread's expect_tx: PipelineArrivals'
+// producer_count(true); an epilogue stage, their plain arrivals and its expect_tx).
+template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads>
+__device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing<TileConfig<BN>>& ring,
                         const Loads& loads = {}) {
   using Cfg = TileConfig<BN>;
   const int t = threadIdx.x;  // 0..127
   const T* A = static_cast<const T*>(p.a);
-  const int32_t E = p.sched.num_experts, cb = column_blocks(p.n, p.gated, BN);
   const int num_kb = (p.k + kBlockK - 1) / kBlockK;
-  const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
+  const PersistentTileScheduler<GroupedTiles> sched({p.sched, column_blocks(p.n, p.gated, BN)});
   const int a_chunk = t & 7, a_row = t >> 3;  // A: rows a_row + 16 i, chunk a_chunk
-  uint32_t it = 0, j = 0;
-  for (int64_t w = blockIdx.x; w < total; w += gridDim.x, ++j) {
-    const TileCoord tc = decode_tile_warp(w, p.sched, cb);
+  typename StageRing<Cfg>::State st;
+  for (const TileWork w : sched.walk()) {
+    const TileCoord tc = sched.decode(w);
     // The tile's eight source rows per thread: all loads first, then the checks, so the loads
     // overlap instead of each check waiting for its own L2 round trip.
     int32_t src_row[8];
@@ -175,10 +148,9 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
 #pragma unroll
     for (int i = 0; i < 8; ++i)
       if (src_row[i] >= p.a_rows) src_row[i] = -1;  // negative stays negative: a zero row
-    for (int kb = 0; kb < num_kb; ++kb, ++it) {
-      const uint32_t s = it % S;
-      mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
-      const uint32_t a_dst = ring.base + s * Cfg::kStageBytes;
+    for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
+      ring.pipe.acquire(st);
+      const uint32_t a_dst = ring.stage_addr(st);
       const int32_t k0 = kb * kBlockK;
       {
         const int32_t kk = k0 + a_chunk * 8;
@@ -191,66 +163,61 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
       }
       if (t == 0) {
         // Slot j's readers of kTileSlots tiles ago are done: they read it before starting their
-        // next tile, and this stage's empty barrier waited for a release in that tile or later
+        // next tile, and this stage's acquire waited for a release in that tile or later
         // (TileConfig: kTileSlots - 1 >= kStages).
-        if (kb == 0) ring.tiles[j % kTileSlots] = tc;
-        cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
-                                             &ring.full[s], Cfg::kBBytes);
-        issue_b<BN, BMajor>(p, bmap, ring, s, tc, k0);
+        if (kb == 0) ring.tiles[w.j % kTileSlots] = tc;
+        ring.pipe.arrive_expect_tx(st, Cfg::kBBytes);
+        issue_b<BN, BMajor>(p, bmap, ring.stage_ptr(st) + Cfg::kABytes, ring.pipe.full_barrier(st), tc, k0);
       }
-      cuda::ptx::cp_async_mbarrier_arrive_noinc(&ring.full[s]);
+      ring.pipe.arrive_cp_async(st);
     }
-    for (int q = 0; q < loads.stages(); ++q, ++it) {
-      const uint32_t s = it % S;
-      mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
+    for (int q = 0; q < loads.stages(); ++q, st.advance()) {
+      ring.pipe.acquire(st);
       if (t == 0) {
-        cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
-                                             &ring.full[s], uint32_t{Loads::kBytes});
-        loads.issue(q, ring.ptr + s * Cfg::kStageBytes, tc, &ring.full[s]);
+        ring.pipe.arrive_expect_tx(st, uint32_t{Loads::kBytes});
+        loads.issue(q, ring.stage_ptr(st), tc, ring.pipe.full_barrier(st));
       }
-      cuda::ptx::mbarrier_arrive(&ring.full[s]);
+      ring.pipe.arrive(st);
     }
   }
 }
 
 // A in expert order (no a_index): one producer warp, whose lane 0 loads A by TMA as two boxes
 // of 64 rows x 128 bytes per stage, beside B (full[s] counts that thread's one expect_tx
-// arrival). A partial tile's rows past its expert read the next expert's rows, or zeros past
-// a_rows (TMA's bounds): those accumulator rows are never stored, and every row outside
-// [0, a_rows) stays unread. The other producer warps have nothing to do and leave.
-template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads, int S>
+// arrival: producer_count(false)). A partial tile's rows past its expert read the next
+// expert's rows, or zeros past a_rows (TMA's bounds): those accumulator rows are never stored,
+// and every row outside [0, a_rows) stays unread. The other producer warps have nothing to do
+// and leave.
+template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads>
 __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& amap, const TmaDescriptor& bmap,
-                              const StageRing<S>& ring, const Loads& loads = {}) {
+                              const StageRing<TileConfig<BN>>& ring, const Loads& loads = {}) {
   using Cfg = TileConfig<BN>;
   if (threadIdx.x >= 32) return;
   const bool leader = threadIdx.x == 0;
-  const int32_t E = p.sched.num_experts, cb = column_blocks(p.n, p.gated, BN);
   const int num_kb = (p.k + kBlockK - 1) / kBlockK;
-  const int64_t total = total_tiles(p.sched.rb_prefix, E, cb);
-  uint32_t it = 0, j = 0;
-  for (int64_t w = blockIdx.x; w < total; w += gridDim.x, ++j) {
-    const TileCoord tc = decode_tile_warp(w, p.sched, cb);
+  const PersistentTileScheduler<GroupedTiles> sched({p.sched, column_blocks(p.n, p.gated, BN)});
+  typename StageRing<Cfg>::State st;
+  for (const TileWork w : sched.walk()) {
+    const TileCoord tc = sched.decode(w);
     if (leader) {
       using namespace cuda::ptx;
-      for (int kb = 0; kb < num_kb; ++kb, ++it) {
-        const uint32_t s = it % S;
-        mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
+      for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
+        ring.pipe.acquire(st);
         const int32_t k0 = kb * kBlockK;
-        if (kb == 0) ring.tiles[j % kTileSlots] = tc;  // as in produce()
-        mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, &ring.full[s], Cfg::kABytes + Cfg::kBBytes);
-        uint8_t* a_ptr = ring.ptr + s * Cfg::kStageBytes;
+        if (kb == 0) ring.tiles[w.j % kTileSlots] = tc;  // as in produce()
+        ring.pipe.arrive_expect_tx(st, Cfg::kABytes + Cfg::kBBytes);
+        uint8_t* a_ptr = ring.stage_ptr(st);
 #pragma unroll
         for (int h = 0; h < kBlockM / 64; ++h) {
           const int32_t c[2] = {k0, tc.row0 + 64 * h};
-          cp_async_bulk_tensor(space_cluster, space_global, a_ptr + h * (64 * 128), &amap, c, &ring.full[s]);
+          cp_async_bulk_tensor(space_cluster, space_global, a_ptr + h * (64 * 128), &amap, c, ring.pipe.full_barrier(st));
         }
-        issue_b<BN, BMajor>(p, bmap, ring, s, tc, k0);
+        issue_b<BN, BMajor>(p, bmap, a_ptr + Cfg::kABytes, ring.pipe.full_barrier(st), tc, k0);
       }
-      for (int q = 0; q < loads.stages(); ++q, ++it) {
-        const uint32_t s = it % S;
-        mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
-        mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, &ring.full[s], uint32_t{Loads::kBytes});
-        loads.issue(q, ring.ptr + s * Cfg::kStageBytes, tc, &ring.full[s]);
+      for (int q = 0; q < loads.stages(); ++q, st.advance()) {
+        ring.pipe.acquire(st);
+        ring.pipe.arrive_expect_tx(st, uint32_t{Loads::kBytes});
+        loads.issue(q, ring.stage_ptr(st), tc, ring.pipe.full_barrier(st));
       }
     }
     __syncwarp();
@@ -260,8 +227,8 @@ __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& a
 // One consumer warpgroup's share of a tile: Frags fragments of 64 rows, rows [64 (frag0 + f),
 // 64 (frag0 + f) + 64) x BN columns, accumulated over K into acc[f] (wgmma m64nBN fragments).
 // Cooperative: Frags = 1, frag0 = the warpgroup (two warpgroups share a tile); ping-pong:
-// Frags = 2, frag0 = 0 (a warpgroup owns a whole tile). `it` is the ring position, carried
-// across tiles. A's stage is [128 rows][64 k] K-major (the varlen-M gathers), or
+// Frags = 2, frag0 = 0 (a warpgroup owns a whole tile). st is the warpgroup's pipeline state,
+// carried across tiles. A's stage is [128 rows][64 k] K-major (the varlen-M gathers), or
 // [2][64 k][64 rows] MN-major (the weight gradients, whose reduction runs over positions);
 // either way a fragment's 64 rows start 8 KB after the previous one's. on_first() runs once the
 // tile's first stage is full, before any stage is released (the moment to read the tile's slot).
@@ -274,27 +241,25 @@ struct NoIssueHook {
   __device__ void operator()(int) const {}
 };
 template <class T, int BN, Major BMajor, Major AMajor = Major::kK, int Frags = 1, class OnFirst = NoTileInfo,
-          class AfterIssue = NoIssueHook, int S>
-__device__ __forceinline__ void consume_tile(const StageRing<S>& ring, int frag0, int num_kb, uint32_t& it,
-                                             float (&acc)[Frags][BN / 2], OnFirst&& on_first = {},
-                                             AfterIssue&& after_issue = {}) {
+          class AfterIssue = NoIssueHook>
+__device__ __forceinline__ void consume_tile(const StageRing<TileConfig<BN>>& ring, int frag0, int num_kb,
+                                             typename StageRing<TileConfig<BN>>::State& st, float (&acc)[Frags][BN / 2],
+                                             OnFirst&& on_first = {}, AfterIssue&& after_issue = {}) {
   using Cfg = TileConfig<BN>;
   constexpr int kTransA = AMajor == Major::kMN ? 1 : 0;
   using Mma = Wgmma<T, BN, kTransA, 0>;   // B K-major
   using MmaT = Wgmma<T, BN, kTransA, 1>;  // B MN-major
-  const bool lane0 = (threadIdx.x & 31) == 0;
   if (num_kb == 0) {  // K = 0: the product is zero
 #pragma unroll
     for (int f = 0; f < Frags; ++f)
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[f][i] = 0.f;
   }
-  uint32_t prev = 0;
-  for (int kb = 0; kb < num_kb; ++kb, ++it) {
-    const uint32_t s = it % S;
-    mbar_wait(&ring.full[s], (it / S) & 1);
+  typename StageRing<Cfg>::State prev;
+  for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
+    ring.pipe.wait(st);
     if (kb == 0) on_first();
-    const uint32_t a0 = ring.base + s * Cfg::kStageBytes + frag0 * (64 * 128), b = ring.base + s * Cfg::kStageBytes + Cfg::kABytes;
+    const uint32_t stage = ring.stage_addr(st), a0 = stage + frag0 * (64 * 128), b = stage + Cfg::kABytes;
     // The stage's first descriptors; a k-step moves 16 rows (MN-major) or 32 bytes (K-major).
     const uint64_t da0 = AMajor == Major::kMN ? sw128_desc(a0, kBlockK * 128, 1024) : sw128_desc(a0, 16, 1024);
     const uint64_t db0 = BMajor == Major::kMN ? sw128_desc(b, kBlockK * 128, 1024) : sw128_desc(b, 16, 1024);
@@ -319,12 +284,12 @@ __device__ __forceinline__ void consume_tile(const StageRing<S>& ring, int frag0
     after_issue(kb);
     if (kb > 0) {  // the previous stage's MMAs are done: hand it back
       wgmma_wait<1>();
-      if (lane0) cuda::ptx::mbarrier_arrive(&ring.empty[prev], ring.release);
+      ring.pipe.release(prev);
     }
-    prev = s;
+    prev = st;
   }
   wgmma_wait<0>();
-  if (num_kb > 0 && lane0) cuda::ptx::mbarrier_arrive(&ring.empty[prev], ring.release);
+  if (num_kb > 0) ring.pipe.release(prev);
 #pragma unroll
   for (int f = 0; f < Frags; ++f) fence_accumulators(acc[f]);
 }

@@ -16,30 +16,6 @@ inline namespace v0 {
 namespace gemm {
 namespace sm90 {
 
-struct WeightGradTile {
-  int32_t expert;
-  int32_t m0, n0;    // first row and column of C_e
-  int32_t p0, p1;    // the expert's positions (the reduction range)
-};
-
-// Work item w in [0, E * mb * nb): experts slowest, so neighbouring CTAs of the persistent grid
-// reduce over the same positions while they are hot in L2; row blocks fastest.
-template <int BN>
-__device__ __forceinline__ WeightGradTile decode_weight_grad_tile(const WeightGradParams& p, int64_t w) {
-  const int32_t mb = (p.m + kBlockM - 1) / kBlockM, nb = (p.n + BN - 1) / BN;
-  const int64_t per_expert = static_cast<int64_t>(mb) * nb;
-  WeightGradTile t;
-  t.expert = static_cast<int32_t>(w / per_expert);
-  const int32_t local = static_cast<int32_t>(w % per_expert);
-  t.m0 = (local % mb) * kBlockM;
-  t.n0 = (local / mb) * BN;
-  t.p0 = p.sched.offsets[t.expert];
-  t.p1 = p.sched.offsets[t.expert + 1];
-  return t;
-}
-
-__device__ __forceinline__ int weight_grad_k_blocks(const WeightGradTile& t) { return (t.p1 - t.p0 + kBlockK - 1) / kBlockK; }
-
 // The source row of position pos for one operand, whose index entry (or pos itself, in expert
 // order) is q: -1 past the expert's end or for a bad index.
 __device__ __forceinline__ int32_t weight_grad_row(int32_t pos, int32_t p1, int32_t q, int32_t rows) {
@@ -68,13 +44,6 @@ __device__ __forceinline__ uint32_t chunk_columns_ok(int32_t col0, int chunk, in
   for (int blk = 0; blk < Blocks; ++blk) ok |= (col0 + blk * 64 + chunk * 8 < cols ? 1u : 0u) << blk;
   return ok;
 }
-
-// The weight-gradient operands' TMA descriptors: an operand read in expert order (no index)
-// comes by TMA in whole k-blocks, 64 x 64 boxes of its rows_tensor_map (set only for such an
-// operand: the kernel's TmaA / TmaB say which).
-struct WeightGradMaps {
-  TmaDescriptor a, b;
-};
 
 // Issues the TMA boxes of one operand's k-block: `blocks` 64-column boxes from column col0 of
 // positions [pos, pos + 64) into consecutive 8 KB blocks of the stage.
@@ -142,30 +111,29 @@ struct GradOperand {
 // map (GradOperand). Thread 0 issues the TMA boxes with expect_tx on full[s] (the barrier's
 // 129th arrival). Specialised per operand kind at compile time: the production case (A
 // gathered, B by TMA) keeps one operand's copies and no run-time branches per stage.
-template <class T, int BN, bool TmaA, bool TmaB, int S>
-__device__ void produce_weight_grad(const WeightGradParams& p, const WeightGradMaps& maps, const StageRing<S>& ring) {
+template <class T, int BN, bool TmaA, bool TmaB>
+__device__ void produce_weight_grad(const WeightGradParams& p, const WeightGradMaps& maps,
+                                    const StageRing<TileConfig<BN>>& ring) {
   using Cfg = TileConfig<BN>;
   const int t = threadIdx.x, chunk = t & 7, r0 = t >> 3;
   GradOperand<T, kBlockM / 64, TmaA> a{static_cast<const T*>(p.a), p.lda, p.a_index, p.a_rows};
   GradOperand<T, BN / 64, TmaB> b{static_cast<const T*>(p.b), p.ldb, p.b_index, p.b_rows};
-  const int32_t mb = (p.m + kBlockM - 1) / kBlockM, nb = (p.n + BN - 1) / BN;
-  const int64_t total = static_cast<int64_t>(p.sched.num_experts) * mb * nb;
-  uint32_t it = 0;
-  for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-    const WeightGradTile tile = decode_weight_grad_tile<BN>(p, w);
-    const int num_kb = weight_grad_k_blocks(tile);
+  const PersistentTileScheduler<WeightGradTiles<BN>> sched({p.sched.offsets, p.sched.num_experts, p.m, p.n});
+  typename StageRing<Cfg>::State st;
+  for (const TileWork w : sched.walk()) {
+    const WeightGradTile tile = sched.decode(w);
+    const int num_kb = tile.k_blocks();
     a.start_tile(tile.m0, chunk, p.m);
     b.start_tile(tile.n0, chunk, p.n);
     if (num_kb > 0) {
       a.fetch(tile.p0, tile.p1, r0);
       b.fetch(tile.p0, tile.p1, r0);
     }
-    for (int kb = 0; kb < num_kb; ++kb, ++it) {
-      const uint32_t s = it % S;
+    for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
       const int32_t pos0 = tile.p0 + kb * kBlockK;
       const bool whole = pos0 + kBlockK <= tile.p1;
       const bool tma_a = TmaA && whole, tma_b = TmaB && whole;
-      mbar_wait(&ring.empty[s], ((it / S) & 1) ^ 1);
+      ring.pipe.acquire(st);
       int32_t qa[kGradRowPasses], qb[kGradRowPasses];
       if (!tma_a) a.resolve(pos0, tile.p1, r0, qa);
       if (!tma_b) b.resolve(pos0, tile.p1, r0, qb);
@@ -173,22 +141,16 @@ __device__ void produce_weight_grad(const WeightGradParams& p, const WeightGradM
         a.fetch(pos0 + kBlockK, tile.p1, r0);
         b.fetch(pos0 + kBlockK, tile.p1, r0);
       }
-      const uint32_t a_dst = ring.base + s * Cfg::kStageBytes, b_dst = a_dst + Cfg::kABytes;
+      const uint32_t a_dst = ring.stage_addr(st), b_dst = a_dst + Cfg::kABytes;
       if (t == 0) {
-        using namespace cuda::ptx;
-        const uint32_t bytes = (tma_a ? Cfg::kABytes : 0) + (tma_b ? Cfg::kBBytes : 0);
-        if (bytes == 0) {
-          mbarrier_arrive(&ring.full[s]);
-        } else {
-          mbarrier_arrive_expect_tx(sem_release, scope_cta, space_shared, &ring.full[s], bytes);
-          uint8_t* stage = ring.ptr + s * Cfg::kStageBytes;
-          if (tma_a) tma_k_block(maps.a, stage, kBlockM / 64, tile.m0, pos0, &ring.full[s]);
-          if (tma_b) tma_k_block(maps.b, stage + Cfg::kABytes, BN / 64, tile.n0, pos0, &ring.full[s]);
-        }
+        ring.pipe.arrive_expect_tx(st, (tma_a ? Cfg::kABytes : 0) + (tma_b ? Cfg::kBBytes : 0));
+        uint8_t* stage = ring.stage_ptr(st);
+        if (tma_a) tma_k_block(maps.a, stage, kBlockM / 64, tile.m0, pos0, ring.pipe.full_barrier(st));
+        if (tma_b) tma_k_block(maps.b, stage + Cfg::kABytes, BN / 64, tile.n0, pos0, ring.pipe.full_barrier(st));
       }
       if (!tma_a) a.copy(a_dst, r0, chunk, qa);
       if (!tma_b) b.copy(b_dst, r0, chunk, qb);
-      cuda::ptx::cp_async_mbarrier_arrive_noinc(&ring.full[s]);
+      ring.pipe.arrive_cp_async(st);
     }
   }
 }

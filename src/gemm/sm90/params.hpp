@@ -154,6 +154,13 @@ struct WeightGradParams {
   int32_t acc32_store = 0;
 };
 
+// The weight-gradient operands' TMA descriptors: an operand read in expert order (no index)
+// comes by TMA in whole k-blocks, 64 x 64 boxes of its rows_tensor_map (set only for such an
+// operand: the kernel's TmaA / TmaB say which).
+struct WeightGradMaps {
+  TmaDescriptor a, b;
+};
+
 }  // namespace sm90
 }  // namespace gemm
 }  // namespace v0
