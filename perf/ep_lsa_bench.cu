@@ -1,0 +1,167 @@
+// perf/ep-lsa-bench: the floor of expert parallelism's NVLink dispatch (docs/ep.md) on one host.
+// Every GPU of the machine is a rank (one thread each, one NCCL communicator made from a unique
+// id); each rank's kernel stores a block of S bytes into every peer's symmetric window (NCCL
+// device API: ncclGetLsaPointer on a window from ncclMemAlloc + ncclCommWindowRegister) with
+// 16-byte stores from C CTAs, then meets the peers at an LSA barrier. It checks every received
+// byte and prints, per CTA count, the time of one exchange and the bytes sent to peers per
+// second per GPU (the all-to-all bandwidth that dispatch and combine can reach).
+// Usage: ep-lsa-bench [MiB per peer, default 32] [iterations, default 20]
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+namespace {
+
+#define CK(call)                                                                                 \
+  do {                                                                                           \
+    cudaError_t e_ = (call);                                                                     \
+    if (e_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                              \
+    }                                                                                            \
+  } while (0)
+#define NK(call)                                                                                 \
+  do {                                                                                           \
+    ncclResult_t r_ = (call);                                                                    \
+    if (r_ != ncclSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_)); \
+      std::exit(1);                                                                              \
+    }                                                                                            \
+  } while (0)
+
+constexpr int kThreads = 512;
+constexpr int kMaxCtas = 64;
+
+__device__ __forceinline__ uint32_t pattern(int src, int dst, size_t word) {
+  return static_cast<uint32_t>(word * 2654435761u) ^ (static_cast<uint32_t>(src) << 24) ^ (static_cast<uint32_t>(dst) << 16);
+}
+
+__global__ void fill_kernel(uint4* send, int rank, int ranks, size_t words_per_peer) {
+  const size_t n = words_per_peer / 4 * ranks;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int dst = static_cast<int>(i / (words_per_peer / 4));
+    const size_t w = (i % (words_per_peer / 4)) * 4;
+    send[i] = make_uint4(pattern(rank, dst, w), pattern(rank, dst, w + 1), pattern(rank, dst, w + 2), pattern(rank, dst, w + 3));
+  }
+}
+
+// Block q of `send` (bytes_per_peer) goes to peer q's window at offset rank * bytes_per_peer.
+// Peers are visited starting after this rank, so the ranks do not all write to one peer at once.
+__global__ void __launch_bounds__(kThreads) exchange_kernel(const uint4* send, ncclWindow_t win, size_t bytes_per_peer,
+                                                            ncclDevComm comm) {
+  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), comm, ncclTeamLsa(comm), comm.lsaBarrier, blockIdx.x};
+  bar.sync(ncclCoopCta(), cuda::memory_order_relaxed);  // the peers' windows are free to be written
+  const int rank = comm.rank, ranks = comm.nRanks;
+  const size_t vecs = bytes_per_peer / 16;
+  for (int i = 1; i <= ranks; ++i) {
+    const int peer = (rank + i) % ranks;
+    uint4* dst = static_cast<uint4*>(ncclGetLsaPointer(win, static_cast<size_t>(rank) * bytes_per_peer, peer));
+    const uint4* src = send + static_cast<size_t>(peer) * vecs;
+    for (size_t v = blockIdx.x * blockDim.x + threadIdx.x; v < vecs; v += static_cast<size_t>(gridDim.x) * blockDim.x)
+      dst[v] = src[v];
+  }
+  bar.sync(ncclCoopCta(), cuda::memory_order_release);  // every store of every rank has landed
+}
+
+__global__ void check_kernel(const uint32_t* recv, int rank, int ranks, size_t words_per_peer, unsigned long long* bad) {
+  const size_t n = words_per_peer * ranks;
+  unsigned long long b = 0;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    b += recv[i] != pattern(static_cast<int>(i / words_per_peer), rank, i % words_per_peer);
+  if (b) atomicAdd(bad, b);
+}
+
+struct Result {
+  float ms[8] = {};
+  unsigned long long bad = 0;
+};
+
+void run_rank(int rank, int ranks, ncclUniqueId id, size_t bytes_per_peer, int iters, const std::vector<int>& ctas,
+              Result* out) {
+  CK(cudaSetDevice(rank));
+  ncclComm_t comm;
+  NK(ncclCommInitRank(&comm, ranks, id, rank));
+  void *send = nullptr, *recv = nullptr;
+  CK(cudaMalloc(&send, bytes_per_peer * ranks));
+  NK(ncclMemAlloc(&recv, bytes_per_peer * ranks));
+  ncclWindow_t win;
+  NK(ncclCommWindowRegister(comm, recv, bytes_per_peer * ranks, &win, NCCL_WIN_COLL_SYMMETRIC));
+  ncclDevComm dev;
+  ncclDevCommRequirements reqs = {};  // NCCL 2.28: a plain struct, zero meaning "none"
+  reqs.lsaBarrierCount = kMaxCtas;
+  NK(ncclDevCommCreate(comm, &reqs, &dev));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  fill_kernel<<<264, 256, 0, s>>>(static_cast<uint4*>(send), rank, ranks, bytes_per_peer / 4);
+  cudaEvent_t t0, t1;
+  CK(cudaEventCreate(&t0));
+  CK(cudaEventCreate(&t1));
+  unsigned long long* bad = nullptr;
+  CK(cudaMalloc(&bad, sizeof(*bad)));
+  for (size_t c = 0; c < ctas.size(); ++c) {
+    CK(cudaMemsetAsync(recv, 0, bytes_per_peer * ranks, s));
+    CK(cudaMemsetAsync(bad, 0, sizeof(*bad), s));
+    exchange_kernel<<<ctas[c], kThreads, 0, s>>>(static_cast<const uint4*>(send), win, bytes_per_peer, dev);  // warm-up
+    check_kernel<<<264, 256, 0, s>>>(static_cast<const uint32_t*>(recv), rank, ranks, bytes_per_peer / 4, bad);
+    unsigned long long h = 0;
+    CK(cudaMemcpyAsync(&h, bad, sizeof(h), cudaMemcpyDeviceToHost, s));
+    CK(cudaStreamSynchronize(s));
+    out->bad += h;
+    CK(cudaEventRecord(t0, s));
+    for (int i = 0; i < iters; ++i)
+      exchange_kernel<<<ctas[c], kThreads, 0, s>>>(static_cast<const uint4*>(send), win, bytes_per_peer, dev);
+    CK(cudaEventRecord(t1, s));
+    CK(cudaEventSynchronize(t1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, t0, t1));
+    out->ms[c] = ms / iters;
+  }
+  NK(ncclDevCommDestroy(comm, &dev));
+  NK(ncclCommWindowDeregister(comm, win));
+  NK(ncclMemFree(recv));
+  CK(cudaFree(send));
+  CK(cudaFree(bad));
+  NK(ncclCommDestroy(comm));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const size_t mib = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 32;
+  const int iters = argc > 2 ? std::atoi(argv[2]) : 20;
+  int ranks = 0;
+  CK(cudaGetDeviceCount(&ranks));
+  if (ranks < 2) {
+    std::printf("ep-lsa-bench needs at least 2 GPUs (found %d)\n", ranks);
+    return 77;
+  }
+  int version = 0;
+  NK(ncclGetVersion(&version));
+  const size_t bytes = mib << 20;
+  const std::vector<int> ctas = {4, 8, 16, 32, 64};
+  ncclUniqueId id;
+  NK(ncclGetUniqueId(&id));
+  std::vector<Result> res(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) threads.emplace_back(run_rank, r, ranks, id, bytes, iters, ctas, &res[r]);
+  for (std::thread& t : threads) t.join();
+  unsigned long long bad = 0;
+  for (const Result& r : res) bad += r.bad;
+  std::printf("NCCL %d (headers %d), %d GPUs, %zu MiB to each peer, %d iterations\n", version, NCCL_VERSION_CODE, ranks,
+              mib, iters);
+  std::printf("| CTAs (x %d threads) | ms per exchange (slowest rank) | GB/s sent to peers per GPU |\n|---|---|---|\n",
+              kThreads);
+  for (size_t c = 0; c < ctas.size(); ++c) {
+    float ms = 0;
+    for (const Result& r : res) ms = std::max(ms, r.ms[c]);
+    std::printf("| %d | %.3f | %.1f |\n", ctas[c], ms, static_cast<double>(bytes) * (ranks - 1) / (ms * 1e-3) / 1e9);
+  }
+  std::printf("received bytes checked: %s (%llu bad words)\n", bad ? "FAIL" : "all equal", bad);
+  return bad ? 1 : 0;
+}
