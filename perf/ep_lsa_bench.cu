@@ -2,13 +2,16 @@
 // Every GPU of the machine is a rank (one thread each, one NCCL communicator made from a unique
 // id); each rank's kernel stores a block of S bytes into every peer's symmetric window (NCCL
 // device API: ncclGetLsaPointer on a window from ncclMemAlloc + ncclCommWindowRegister) with
-// 16-byte stores from C CTAs, then meets the peers at an LSA barrier. It checks every received
-// byte and prints, per CTA count, the time of one exchange and the bytes sent to peers per
-// second per GPU (the all-to-all bandwidth that dispatch and combine can reach).
+// 16-byte stores from C CTAs, or with bulk copies through shared memory, then meets the peers at
+// an LSA barrier. It checks every received byte and prints, per CTA count and way of storing,
+// the time of one exchange and the bytes sent to peers per second per GPU (the all-to-all
+// bandwidth that dispatch and combine can reach).
 // Usage: ep-lsa-bench [MiB per peer, default 32] [iterations, default 20]
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <nccl_device.h>
+
+#include <cuda/ptx>
 
 #include <algorithm>
 #include <cstdio>
@@ -69,6 +72,61 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(const uint4* send, n
   bar.sync(ncclCoopCta(), cuda::memory_order_release);  // every store of every rank has landed
 }
 
+// The same exchange by bulk copies: one thread per CTA loads a chunk of the send block into a
+// shared-memory stage (cp.async.bulk, completing on the stage's mbarrier) and stores it into the
+// peer's window (cp.async.bulk shared -> global), with kStages chunks in flight, so each SM keeps
+// far more bytes on NVLink than its threads' 16-byte stores can.
+constexpr int kStages = 4;
+constexpr uint32_t kChunk = 32 << 10;
+constexpr int kTmaSmem = kStages * kChunk + kStages * 8;
+
+__global__ void __launch_bounds__(32) exchange_tma_kernel(const uint4* send, ncclWindow_t win, size_t bytes_per_peer,
+                                                          ncclDevComm comm) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kChunk);
+  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), comm, ncclTeamLsa(comm), comm.lsaBarrier, blockIdx.x};
+  bar.sync(ncclCoopCta(), cuda::memory_order_relaxed);
+  if (threadIdx.x == 0) {
+    const uint32_t chunk = kChunk;  // the copies take their size by reference
+    for (int i = 0; i < kStages; ++i) cuda::ptx::mbarrier_init(&full[i], 1);
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+    const int rank = comm.rank, ranks = comm.nRanks;
+    const size_t chunks_per_peer = bytes_per_peer / kChunk, total = chunks_per_peer * ranks;
+    // This CTA's chunks are c = blockIdx.x + it * gridDim.x; chunk c's peer and offset.
+    auto peer_of = [&](size_t c) { return (rank + 1 + static_cast<int>(c / chunks_per_peer)) % ranks; };
+    auto load = [&](uint32_t it) {
+      const size_t c = blockIdx.x + static_cast<size_t>(it) * gridDim.x;
+      if (c >= total) return;
+      const uint32_t st = it % kStages;
+      cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
+                                           &full[st], chunk);
+      cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, smem + st * kChunk,
+                               reinterpret_cast<const unsigned char*>(send) +
+                                   static_cast<size_t>(peer_of(c)) * bytes_per_peer + (c % chunks_per_peer) * kChunk,
+                               chunk, &full[st]);
+    };
+    // Loads run kAhead chunks ahead of the stores; a stage is reloaded once the store that read
+    // it kStages - kAhead chunks earlier has finished reading it.
+    constexpr uint32_t kAhead = kStages / 2;
+    for (uint32_t i = 0; i < kAhead; ++i) load(i);
+    for (uint32_t it = 0; blockIdx.x + static_cast<size_t>(it) * gridDim.x < total; ++it) {
+      const size_t c = blockIdx.x + static_cast<size_t>(it) * gridDim.x;
+      const uint32_t st = it % kStages;
+      while (!cuda::ptx::mbarrier_try_wait_parity(&full[st], (it / kStages) & 1)) {
+      }
+      unsigned char* dst = static_cast<unsigned char*>(
+          ncclGetLsaPointer(win, static_cast<size_t>(rank) * bytes_per_peer + (c % chunks_per_peer) * kChunk, peer_of(c)));
+      cuda::ptx::cp_async_bulk(cuda::ptx::space_global, cuda::ptx::space_shared, dst, smem + st * kChunk, chunk);
+      cuda::ptx::cp_async_bulk_commit_group();
+      cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<kStages - kAhead - 1>{});
+      load(it + kAhead);
+    }
+    cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{});  // every store complete
+  }
+  __syncthreads();
+  bar.sync(ncclCoopCta(), cuda::memory_order_release);
+}
+
 __global__ void check_kernel(const uint32_t* recv, int rank, int ranks, size_t words_per_peer, unsigned long long* bad) {
   const size_t n = words_per_peer * ranks;
   unsigned long long b = 0;
@@ -78,7 +136,7 @@ __global__ void check_kernel(const uint32_t* recv, int rank, int ranks, size_t w
 }
 
 struct Result {
-  float ms[8] = {};
+  float ms[2][8] = {};
   unsigned long long bad = 0;
 };
 
@@ -104,24 +162,30 @@ void run_rank(int rank, int ranks, ncclUniqueId id, size_t bytes_per_peer, int i
   CK(cudaEventCreate(&t1));
   unsigned long long* bad = nullptr;
   CK(cudaMalloc(&bad, sizeof(*bad)));
-  for (size_t c = 0; c < ctas.size(); ++c) {
-    CK(cudaMemsetAsync(recv, 0, bytes_per_peer * ranks, s));
-    CK(cudaMemsetAsync(bad, 0, sizeof(*bad), s));
-    exchange_kernel<<<ctas[c], kThreads, 0, s>>>(static_cast<const uint4*>(send), win, bytes_per_peer, dev);  // warm-up
-    check_kernel<<<264, 256, 0, s>>>(static_cast<const uint32_t*>(recv), rank, ranks, bytes_per_peer / 4, bad);
-    unsigned long long h = 0;
-    CK(cudaMemcpyAsync(&h, bad, sizeof(h), cudaMemcpyDeviceToHost, s));
-    CK(cudaStreamSynchronize(s));
-    out->bad += h;
-    CK(cudaEventRecord(t0, s));
-    for (int i = 0; i < iters; ++i)
-      exchange_kernel<<<ctas[c], kThreads, 0, s>>>(static_cast<const uint4*>(send), win, bytes_per_peer, dev);
-    CK(cudaEventRecord(t1, s));
-    CK(cudaEventSynchronize(t1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, t0, t1));
-    out->ms[c] = ms / iters;
-  }
+  CK(cudaFuncSetAttribute(exchange_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmem));
+  auto launch = [&](int mode, int n) {
+    if (mode == 0) exchange_kernel<<<n, kThreads, 0, s>>>(static_cast<const uint4*>(send), win, bytes_per_peer, dev);
+    else exchange_tma_kernel<<<n, 32, kTmaSmem, s>>>(static_cast<const uint4*>(send), win, bytes_per_peer, dev);
+  };
+  for (int mode = 0; mode < 2; ++mode)
+    for (size_t c = 0; c < ctas.size(); ++c) {
+      CK(cudaMemsetAsync(recv, 0, bytes_per_peer * ranks, s));
+      CK(cudaMemsetAsync(bad, 0, sizeof(*bad), s));
+      launch(mode, ctas[c]);  // warm-up, then checked
+      CK(cudaGetLastError());
+      check_kernel<<<264, 256, 0, s>>>(static_cast<const uint32_t*>(recv), rank, ranks, bytes_per_peer / 4, bad);
+      unsigned long long h = 0;
+      CK(cudaMemcpyAsync(&h, bad, sizeof(h), cudaMemcpyDeviceToHost, s));
+      CK(cudaStreamSynchronize(s));
+      out->bad += h;
+      CK(cudaEventRecord(t0, s));
+      for (int i = 0; i < iters; ++i) launch(mode, ctas[c]);
+      CK(cudaEventRecord(t1, s));
+      CK(cudaEventSynchronize(t1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, t0, t1));
+      out->ms[mode][c] = ms / iters;
+    }
   NK(ncclDevCommDestroy(comm, &dev));
   NK(ncclCommWindowDeregister(comm, win));
   NK(ncclMemFree(recv));
@@ -155,13 +219,14 @@ int main(int argc, char** argv) {
   for (const Result& r : res) bad += r.bad;
   std::printf("NCCL %d (headers %d), %d GPUs, %zu MiB to each peer, %d iterations\n", version, NCCL_VERSION_CODE, ranks,
               mib, iters);
-  std::printf("| CTAs (x %d threads) | ms per exchange (slowest rank) | GB/s sent to peers per GPU |\n|---|---|---|\n",
-              kThreads);
-  for (size_t c = 0; c < ctas.size(); ++c) {
-    float ms = 0;
-    for (const Result& r : res) ms = std::max(ms, r.ms[c]);
-    std::printf("| %d | %.3f | %.1f |\n", ctas[c], ms, static_cast<double>(bytes) * (ranks - 1) / (ms * 1e-3) / 1e9);
-  }
+  std::printf("| CTAs | stores | ms per exchange (slowest rank) | GB/s sent to peers per GPU |\n|---|---|---|---|\n");
+  for (int mode = 0; mode < 2; ++mode)
+    for (size_t c = 0; c < ctas.size(); ++c) {
+      float ms = 0;
+      for (const Result& r : res) ms = std::max(ms, r.ms[mode][c]);
+      std::printf("| %d | %s | %.3f | %.1f |\n", ctas[c], mode ? "bulk copies, 32 KiB, 2 loads + 2 stores in flight" : "16-byte, 512 threads",
+                  ms, static_cast<double>(bytes) * (ranks - 1) / (ms * 1e-3) / 1e9);
+    }
   std::printf("received bytes checked: %s (%llu bad words)\n", bad ? "FAIL" : "all equal", bad);
   return bad ? 1 : 0;
 }
