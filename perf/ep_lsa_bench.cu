@@ -76,10 +76,13 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(const uint4* send, n
 // shared-memory stage (cp.async.bulk, completing on the stage's mbarrier) and stores it into the
 // peer's window (cp.async.bulk shared -> global), with kStages chunks in flight, so each SM keeps
 // far more bytes on NVLink than its threads' 16-byte stores can.
-constexpr int kStages = 4;
-constexpr uint32_t kChunk = 32 << 10;
-constexpr int kTmaSmem = kStages * kChunk + kStages * 8;
+// kStages stages of kChunk bytes; loads run kAhead chunks ahead of the stores.
+template <int kStages, uint32_t kChunk, uint32_t kAhead>
+struct Bulk {
+  static constexpr int kSmem = kStages * kChunk + kStages * 8;
+};
 
+template <int kStages, uint32_t kChunk, uint32_t kAhead>
 __global__ void __launch_bounds__(32) exchange_tma_kernel(const uint4* send, ncclWindow_t win, size_t bytes_per_peer,
                                                           ncclDevComm comm) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -105,9 +108,8 @@ __global__ void __launch_bounds__(32) exchange_tma_kernel(const uint4* send, ncc
                                    static_cast<size_t>(peer_of(c)) * bytes_per_peer + (c % chunks_per_peer) * kChunk,
                                chunk, &full[st]);
     };
-    // Loads run kAhead chunks ahead of the stores; a stage is reloaded once the store that read
-    // it kStages - kAhead chunks earlier has finished reading it.
-    constexpr uint32_t kAhead = kStages / 2;
+    // A stage is reloaded once the store that read it kStages - kAhead chunks earlier has
+    // finished reading it.
     for (uint32_t i = 0; i < kAhead; ++i) load(i);
     for (uint32_t it = 0; blockIdx.x + static_cast<size_t>(it) * gridDim.x < total; ++it) {
       const size_t c = blockIdx.x + static_cast<size_t>(it) * gridDim.x;
@@ -135,8 +137,13 @@ __global__ void check_kernel(const uint32_t* recv, int rank, int ranks, size_t w
   if (b) atomicAdd(bad, b);
 }
 
+constexpr int kModes = 5;
+const char* const kModeNames[kModes] = {
+    "16-byte stores, 512 threads", "bulk, 4 x 32 KiB, loads 2 ahead", "bulk, 3 x 64 KiB, loads 1 ahead",
+    "bulk, 6 x 32 KiB, loads 3 ahead", "bulk, 3 x 64 KiB, loads 2 ahead"};
+
 struct Result {
-  float ms[2][8] = {};
+  float ms[kModes][8] = {};
   unsigned long long bad = 0;
 };
 
@@ -162,12 +169,24 @@ void run_rank(int rank, int ranks, ncclUniqueId id, size_t bytes_per_peer, int i
   CK(cudaEventCreate(&t1));
   unsigned long long* bad = nullptr;
   CK(cudaMalloc(&bad, sizeof(*bad)));
-  CK(cudaFuncSetAttribute(exchange_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmem));
+  // Mode 0: plain stores; modes 1-4: bulk copies (kModes names them).
+  auto* k1 = exchange_tma_kernel<4, 32 << 10, 2>;
+  auto* k2 = exchange_tma_kernel<3, 64 << 10, 1>;
+  auto* k3 = exchange_tma_kernel<6, 32 << 10, 3>;
+  auto* k4 = exchange_tma_kernel<3, 64 << 10, 2>;
+  CK(cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, Bulk<4, 32 << 10, 2>::kSmem));
+  CK(cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, Bulk<3, 64 << 10, 1>::kSmem));
+  CK(cudaFuncSetAttribute(k3, cudaFuncAttributeMaxDynamicSharedMemorySize, Bulk<6, 32 << 10, 3>::kSmem));
+  CK(cudaFuncSetAttribute(k4, cudaFuncAttributeMaxDynamicSharedMemorySize, Bulk<3, 64 << 10, 2>::kSmem));
   auto launch = [&](int mode, int n) {
-    if (mode == 0) exchange_kernel<<<n, kThreads, 0, s>>>(static_cast<const uint4*>(send), win, bytes_per_peer, dev);
-    else exchange_tma_kernel<<<n, 32, kTmaSmem, s>>>(static_cast<const uint4*>(send), win, bytes_per_peer, dev);
+    const uint4* src = static_cast<const uint4*>(send);
+    if (mode == 0) exchange_kernel<<<n, kThreads, 0, s>>>(src, win, bytes_per_peer, dev);
+    if (mode == 1) k1<<<n, 32, Bulk<4, 32 << 10, 2>::kSmem, s>>>(src, win, bytes_per_peer, dev);
+    if (mode == 2) k2<<<n, 32, Bulk<3, 64 << 10, 1>::kSmem, s>>>(src, win, bytes_per_peer, dev);
+    if (mode == 3) k3<<<n, 32, Bulk<6, 32 << 10, 3>::kSmem, s>>>(src, win, bytes_per_peer, dev);
+    if (mode == 4) k4<<<n, 32, Bulk<3, 64 << 10, 2>::kSmem, s>>>(src, win, bytes_per_peer, dev);
   };
-  for (int mode = 0; mode < 2; ++mode)
+  for (int mode = 0; mode < kModes; ++mode)
     for (size_t c = 0; c < ctas.size(); ++c) {
       CK(cudaMemsetAsync(recv, 0, bytes_per_peer * ranks, s));
       CK(cudaMemsetAsync(bad, 0, sizeof(*bad), s));
@@ -208,7 +227,7 @@ int main(int argc, char** argv) {
   int version = 0;
   NK(ncclGetVersion(&version));
   const size_t bytes = mib << 20;
-  const std::vector<int> ctas = {4, 8, 16, 32, 64};
+  const std::vector<int> ctas = {4, 8, 16, 32};
   ncclUniqueId id;
   NK(ncclGetUniqueId(&id));
   std::vector<Result> res(ranks);
@@ -220,12 +239,12 @@ int main(int argc, char** argv) {
   std::printf("NCCL %d (headers %d), %d GPUs, %zu MiB to each peer, %d iterations\n", version, NCCL_VERSION_CODE, ranks,
               mib, iters);
   std::printf("| CTAs | stores | ms per exchange (slowest rank) | GB/s sent to peers per GPU |\n|---|---|---|---|\n");
-  for (int mode = 0; mode < 2; ++mode)
+  for (int mode = 0; mode < kModes; ++mode)
     for (size_t c = 0; c < ctas.size(); ++c) {
       float ms = 0;
       for (const Result& r : res) ms = std::max(ms, r.ms[mode][c]);
-      std::printf("| %d | %s | %.3f | %.1f |\n", ctas[c], mode ? "bulk copies, 32 KiB, 2 loads + 2 stores in flight" : "16-byte, 512 threads",
-                  ms, static_cast<double>(bytes) * (ranks - 1) / (ms * 1e-3) / 1e9);
+      std::printf("| %d | %s | %.3f | %.1f |\n", ctas[c], kModeNames[mode], ms,
+                  static_cast<double>(bytes) * (ranks - 1) / (ms * 1e-3) / 1e9);
     }
   std::printf("received bytes checked: %s (%llu bad words)\n", bad ? "FAIL" : "all equal", bad);
   return bad ? 1 : 0;
