@@ -1,0 +1,38 @@
+// The expert-parallel layer's forward on the host (docs/ep.md, "A step"), over any Transport:
+// the reference that the device path is tested against and what an EP handle on the CPU runs.
+// Inputs are fp32 activations and the rank's routing; the weights are the rank's local experts
+// in any float dtype and either layout (core/view.hpp), as the CPU engine reads them.
+#pragma once
+
+#include <cstdint>
+
+#include "core/config.hpp"
+#include "core/view.hpp"
+#include "ep/send_plan.hpp"
+#include "ep/transport.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace ep {
+
+struct HostForwardArgs {
+  Activation activation = Activation::kSwiglu;
+  int64_t hidden = 0;  // d
+  int64_t ffn = 0;     // h
+  int32_t top_k = 0;
+  int64_t tokens = 0;               // L, this rank's
+  const float* x = nullptr;         // [L, d]
+  const int32_t* topk_ids = nullptr;  // [L, k], global expert ids, distinct per token
+  const float* gates = nullptr;     // [L, k]
+  View w_gate_up;                   // [E_loc, d, g h]: this rank's experts
+  View w_down;                      // [E_loc, h, d]
+};
+
+// Collective. y [L, d]: for each token, sum over the ranks owning its experts, in rank order, of
+// that rank's sum over the token's experts there, in expert-id order, of gate * expert(x).
+// fp32 throughout (the experts' GEMMs through experts/expert_mlp, fp32 accumulation).
+void host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, float* y);
+
+}  // namespace ep
+}  // namespace v0
+}  // namespace moeblaze
