@@ -1,4 +1,5 @@
-// The expert-parallel layer's forward on the host (docs/ep.md, "A step"), over any Transport:
+// The expert-parallel layer's forward and backward on the host (docs/ep.md, "A step"), over any
+// Transport:
 // the reference that the device path is tested against and what an EP handle on the CPU runs.
 // Inputs are fp32 activations and the rank's routing; the weights are the rank's local experts
 // in any float dtype and either layout (core/view.hpp), as the CPU engine reads them.
@@ -32,6 +33,22 @@ struct HostForwardArgs {
 // that rank's sum over the token's experts there, in expert-id order, of gate * expert(x).
 // fp32 throughout (the experts' GEMMs through experts/expert_mlp, fp32 accumulation).
 void host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, float* y);
+
+// The backward's outputs, all overwritten: dx [L, d] (the expert path's part), dgates [L, k],
+// and this rank's experts' weight gradients, dense fp32: dw_gate_up [E_loc, d, g h] and
+// dw_down [E_loc, h, d], summed over every rank's rows in receive order.
+struct HostBackwardOut {
+  float* dx = nullptr;
+  float* dgates = nullptr;
+  float* dw_gate_up = nullptr;
+  float* dw_down = nullptr;
+};
+
+// Collective, given dy [L, d]: dispatches x again beside dy (no saved state), recomputes each
+// expert's up GEMM and activation, and returns each row's partial dx (its experts in id order)
+// and gate gradients <dy, o_e> to the token's rank, which sums the partial dx in rank order.
+void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a, const float* dy,
+                   const HostBackwardOut& out);
 
 }  // namespace ep
 }  // namespace v0

@@ -1,0 +1,181 @@
+#include "ep/host_layer.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "ep/exchange.hpp"
+#include "experts/expert_mlp.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace ep {
+
+void host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, float* y) {
+  const int64_t d = a.hidden, h = a.ffn, gh = (is_gated(a.activation) ? 2 : 1) * h;
+  const int32_t k = a.top_k;
+  const SendPlan sp = make_send_plan(pl, a.topk_ids, a.tokens, k);
+  const std::vector<int64_t> recv_off = exchange_counts(tr, sp);
+  const int64_t R = recv_off.back();
+  // A row's record: its x, then per row slot its local expert (as a float; -1 past its experts)
+  // and gate.
+  const int64_t rec = d + 2 * sp.row_slots;
+  std::vector<float> send(static_cast<size_t>(sp.sends()) * rec), recv(static_cast<size_t>(R) * rec);
+  for (int32_t s = 0; s < sp.sends(); ++s) {
+    float* r = &send[static_cast<size_t>(s) * rec];
+    const int64_t t = sp.token[s];
+    std::memcpy(r, a.x + t * d, d * sizeof(float));
+    for (int32_t i = 0; i < sp.row_slots; ++i) {
+      const int32_t slot = sp.topk_slot[static_cast<size_t>(s) * sp.row_slots + i];
+      r[d + 2 * i] = static_cast<float>(sp.local_expert[static_cast<size_t>(s) * sp.row_slots + i]);
+      r[d + 2 * i + 1] = slot >= 0 ? a.gates[t * k + slot] : 0.f;
+    }
+  }
+  dispatch_rows(tr, sp, recv_off, send.data(), rec * static_cast<int64_t>(sizeof(float)), recv.data());
+
+  // The local experts, in id order, each over the received rows that feed it; a row's partial
+  // sum so gathers its experts in id order.
+  std::vector<float> partial(static_cast<size_t>(R) * d, 0.f);
+  std::vector<int64_t> rows;
+  std::vector<float> gate, xe, pre, act, out;
+  std::vector<float> scratch(std::max<int64_t>({experts::kColBlock, d, gh}));
+  for (int32_t e = 0; e < pl.experts_per_rank(); ++e) {
+    rows.clear();
+    gate.clear();
+    for (int64_t i = 0; i < R; ++i) {
+      const float* r = &recv[static_cast<size_t>(i) * rec];
+      for (int32_t j = 0; j < sp.row_slots; ++j)
+        if (r[d + 2 * j] == static_cast<float>(e)) {
+          rows.push_back(i);
+          gate.push_back(r[d + 2 * j + 1]);
+        }
+    }
+    const int64_t n = static_cast<int64_t>(rows.size());
+    if (n == 0) continue;
+    xe.resize(n * d);
+    pre.resize(n * gh);
+    act.resize(n * h);
+    out.resize(n * d);
+    for (int64_t r = 0; r < n; ++r) std::memcpy(&xe[r * d], &recv[static_cast<size_t>(rows[r]) * rec], d * sizeof(float));
+    experts::gemm_weight(n, gh, d, xe.data(), d, a.w_gate_up, e, false, pre.data(), gh, scratch.data());
+    experts::activation_forward(a.activation, n, h, pre.data(), act.data(), DType::kF32);
+    experts::gemm_weight(n, d, h, act.data(), h, a.w_down, e, false, out.data(), d, scratch.data());
+    for (int64_t r = 0; r < n; ++r) {
+      float* p = &partial[static_cast<size_t>(rows[r]) * d];
+      for (int64_t c = 0; c < d; ++c) p[c] += gate[r] * out[r * d + c];
+    }
+  }
+
+  std::vector<float> back(static_cast<size_t>(sp.sends()) * d);
+  return_rows(tr, sp, recv_off, partial.data(), d * static_cast<int64_t>(sizeof(float)), back.data());
+  std::fill(y, y + a.tokens * d, 0.f);
+  for (int64_t t = 0; t < a.tokens; ++t)
+    for (int32_t i = 0; i < sp.token_slots; ++i) {
+      const int32_t s = sp.token_send[t * sp.token_slots + i];
+      if (s < 0) break;
+      for (int64_t c = 0; c < d; ++c) y[t * d + c] += back[static_cast<size_t>(s) * d + c];
+    }
+}
+
+void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a, const float* dy,
+                   const HostBackwardOut& out) {
+  const int64_t d = a.hidden, h = a.ffn, gh = (is_gated(a.activation) ? 2 : 1) * h;
+  const int32_t k = a.top_k;
+  const SendPlan sp = make_send_plan(pl, a.topk_ids, a.tokens, k);
+  const std::vector<int64_t> recv_off = exchange_counts(tr, sp);
+  const int64_t R = recv_off.back();
+  // A row's record: its x and dy, then per row slot its local expert (-1 past its experts) and gate.
+  const int64_t rec = 2 * d + 2 * sp.row_slots;
+  std::vector<float> send(static_cast<size_t>(sp.sends()) * rec), recv(static_cast<size_t>(R) * rec);
+  for (int32_t s = 0; s < sp.sends(); ++s) {
+    float* r = &send[static_cast<size_t>(s) * rec];
+    const int64_t t = sp.token[s];
+    std::memcpy(r, a.x + t * d, d * sizeof(float));
+    std::memcpy(r + d, dy + t * d, d * sizeof(float));
+    for (int32_t i = 0; i < sp.row_slots; ++i) {
+      const int32_t slot = sp.topk_slot[static_cast<size_t>(s) * sp.row_slots + i];
+      r[2 * d + 2 * i] = static_cast<float>(sp.local_expert[static_cast<size_t>(s) * sp.row_slots + i]);
+      r[2 * d + 2 * i + 1] = slot >= 0 ? a.gates[t * k + slot] : 0.f;
+    }
+  }
+  dispatch_rows(tr, sp, recv_off, send.data(), rec * static_cast<int64_t>(sizeof(float)), recv.data());
+
+  // What goes back per row: its partial dx, then its gate gradients by row slot.
+  const int64_t back_rec = d + sp.row_slots;
+  std::vector<float> back_send(static_cast<size_t>(R) * back_rec, 0.f);
+  const int32_t El = pl.experts_per_rank();
+  std::fill(out.dw_gate_up, out.dw_gate_up + El * d * gh, 0.f);
+  std::fill(out.dw_down, out.dw_down + El * h * d, 0.f);
+  std::vector<int64_t> rows;
+  std::vector<int32_t> slots;
+  std::vector<float> gate, xe, dye, pre, act, o, dact, dpre, dxe;
+  std::vector<float> scratch(std::max<int64_t>({experts::kColBlock, d, gh}));
+  for (int32_t e = 0; e < El; ++e) {
+    rows.clear();
+    slots.clear();
+    gate.clear();
+    for (int64_t i = 0; i < R; ++i) {
+      const float* r = &recv[static_cast<size_t>(i) * rec];
+      for (int32_t j = 0; j < sp.row_slots; ++j)
+        if (r[2 * d + 2 * j] == static_cast<float>(e)) {
+          rows.push_back(i);
+          slots.push_back(j);
+          gate.push_back(r[2 * d + 2 * j + 1]);
+        }
+    }
+    const int64_t n = static_cast<int64_t>(rows.size());
+    if (n == 0) continue;
+    xe.resize(n * d);
+    dye.resize(n * d);
+    pre.resize(n * gh);
+    act.resize(n * h);
+    o.resize(n * d);
+    dact.resize(n * h);
+    dpre.resize(n * gh);
+    dxe.resize(n * d);
+    for (int64_t r = 0; r < n; ++r) {
+      const float* src = &recv[static_cast<size_t>(rows[r]) * rec];
+      std::memcpy(&xe[r * d], src, d * sizeof(float));
+      std::memcpy(&dye[r * d], src + d, d * sizeof(float));
+    }
+    experts::gemm_weight(n, gh, d, xe.data(), d, a.w_gate_up, e, false, pre.data(), gh, scratch.data());
+    experts::activation_forward(a.activation, n, h, pre.data(), act.data(), DType::kF32);
+    experts::gemm_weight(n, d, h, act.data(), h, a.w_down, e, false, o.data(), d, scratch.data());
+    experts::gemm_weight(n, h, d, dye.data(), d, a.w_down, e, true, dact.data(), h, scratch.data());
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < h; ++c) dact[r * h + c] *= gate[r];
+    experts::activation_backward(a.activation, n, h, pre.data(), dact.data(), dpre.data(), DType::kF32);
+    experts::gemm_weight(n, d, gh, dpre.data(), gh, a.w_gate_up, e, true, dxe.data(), d, scratch.data());
+    float* dwgu = out.dw_gate_up + e * d * gh;
+    float* dwd = out.dw_down + e * h * d;
+    for (int64_t r = 0; r < n; ++r) {
+      float* b = &back_send[static_cast<size_t>(rows[r]) * back_rec];
+      for (int64_t c = 0; c < d; ++c) b[c] += dxe[r * d + c];
+      b[d + slots[r]] = experts::dot(&dye[r * d], &o[r * d], d);
+      for (int64_t i = 0; i < d; ++i)
+        for (int64_t j = 0; j < gh; ++j) dwgu[i * gh + j] += xe[r * d + i] * dpre[r * gh + j];
+      for (int64_t i = 0; i < h; ++i)
+        for (int64_t c = 0; c < d; ++c) dwd[i * d + c] += gate[r] * act[r * h + i] * dye[r * d + c];
+    }
+  }
+
+  std::vector<float> back(static_cast<size_t>(sp.sends()) * back_rec);
+  return_rows(tr, sp, recv_off, back_send.data(), back_rec * static_cast<int64_t>(sizeof(float)), back.data());
+  std::fill(out.dx, out.dx + a.tokens * d, 0.f);
+  std::fill(out.dgates, out.dgates + a.tokens * k, 0.f);
+  for (int64_t t = 0; t < a.tokens; ++t)
+    for (int32_t i = 0; i < sp.token_slots; ++i) {
+      const int32_t s = sp.token_send[t * sp.token_slots + i];
+      if (s < 0) break;
+      const float* b = &back[static_cast<size_t>(s) * back_rec];
+      for (int64_t c = 0; c < d; ++c) out.dx[t * d + c] += b[c];
+      for (int32_t j = 0; j < sp.row_slots; ++j) {
+        const int32_t slot = sp.topk_slot[static_cast<size_t>(s) * sp.row_slots + j];
+        if (slot >= 0) out.dgates[t * k + slot] = b[d + j];
+      }
+    }
+}
+
+}  // namespace ep
+}  // namespace v0
+}  // namespace moeblaze
