@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "ep/exchange.hpp"
@@ -11,45 +12,71 @@ namespace moeblaze {
 inline namespace v0 {
 namespace ep {
 
+namespace {
+
+// Each send's record: the token's rows of `sources` (d floats each), then per row slot its local
+// expert (as a float; -1 past the row's experts) and gate.
+std::vector<float> pack_records(const SendPlan& sp, const HostForwardArgs& a, std::initializer_list<const float*> sources) {
+  const int64_t d = a.hidden, meta = d * static_cast<int64_t>(sources.size()), rec = meta + 2 * sp.row_slots;
+  std::vector<float> send(static_cast<size_t>(sp.sends()) * rec);
+  for (int32_t s = 0; s < sp.sends(); ++s) {
+    float* r = &send[static_cast<size_t>(s) * rec];
+    const int64_t t = sp.token[s];
+    int64_t at = 0;
+    for (const float* src : sources) {
+      std::memcpy(r + at, src + t * d, d * sizeof(float));
+      at += d;
+    }
+    for (int32_t i = 0; i < sp.row_slots; ++i) {
+      const int32_t slot = sp.topk_slot[static_cast<size_t>(s) * sp.row_slots + i];
+      r[meta + 2 * i] = static_cast<float>(sp.local_expert[static_cast<size_t>(s) * sp.row_slots + i]);
+      r[meta + 2 * i + 1] = slot >= 0 ? a.gates[t * a.top_k + slot] : 0.f;
+    }
+  }
+  return send;
+}
+
+// The received rows that feed local expert e, in receive order, with their gates and row slots
+// (records of `rec` floats, the experts and gates from float `meta` on).
+void rows_of_expert(const std::vector<float>& recv, int64_t rec, int64_t meta, int32_t row_slots, int32_t e,
+                    std::vector<int64_t>& rows, std::vector<float>& gates, std::vector<int32_t>& slots) {
+  rows.clear();
+  gates.clear();
+  slots.clear();
+  const int64_t R = static_cast<int64_t>(recv.size()) / rec;
+  for (int64_t i = 0; i < R; ++i) {
+    const float* r = &recv[static_cast<size_t>(i) * rec];
+    for (int32_t j = 0; j < row_slots; ++j)
+      if (r[meta + 2 * j] == static_cast<float>(e)) {
+        rows.push_back(i);
+        gates.push_back(r[meta + 2 * j + 1]);
+        slots.push_back(j);
+      }
+  }
+}
+
+}  // namespace
+
 void host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, float* y) {
   const int64_t d = a.hidden, h = a.ffn, gh = (is_gated(a.activation) ? 2 : 1) * h;
   const int32_t k = a.top_k;
   const SendPlan sp = make_send_plan(pl, a.topk_ids, a.tokens, k);
   const std::vector<int64_t> recv_off = exchange_counts(tr, sp);
   const int64_t R = recv_off.back();
-  // A row's record: its x, then per row slot its local expert (as a float; -1 past its experts)
-  // and gate.
-  const int64_t rec = d + 2 * sp.row_slots;
-  std::vector<float> send(static_cast<size_t>(sp.sends()) * rec), recv(static_cast<size_t>(R) * rec);
-  for (int32_t s = 0; s < sp.sends(); ++s) {
-    float* r = &send[static_cast<size_t>(s) * rec];
-    const int64_t t = sp.token[s];
-    std::memcpy(r, a.x + t * d, d * sizeof(float));
-    for (int32_t i = 0; i < sp.row_slots; ++i) {
-      const int32_t slot = sp.topk_slot[static_cast<size_t>(s) * sp.row_slots + i];
-      r[d + 2 * i] = static_cast<float>(sp.local_expert[static_cast<size_t>(s) * sp.row_slots + i]);
-      r[d + 2 * i + 1] = slot >= 0 ? a.gates[t * k + slot] : 0.f;
-    }
-  }
+  const int64_t rec = d + 2 * sp.row_slots;  // pack_records: x, then the experts and gates
+  const std::vector<float> send = pack_records(sp, a, {a.x});
+  std::vector<float> recv(static_cast<size_t>(R) * rec);
   dispatch_rows(tr, sp, recv_off, send.data(), rec * static_cast<int64_t>(sizeof(float)), recv.data());
 
   // The local experts, in id order, each over the received rows that feed it; a row's partial
   // sum so gathers its experts in id order.
   std::vector<float> partial(static_cast<size_t>(R) * d, 0.f);
   std::vector<int64_t> rows;
+  std::vector<int32_t> slots;
   std::vector<float> gate, xe, pre, act, out;
   std::vector<float> scratch(std::max<int64_t>({experts::kColBlock, d, gh}));
   for (int32_t e = 0; e < pl.experts_per_rank(); ++e) {
-    rows.clear();
-    gate.clear();
-    for (int64_t i = 0; i < R; ++i) {
-      const float* r = &recv[static_cast<size_t>(i) * rec];
-      for (int32_t j = 0; j < sp.row_slots; ++j)
-        if (r[d + 2 * j] == static_cast<float>(e)) {
-          rows.push_back(i);
-          gate.push_back(r[d + 2 * j + 1]);
-        }
-    }
+    rows_of_expert(recv, rec, d, sp.row_slots, e, rows, gate, slots);
     const int64_t n = static_cast<int64_t>(rows.size());
     if (n == 0) continue;
     xe.resize(n * d);
@@ -84,20 +111,9 @@ void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a,
   const SendPlan sp = make_send_plan(pl, a.topk_ids, a.tokens, k);
   const std::vector<int64_t> recv_off = exchange_counts(tr, sp);
   const int64_t R = recv_off.back();
-  // A row's record: its x and dy, then per row slot its local expert (-1 past its experts) and gate.
-  const int64_t rec = 2 * d + 2 * sp.row_slots;
-  std::vector<float> send(static_cast<size_t>(sp.sends()) * rec), recv(static_cast<size_t>(R) * rec);
-  for (int32_t s = 0; s < sp.sends(); ++s) {
-    float* r = &send[static_cast<size_t>(s) * rec];
-    const int64_t t = sp.token[s];
-    std::memcpy(r, a.x + t * d, d * sizeof(float));
-    std::memcpy(r + d, dy + t * d, d * sizeof(float));
-    for (int32_t i = 0; i < sp.row_slots; ++i) {
-      const int32_t slot = sp.topk_slot[static_cast<size_t>(s) * sp.row_slots + i];
-      r[2 * d + 2 * i] = static_cast<float>(sp.local_expert[static_cast<size_t>(s) * sp.row_slots + i]);
-      r[2 * d + 2 * i + 1] = slot >= 0 ? a.gates[t * k + slot] : 0.f;
-    }
-  }
+  const int64_t rec = 2 * d + 2 * sp.row_slots;  // pack_records: x, dy, then the experts and gates
+  const std::vector<float> send = pack_records(sp, a, {a.x, dy});
+  std::vector<float> recv(static_cast<size_t>(R) * rec);
   dispatch_rows(tr, sp, recv_off, send.data(), rec * static_cast<int64_t>(sizeof(float)), recv.data());
 
   // What goes back per row: its partial dx, then its gate gradients by row slot.
@@ -111,18 +127,7 @@ void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a,
   std::vector<float> gate, xe, dye, pre, act, o, dact, dpre, dxe;
   std::vector<float> scratch(std::max<int64_t>({experts::kColBlock, d, gh}));
   for (int32_t e = 0; e < El; ++e) {
-    rows.clear();
-    slots.clear();
-    gate.clear();
-    for (int64_t i = 0; i < R; ++i) {
-      const float* r = &recv[static_cast<size_t>(i) * rec];
-      for (int32_t j = 0; j < sp.row_slots; ++j)
-        if (r[2 * d + 2 * j] == static_cast<float>(e)) {
-          rows.push_back(i);
-          slots.push_back(j);
-          gate.push_back(r[2 * d + 2 * j + 1]);
-        }
-    }
+    rows_of_expert(recv, rec, 2 * d, sp.row_slots, e, rows, gate, slots);
     const int64_t n = static_cast<int64_t>(rows.size());
     if (n == 0) continue;
     xe.resize(n * d);
