@@ -120,11 +120,11 @@ void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a,
   const int64_t back_rec = d + sp.row_slots;
   std::vector<float> back_send(static_cast<size_t>(R) * back_rec, 0.f);
   const int32_t El = pl.experts_per_rank();
-  std::fill(out.dw_gate_up, out.dw_gate_up + El * d * gh, 0.f);
+  std::fill(out.dw_gate_up, out.dw_gate_up + El * d * gh, 0.f);  // experts without rows
   std::fill(out.dw_down, out.dw_down + El * h * d, 0.f);
   std::vector<int64_t> rows;
   std::vector<int32_t> slots;
-  std::vector<float> gate, xe, dye, pre, act, o, dact, dpre, dxe;
+  std::vector<float> gate, xe, dye, pre, act, o, dact, dpre, dxe, outer_a, outer_g;
   std::vector<float> scratch(std::max<int64_t>({experts::kColBlock, d, gh}));
   for (int32_t e = 0; e < El; ++e) {
     rows_of_expert(recv, rec, 2 * d, sp.row_slots, e, rows, gate, slots);
@@ -151,17 +151,29 @@ void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a,
       for (int64_t c = 0; c < h; ++c) dact[r * h + c] *= gate[r];
     experts::activation_backward(a.activation, n, h, pre.data(), dact.data(), dpre.data(), DType::kF32);
     experts::gemm_weight(n, d, gh, dpre.data(), gh, a.w_gate_up, e, true, dxe.data(), d, scratch.data());
-    float* dwgu = out.dw_gate_up + e * d * gh;
-    float* dwd = out.dw_down + e * h * d;
     for (int64_t r = 0; r < n; ++r) {
       float* b = &back_send[static_cast<size_t>(rows[r]) * back_rec];
       for (int64_t c = 0; c < d; ++c) b[c] += dxe[r * d + c];
       b[d + slots[r]] = experts::dot(&dye[r * d], &o[r * d], d);
-      for (int64_t i = 0; i < d; ++i)
-        for (int64_t j = 0; j < gh; ++j) dwgu[i * gh + j] += xe[r * d + i] * dpre[r * gh + j];
-      for (int64_t i = 0; i < h; ++i)
-        for (int64_t c = 0; c < d; ++c) dwd[i * d + c] += gate[r] * act[r * h + i] * dye[r * d + c];
     }
+    // dW_gate_up[e] = sum_r x_r (outer) dpre_r and dW_down[e] = sum_r (g_r act_r) (outer) dy_r,
+    // rows in receive order.
+    outer_a.resize(std::max(d, h));
+    outer_g.resize(std::max(d, gh));
+    experts::accumulate_outer(
+        n, d, gh,
+        [&](int64_t r, float* xa, float* ga) {
+          std::copy_n(&xe[r * d], d, xa);
+          std::copy_n(&dpre[r * gh], gh, ga);
+        },
+        out.dw_gate_up + e * d * gh, outer_a.data(), outer_g.data());
+    experts::accumulate_outer(
+        n, h, d,
+        [&](int64_t r, float* aa, float* ga) {
+          for (int64_t i = 0; i < h; ++i) aa[i] = gate[r] * act[r * h + i];
+          std::copy_n(&dye[r * d], d, ga);
+        },
+        out.dw_down + e * h * d, outer_a.data(), outer_g.data());
   }
 
   std::vector<float> back(static_cast<size_t>(sp.sends()) * back_rec);
