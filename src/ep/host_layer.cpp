@@ -55,6 +55,19 @@ void rows_of_expert(const std::vector<float>& recv, int64_t rec, int64_t meta, i
   }
 }
 
+// Expert e (local) over n rows xe [n, d]: pre [n, g h], act [n, h] and its output o [n, d],
+// each resized to fit.
+void expert_forward(const HostForwardArgs& a, int32_t e, int64_t n, const std::vector<float>& xe, std::vector<float>& pre,
+                    std::vector<float>& act, std::vector<float>& o, std::vector<float>& scratch) {
+  const int64_t d = a.hidden, h = a.ffn, gh = (is_gated(a.activation) ? 2 : 1) * h;
+  pre.resize(n * gh);
+  act.resize(n * h);
+  o.resize(n * d);
+  experts::gemm_weight(n, gh, d, xe.data(), d, a.w_gate_up, e, false, pre.data(), gh, scratch.data());
+  experts::activation_forward(a.activation, n, h, pre.data(), act.data(), DType::kF32);
+  experts::gemm_weight(n, d, h, act.data(), h, a.w_down, e, false, o.data(), d, scratch.data());
+}
+
 }  // namespace
 
 void host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, float* y) {
@@ -80,13 +93,8 @@ void host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, 
     const int64_t n = static_cast<int64_t>(rows.size());
     if (n == 0) continue;
     xe.resize(n * d);
-    pre.resize(n * gh);
-    act.resize(n * h);
-    out.resize(n * d);
     for (int64_t r = 0; r < n; ++r) std::memcpy(&xe[r * d], &recv[static_cast<size_t>(rows[r]) * rec], d * sizeof(float));
-    experts::gemm_weight(n, gh, d, xe.data(), d, a.w_gate_up, e, false, pre.data(), gh, scratch.data());
-    experts::activation_forward(a.activation, n, h, pre.data(), act.data(), DType::kF32);
-    experts::gemm_weight(n, d, h, act.data(), h, a.w_down, e, false, out.data(), d, scratch.data());
+    expert_forward(a, e, n, xe, pre, act, out, scratch);
     for (int64_t r = 0; r < n; ++r) {
       float* p = &partial[static_cast<size_t>(rows[r]) * d];
       for (int64_t c = 0; c < d; ++c) p[c] += gate[r] * out[r * d + c];
@@ -132,9 +140,6 @@ void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a,
     if (n == 0) continue;
     xe.resize(n * d);
     dye.resize(n * d);
-    pre.resize(n * gh);
-    act.resize(n * h);
-    o.resize(n * d);
     dact.resize(n * h);
     dpre.resize(n * gh);
     dxe.resize(n * d);
@@ -143,9 +148,7 @@ void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a,
       std::memcpy(&xe[r * d], src, d * sizeof(float));
       std::memcpy(&dye[r * d], src + d, d * sizeof(float));
     }
-    experts::gemm_weight(n, gh, d, xe.data(), d, a.w_gate_up, e, false, pre.data(), gh, scratch.data());
-    experts::activation_forward(a.activation, n, h, pre.data(), act.data(), DType::kF32);
-    experts::gemm_weight(n, d, h, act.data(), h, a.w_down, e, false, o.data(), d, scratch.data());
+    expert_forward(a, e, n, xe, pre, act, o, scratch);  // o: for the gate gradients <dy, o>
     experts::gemm_weight(n, h, d, dye.data(), d, a.w_down, e, true, dact.data(), h, scratch.data());
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < h; ++c) dact[r * h + c] *= gate[r];
