@@ -2,7 +2,10 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
+# ep: the expert-parallel layer on every GPU of the machine (at least 2) against the single-GPU
+# layer (tests/ep/test_ep_gpu.cpp); EP_SANITIZE="memcheck racecheck" runs it under those tools too;
+# not part of "all" (the tests mode runs it through ctest).
 # sidebyside: perf/side_by_side.py on SonicMoE's configs (SIDE_CONFIGS), with SonicMoE run first
 # through .peers/run_sonic.sh when its bundle is carried in .peers/sonic/site (not part of "all").
 # profile: the CUDA kernels of one MoEBlaze fwd+bwd through moeblaze.torch (PROFILE_CONFIG).
@@ -37,7 +40,7 @@ want() {
   for w in "${what[@]}"; do
     [ "$w" = "$1" ] && return 0
     [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && [ "$1" != sidebyside ] \
-      && [ "$1" != profile ] && [ "$1" != ncu ] && return 0
+      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && return 0
   done
   return 1
 }
@@ -88,6 +91,20 @@ if want gemm; then
   if [ "${GEMM_BENCH_ARGS:-}" != skip ]; then
     timeout 400 build-gpu/perf/grouped-gemm-bench ${GEMM_BENCH_ARGS:-} > "$OUT/gemm-bench.txt" 2> "$OUT/gemm-bench.err"
     summary+=("gemm bench: rc=$? (table below)")
+  fi
+fi
+if want ep; then
+  # the expert-parallel layer on every GPU of the machine (skipped with one) against one GPU
+  timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_gpu > "$OUT/test_ep_gpu.log" 2>&1
+  rc=$?
+  grep -vE '^  ok ' "$OUT/test_ep_gpu.log" | tail -30
+  summary+=("test_ep_gpu: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu.log") FAILED; $(tail -1 "$OUT/test_ep_gpu.log")")
+  if [ -n "${EP_SANITIZE:-}" ]; then
+    for tool in $EP_SANITIZE; do
+      timeout 500 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
+        build-gpu/tests/ep/test_ep_gpu > "$OUT/test_ep_gpu-$tool.log" 2>&1
+      summary+=("test_ep_gpu under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/test_ep_gpu-$tool.log" | tail -1)")
+    done
   fi
 fi
 if want tests; then

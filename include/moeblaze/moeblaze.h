@@ -540,6 +540,50 @@ MOEBLAZE_API moeblaze_status_t moeblaze_get_device_count(int32_t device_type, in
 MOEBLAZE_API moeblaze_status_t moeblaze_create(moeblaze_handle_t* out, moeblaze_config_t cfg);
 
 /**
+ * @brief Creates an expert-parallel layer over the ranks of an NCCL communicator
+ *        (docs/ep.md). Collective: every rank of the communicator calls it, with the same
+ *        config, at the same point of its program.
+ *
+ * The P ranks each own NUM_EXPERTS / P experts (rank r: experts [r E/P, (r+1) E/P)); the
+ * handle's W_GATE_UP, W_DOWN and their gradients hold those local experts only. Every other
+ * argument keeps its meaning for the rank's own tokens (at most MAX_TOKENS of them), and
+ * moeblaze_forward() and moeblaze_backward() on the handle are collective steps: every rank makes
+ * the same sequence of calls. A step never synchronises the host and can be captured in a CUDA
+ * graph. The layer is dropless: it receives up to P * MAX_TOKENS rows per rank.
+ * @param[out] out Receives the handle.
+ * @param[in] cfg The config (DEVICE_TYPE CUDA; DEVICE_ID the communicator rank's device).
+ * @param[in] nccl_comm The caller's ncclComm_t, borrowed: it must stay alive until
+ *            moeblaze_destroy() of every handle made on it has returned (destroy is collective
+ *            too). All its ranks must be load/store peers (one NVLink domain).
+ * @param[in] stream A cudaStream_t (NULL: the default stream) that must not be capturing:
+ *            create registers memory with NCCL and checks the ranks' configs on it, and
+ *            synchronises it.
+ * @retval MOEBLAZE_STATUS_SUCCESS Created.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT A NULL pointer, NUM_EXPERTS not divisible by the
+ *         number of ranks, configs that differ across ranks, or a capturing stream.
+ * @retval MOEBLAZE_STATUS_NOT_SUPPORTED No NCCL with the device API can be loaded, this build has
+ *         no expert parallelism (MOEBLAZE_ENABLE_EP), or the ranks are not load/store peers.
+ * @retval MOEBLAZE_STATUS_INTERNAL_ERROR NCCL failed (the message names the call).
+ * @since 0.2
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_create_ep(moeblaze_handle_t* out, moeblaze_config_t cfg, void* nccl_comm,
+                                                  void* stream);
+
+/**
+ * @brief Bytes of symmetric memory (ncclMemAlloc, registered with NCCL) that
+ *        moeblaze_create_ep() allocates on each rank for @p cfg over @p ep_size ranks; a
+ *        function of the shapes alone (docs/ep.md, "Memory").
+ * @param[in] cfg The config the layer would be created with.
+ * @param[in] ep_size The number of ranks P.
+ * @param[out] bytes Receives the size.
+ * @retval MOEBLAZE_STATUS_SUCCESS Written.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT A NULL pointer, an invalid config, or NUM_EXPERTS
+ *         not divisible by @p ep_size.
+ * @since 0.2
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_get_symmetric_size(moeblaze_config_t cfg, int32_t ep_size, size_t* bytes);
+
+/**
  * @brief Destroys a handle. The caller guarantees no in-flight work still uses it. Never
  *        fails and leaves the last error message unchanged (safe in finalizers).
  * @param[in] handle The handle, or NULL (no-op).

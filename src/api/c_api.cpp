@@ -11,6 +11,9 @@
 #include "core/layer.hpp"
 #include "cuda/device.hpp"
 #include "moeblaze/moeblaze.h"
+#if MOEBLAZE_WITH_EP
+#include "engines/ep/ep_engine.hpp"
+#endif
 
 using namespace moeblaze;
 
@@ -28,6 +31,7 @@ struct moeblaze_config_s {
 };
 struct moeblaze_handle_s {
   explicit moeblaze_handle_s(const ConfigValues& v) : layer(v) {}
+  explicit moeblaze_handle_s(Layer&& l) : layer(std::move(l)) {}
   Layer layer;
 };
 
@@ -249,6 +253,44 @@ MOEBLAZE_API moeblaze_status_t moeblaze_create(moeblaze_handle_t* out, moeblaze_
     moeblaze_handle_s* h = new moeblaze_handle_s(cfg->values);
     *out = h;
     api::log_message(MOEBLAZE_LOG_INFO, "moeblaze_create", h->layer.decision().c_str());
+  });
+}
+
+MOEBLAZE_API moeblaze_status_t moeblaze_create_ep(moeblaze_handle_t* out, moeblaze_config_t cfg, void* nccl_comm,
+                                                  void* stream) {
+  return api::guard(__func__, [&] {
+    require(out, "out");
+    *out = nullptr;
+    require(cfg, "cfg");
+    require(nccl_comm, "nccl_comm");
+#if MOEBLAZE_WITH_EP
+    LayerConfig c = LayerConfig::from_values(cfg->values);
+    EpOptions opt;
+    opt.nccl_comm = nccl_comm;
+    opt.stream = stream;
+    std::string decision;
+    std::unique_ptr<Engine> engine = make_ep_engine(c, opt, &decision);
+    moeblaze_handle_s* h = new moeblaze_handle_s(Layer(c, std::move(engine), decision));
+    *out = h;
+    api::log_message(MOEBLAZE_LOG_INFO, "moeblaze_create_ep", h->layer.decision().c_str());
+#else
+    (void)stream;
+    fail(Status::kNotSupported, "this build of libmoeblaze has no expert parallelism (CMake option MOEBLAZE_ENABLE_EP, "
+                                "which needs CUDA and NCCL's headers)");
+#endif
+  });
+}
+
+MOEBLAZE_API moeblaze_status_t moeblaze_get_symmetric_size(moeblaze_config_t cfg, int32_t ep_size, size_t* bytes) {
+  return api::guard(__func__, [&] {
+    require(cfg, "cfg");
+    require(bytes, "bytes");
+    if (ep_size < 1) fail(Status::kInvalidArgument, "ep_size = %d must be >= 1", ep_size);
+#if MOEBLAZE_WITH_EP
+    *bytes = ep_symmetric_bytes(LayerConfig::from_values(cfg->values), ep_size, 0);
+#else
+    fail(Status::kNotSupported, "this build of libmoeblaze has no expert parallelism (CMake option MOEBLAZE_ENABLE_EP)");
+#endif
   });
 }
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <nccl.h>
+#include <nccl_device.h>
 
 #include <cstdint>
 #include <string>
@@ -35,7 +36,9 @@ namespace comm {
   X(send, ncclSend)                                   \
   X(recv, ncclRecv)                                   \
   X(group_start, ncclGroupStart)                      \
-  X(group_end, ncclGroupEnd)
+  X(group_end, ncclGroupEnd)                          \
+  X(dev_comm_create, ncclDevCommCreate)               \
+  X(dev_comm_destroy, ncclDevCommDestroy)
 
 struct NcclApi {
 #define MOEBLAZE_NCCL_MEMBER(member, symbol) decltype(&symbol) member;

@@ -96,8 +96,9 @@ int expected_shape(const LayerConfig& cfg, ArgKind k, int64_t L, int64_t* s) {
       s[0] = L; s[1] = d; return 2;
     case ArgKind::kRouterWeight: case ArgKind::kGradRouterWeight: s[0] = E; s[1] = d; return 2;
     case ArgKind::kRouterLogits: case ArgKind::kGradRouterLogits: s[0] = L; s[1] = E; return 2;
-    case ArgKind::kWGateUp: case ArgKind::kGradWGateUp: s[0] = E; s[1] = d; s[2] = cfg.gate_up_cols(); return 3;
-    case ArgKind::kWDown: case ArgKind::kGradWDown: s[0] = E; s[1] = h; s[2] = d; return 3;
+    // The handle's own experts: all of them, or an expert-parallel rank's E / P.
+    case ArgKind::kWGateUp: case ArgKind::kGradWGateUp: s[0] = cfg.local_experts(); s[1] = d; s[2] = cfg.gate_up_cols(); return 3;
+    case ArgKind::kWDown: case ArgKind::kGradWDown: s[0] = cfg.local_experts(); s[1] = h; s[2] = d; return 3;
     case ArgKind::kTopkIndices: case ArgKind::kTopkWeights: case ArgKind::kGradTopkWeights:
       s[0] = L; s[1] = K; return 2;
     case ArgKind::kTokensPerExpert: s[0] = E; return 1;

@@ -70,8 +70,16 @@ struct LayerConfig {
   EngineKind engine;
   int32_t num_threads;
   int64_t window_tokens;  // 0: automatic (engines/fused/window.hpp)
+  // Internal, never an attribute: caller ids may be -1, an empty slot that routes nothing (no
+  // expert row, nothing added to y, a zero gate gradient). The expert-parallel layer's local
+  // experts run on received rows that feed 1..k of them.
+  bool empty_slots = false;
+  // Internal: the expert-parallel group's size P (moeblaze_create_ep); the handle's weights hold
+  // num_experts / P local experts.
+  int32_t ep_ranks = 1;
 
   int64_t gate_up_cols() const { return (is_gated(activation) ? 2 : 1) * ffn_hidden; }
+  int64_t local_experts() const { return num_experts / ep_ranks; }
   // Checks required attributes and cross-attribute rules; throws Error.
   static LayerConfig from_values(const ConfigValues& v);
   ConfigValues to_values() const;

@@ -9,6 +9,7 @@
 
 #include "core/args.hpp"
 #include "core/config.hpp"
+#include "core/memory_layout.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -24,6 +25,11 @@ class Engine {
   virtual void backward(const CallArgs& args, const void* saved, void* workspace,
                         void* stream) const = 0;
   virtual void route(const CallArgs& args, void* workspace, void* stream) const = 0;
+  // Saved bytes of a training forward of num_tokens: the shared layout (core/memory_layout),
+  // unless the engine keeps more (the expert-parallel layer).
+  virtual size_t saved_size(const LayerConfig& cfg, int64_t num_tokens) const {
+    return carve_saved(cfg, num_tokens, nullptr).bytes;
+  }
 };
 
 // Resolves the device and ENGINE attribute through the registry (src/engines/registry.cpp:

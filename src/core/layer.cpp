@@ -29,7 +29,7 @@ size_t Layer::workspace_size(Pass pass, int64_t L) const {
 
 size_t Layer::saved_size(int64_t L) const {
   check_tokens(L);
-  return carve_saved(cfg_, L, nullptr).bytes;
+  return engine_->saved_size(cfg_, L);
 }
 
 void Layer::check_buffer(const char* what, const void* p, size_t have, size_t need) const {

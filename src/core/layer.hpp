@@ -16,6 +16,9 @@ inline namespace v0 {
 class Layer {
  public:
   explicit Layer(const ConfigValues& values);
+  // A layer whose engine was made elsewhere (the expert-parallel layer: engines/ep).
+  Layer(const LayerConfig& cfg, std::unique_ptr<Engine> engine, std::string decision)
+      : cfg_(cfg), engine_(std::move(engine)), decision_(std::move(decision)) {}
   const LayerConfig& config() const { return cfg_; }
   const Engine& engine() const { return *engine_; }
   // What create decided (engine, device, why others were passed over), one line.

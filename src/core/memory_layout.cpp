@@ -36,7 +36,7 @@ uint64_t header_check(const SavedHeader& s) {
 uint64_t saved_fingerprint(const LayerConfig& c) {
   // Everything that decides the saved layout or how backward reads it. Not MAX_TOKENS (the
   // layout depends on L alone), NUM_THREADS (results do not) or the loss coefficients.
-  return Fnv()
+  Fnv f = Fnv()
       .add(static_cast<uint64_t>(c.num_experts))
       .add(static_cast<uint64_t>(c.top_k))
       .add(static_cast<uint64_t>(c.hidden))
@@ -48,8 +48,11 @@ uint64_t saved_fingerprint(const LayerConfig& c) {
       .add(static_cast<uint64_t>(c.weight_dtype))
       .add(static_cast<uint64_t>(c.save_policy))
       .add(static_cast<uint64_t>(c.engine))
-      .add(static_cast<uint64_t>(static_cast<uint32_t>(c.device_type)))
-      .h;
+      .add(static_cast<uint64_t>(static_cast<uint32_t>(c.device_type)));
+  // Only when set, so that every single-GPU layer's value is unchanged.
+  if (c.empty_slots) f.add(0x656d707479ull);
+  if (c.ep_ranks != 1) f.add(static_cast<uint64_t>(c.ep_ranks));
+  return f.h;
 }
 
 SavedHeader make_saved_header(const LayerConfig& cfg, int64_t L) {

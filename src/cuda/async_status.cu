@@ -33,8 +33,14 @@ __global__ void poison_kernel(const int32_t* flag, T* data, int64_t n0, int64_t 
   }
 }
 
-__global__ void status_kernel(const int32_t* flag, int32_t* status) {
-  *status = *flag ? static_cast<int32_t>(Status::kInvalidArgument) : 0;
+__global__ void status_kernel(const int32_t* flag, int32_t* status, int32_t insufficient_bits) {
+  *status = (*flag & insufficient_bits) ? static_cast<int32_t>(Status::kInsufficientWorkspace)
+            : *flag                     ? static_cast<int32_t>(Status::kInvalidArgument)
+                                        : 0;
+}
+
+__global__ void flag_if_status_kernel(const int32_t* status, int32_t* flag, int32_t bit) {
+  if (*status != 0) *flag |= bit;
 }
 
 __global__ void assert_status_kernel(const int32_t* status, StatusSite site) {
@@ -64,10 +70,15 @@ void poison_if_flagged(const int32_t* flag, const View& out, cudaStream_t s) {
   MOEBLAZE_CUDA_LAUNCH_CHECK("poison_if_flagged");
 }
 
-void write_status(const int32_t* flag, const View& status, cudaStream_t s) {
+void write_status(const int32_t* flag, const View& status, cudaStream_t s, int32_t insufficient_bits) {
   if (!status.present) return;
-  status_kernel<<<1, 1, 0, s>>>(flag, reinterpret_cast<int32_t*>(status.data));
+  status_kernel<<<1, 1, 0, s>>>(flag, reinterpret_cast<int32_t*>(status.data), insufficient_bits);
   MOEBLAZE_CUDA_LAUNCH_CHECK("write_status");
+}
+
+void flag_if_status(const int32_t* status, int32_t* flag, int32_t bit, cudaStream_t s) {
+  flag_if_status_kernel<<<1, 1, 0, s>>>(status, flag, bit);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("flag_if_status");
 }
 
 void assert_status(const int32_t* status, StatusSite site, int32_t device_id, void* stream) {

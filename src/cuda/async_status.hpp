@@ -16,8 +16,12 @@ namespace cuda {
 // Fills every element of a floating-point view with NaN when *flag != 0 (nothing otherwise).
 void poison_if_flagged(const int32_t* flag, const View& out, cudaStream_t s);
 
-// STATUS = INVALID_ARGUMENT when *flag != 0, else 0 (status absent: nothing).
-void write_status(const int32_t* flag, const View& status, cudaStream_t s);
+// STATUS = INVALID_ARGUMENT when *flag != 0, else 0 (status absent: nothing); INSUFFICIENT_WORKSPACE
+// when the flag holds one of insufficient_bits (a bound set at create that a call overran).
+void write_status(const int32_t* flag, const View& status, cudaStream_t s, int32_t insufficient_bits = 0);
+
+// *flag |= bit when a nested call's STATUS scalar reads nonzero.
+void flag_if_status(const int32_t* status, int32_t* flag, int32_t bit, cudaStream_t s);
 
 }  // namespace cuda
 }  // namespace v0

@@ -66,8 +66,8 @@ void CudaRouter::route_and_plan(const CallArgs& a, RoutingPlan& plan, const Rout
   const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k;
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.error_flag, 0, sizeof(int32_t), s));
   if (a.mode == RoutingMode::kCallerTopK) {
-    routing::import_routing_cuda(a.topk_ids, a.topk_weights, L, k, E, plan.token_expert_indices, plan.gates,
-                                 w.error_flag, s);
+    routing::import_routing_cuda(a.topk_ids, a.topk_weights, L, k, E, cfg_.empty_slots, plan.token_expert_indices,
+                                 plan.gates, w.error_flag, s);
   } else {
     logits(a, w, s);
     routing::route_tokens_cuda(cfg_, w.logits, L, plan.token_expert_indices, plan.gates, w.lse, s);

@@ -18,9 +18,10 @@ constexpr int32_t kPlanInvalid = 2;       // a saved routing plan failed validat
 constexpr int32_t kSavedHeaderInvalid = 4;  // a saved buffer's header is not this handle's forward's
 
 // Sets kPlanInvalid in *flag if `plan` breaks any rule of validate_plan. Reads only the plan's
-// [L*k] and [E+1] arrays, whatever they hold.
-void validate_plan_cuda(const RoutingPlan& plan, int64_t num_tokens, int64_t k, int64_t num_experts, int32_t* flag,
-                        cudaStream_t s);
+// [L*k] and [E+1] arrays, whatever they hold. With empty_slots (LayerConfig::empty_slots) a slot
+// may hold -1 with no position, and the positions end at off[E] <= L*k, each one a slot's.
+void validate_plan_cuda(const RoutingPlan& plan, int64_t num_tokens, int64_t k, int64_t num_experts, bool empty_slots,
+                        int32_t* flag, cudaStream_t s);
 
 }  // namespace routing
 }  // namespace v0

@@ -145,6 +145,8 @@ __global__ void plan_place_kernel(const int32_t* ids, int64_t L, int64_t k, int6
     }
     for (int32_t i = threadIdx.x; i < rows * k32; i += blockDim.x) {
       const int64_t e = tile_ids[i] - e0;
+      // An id outside [0, E) (an empty slot, -1) has no position.
+      if (e0 == 0 && (tile_ids[i] < 0 || tile_ids[i] >= E)) token_index_map[t0 * k + i] = -1;
       if (e < 0 || e >= n_e) continue;
       const int32_t r = i / k32, at = map_word(static_cast<int32_t>(e), r / 32, G);
       const int32_t pos = prefix[at] + __popc(bits[at] & ((1u << (r % 32)) - 1u));

@@ -262,14 +262,19 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
 }
 
 __global__ void import_routing_kernel(const char* ids, bool i64, int64_t id_stride, const char* w, DType wt,
-                                      int64_t w_stride, int64_t L, int64_t k, int64_t E, int32_t* out_ids,
-                                      float* out_gates, int32_t* error_flag) {
+                                      int64_t w_stride, int64_t L, int64_t k, int64_t E, bool empty_slots,
+                                      int32_t* out_ids, float* out_gates, int32_t* error_flag) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= L) return;
   bool bad = false;
   for (int64_t j = 0; j < k; ++j) {
     const int64_t id = i64 ? reinterpret_cast<const int64_t*>(ids)[t * id_stride + j]
                            : reinterpret_cast<const int32_t*>(ids)[t * id_stride + j];
+    if (empty_slots && id == -1) {  // an empty slot: no expert, and a zero gate whatever was given
+      out_ids[t * k + j] = -1;
+      out_gates[t * k + j] = 0.f;
+      continue;
+    }
     bool ok = id >= 0 && id < E;
     for (int64_t q = 0; q < j && ok; ++q) ok = out_ids[t * k + q] != id;
     bad |= !ok;
@@ -387,11 +392,12 @@ void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t r
   MOEBLAZE_CUDA_LAUNCH_CHECK("router_backward");
 }
 
-void import_routing_cuda(const View& ids, const View& w, int64_t L, int64_t k, int64_t E, int32_t* out_ids,
-                         float* out_gates, int32_t* error_flag, cudaStream_t s) {
+void import_routing_cuda(const View& ids, const View& w, int64_t L, int64_t k, int64_t E, bool empty_slots,
+                         int32_t* out_ids, float* out_gates, int32_t* error_flag, cudaStream_t s) {
   if (L == 0) return;
   import_routing_kernel<<<blocks_for(L, 128), 128, 0, s>>>(ids.data, ids.dtype == DType::kI64, ids.stride[0], w.data,
-                                                          w.dtype, w.stride[0], L, k, E, out_ids, out_gates, error_flag);
+                                                          w.dtype, w.stride[0], L, k, E, empty_slots, out_ids, out_gates,
+                                                          error_flag);
   MOEBLAZE_CUDA_LAUNCH_CHECK("import_routing");
 }
 

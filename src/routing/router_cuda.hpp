@@ -45,9 +45,10 @@ void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t r
 
 // Caller routing: ids (i32/i64 strided) -> int32 token_expert_indices, gates -> fp32. Bad ids
 // (out of range or repeated within a token) set *error_flag to 1 and are replaced by a safe id
-// so later kernels stay in bounds; the engine reads the flag before writing any output.
-void import_routing_cuda(const View& ids, const View& weights, int64_t L, int64_t k, int64_t E, int32_t* out_ids,
-                         float* out_gates, int32_t* error_flag, cudaStream_t s);
+// so later kernels stay in bounds; the engine reads the flag before writing any output. With
+// empty_slots, an id of -1 is an empty slot: imported as -1 with a zero gate.
+void import_routing_cuda(const View& ids, const View& weights, int64_t L, int64_t k, int64_t E, bool empty_slots,
+                         int32_t* out_ids, float* out_gates, int32_t* error_flag, cudaStream_t s);
 
 // Router outputs: ids / gates to the caller's dtypes and strides, tokens per expert.
 void write_topk_cuda(const int32_t* ids, const float* gates, int64_t L, int64_t k, const View& ids_out,

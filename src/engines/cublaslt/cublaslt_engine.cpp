@@ -269,7 +269,7 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
   // reading only in-range indices) and read back at this engine's one sync, before any work
   // that follows an index in it is enqueued.
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.router.error_flag, 0, sizeof(int32_t), s));
-  routing::validate_plan_cuda(plan, L, k, E, w.router.error_flag, s);
+  routing::validate_plan_cuda(plan, L, k, E, cfg_.empty_slots, w.router.error_flag, s);
   const HostState host = sync_host(plan, w, sv.header, s);
   check_saved_header(host.header, cfg_, L);
   if (host.error_flag & routing::kPlanInvalid)

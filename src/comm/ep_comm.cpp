@@ -1,0 +1,82 @@
+#include "comm/ep_comm.hpp"
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/device_guard.hpp"
+#include "util/error.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace comm {
+
+void EpComm::check(ncclResult_t r, const char* what) const {
+  if (r != ncclSuccess) fail(Status::kInternalError, "NCCL %s failed: %s", what, api_.get_error_string(r));
+}
+
+EpComm::EpComm(ncclComm_t comm, bool owns_comm, size_t window_bytes, int lsa_barriers, int device)
+    : api_(nccl_api()), comm_(comm), owns_comm_(owns_comm), device_(device) {
+  cuda::DeviceGuard guard(device_);
+  try {
+    check(api_.comm_count(comm_, &ranks_), "ncclCommCount");
+    check(api_.comm_user_rank(comm_, &rank_), "ncclCommUserRank");
+    int dev = -1;
+    check(api_.comm_cu_device(comm_, &dev), "ncclCommCuDevice");
+    if (dev != device_)
+      fail(Status::kInvalidArgument, "the communicator's rank runs on device %d but the layer's DEVICE_ID is %d", dev, device_);
+    check(api_.mem_alloc(&mem_, window_bytes), "ncclMemAlloc");
+    check(api_.comm_window_register(comm_, mem_, window_bytes, &window_, NCCL_WIN_COLL_SYMMETRIC), "ncclCommWindowRegister");
+    ncclDevCommRequirements req = {};
+    req.lsaBarrierCount = lsa_barriers;
+    check(api_.dev_comm_create(comm_, &req, &dev_), "ncclDevCommCreate");
+    dev_made_ = true;
+    if (dev_.lsaSize != ranks_)
+      fail(Status::kNotSupported,
+           "the NVLink transport needs every rank to be a load/store peer, but only %d of the %d ranks are (NCCL's LSA team)",
+           dev_.lsaSize, ranks_);
+    // The counts area must start from zero flags; the rest is written before it is read.
+    MOEBLAZE_CUDA_CHECK(cudaMemset(mem_, 0, window_bytes));
+    MOEBLAZE_CUDA_CHECK(cudaDeviceSynchronize());
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+std::vector<uint64_t> EpComm::all_gather(uint64_t value, cudaStream_t s) const {
+  cuda::DeviceGuard guard(device_);
+  uint64_t* buf = nullptr;
+  MOEBLAZE_CUDA_CHECK(cudaMalloc(&buf, sizeof(uint64_t) * (ranks_ + 1)));
+  std::vector<uint64_t> out(static_cast<size_t>(ranks_));
+  try {
+    MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(buf + ranks_, &value, sizeof(uint64_t), cudaMemcpyHostToDevice, s));
+    check(api_.all_gather(buf + ranks_, buf, 1, ncclUint64, comm_, s), "ncclAllGather");
+    MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(out.data(), buf, sizeof(uint64_t) * ranks_, cudaMemcpyDeviceToHost, s));
+    MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
+  } catch (...) {
+    cudaFree(buf);
+    throw;
+  }
+  cudaFree(buf);
+  return out;
+}
+
+void EpComm::release() noexcept {
+  int previous = -1;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  cudaDeviceSynchronize();  // no step of this layer may still be using the window
+  if (window_) api_.comm_window_deregister(comm_, window_);
+  if (mem_) api_.mem_free(mem_);
+  if (dev_made_) api_.dev_comm_destroy(comm_, &dev_);
+  if (owns_comm_ && comm_) api_.comm_destroy(comm_);
+  window_ = nullptr;
+  mem_ = nullptr;
+  dev_made_ = false;
+  comm_ = nullptr;
+  if (previous >= 0) cudaSetDevice(previous);
+}
+
+EpComm::~EpComm() { release(); }
+
+}  // namespace comm
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,341 @@
+// The expert-parallel engine: a thin orchestrator over the shared GPU router (on the token's
+// rank), the device send plan (ep/send_plan_cuda), the NVLink exchanges (ep/nvlink_cuda) and a
+// single-GPU engine for the rank's E / P experts, which runs on the received rows as a layer of
+// R = EP_MAX_RECV_TOKENS tokens whose slots may be empty (LayerConfig::empty_slots):
+//   forward:  route + plan, send plan, counts, dispatch x (rows and their experts), take the
+//             received rows, local forward, return the y parts, sum them in rank order;
+//   backward: check the saved buffer, send plan again (from the saved, checked routing), counts,
+//             dispatch dy (and the row metadata again, so nothing the caller hands back decides
+//             where a row is written), local backward (weight gradients complete), return the
+//             dx parts and gate gradients, router backward, sum the dx parts in rank order.
+// All on the caller's stream, no host synchronisation, no allocation: capturable.
+#include "engines/ep/ep_engine.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+
+#include "combine/combine_cuda.hpp"
+#include "comm/ep_comm.hpp"
+#include "core/memory_layout.hpp"
+#include "core/needs.hpp"
+#include "cuda/async_status.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/device_guard.hpp"
+#include "cuda/saved_header_cuda.hpp"
+#include "engines/cuda_router.hpp"
+#include "ep/nvlink_cuda.hpp"
+#include "ep/send_plan.hpp"
+#include "ep/send_plan_cuda.hpp"
+#include "gemm/cublaslt.hpp"
+#include "routing/plan_check_cuda.hpp"
+#include "util/align.hpp"
+#include "util/error.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace {
+
+constexpr int32_t kDefaultCtas = 16;      // SMs that move rows (perf/NOTES.md: the NVLink floor)
+constexpr int32_t kLocalFailed = 32;      // the local experts' engine flagged its call
+
+int64_t recv_bound(const LayerConfig& g, int32_t P, int64_t max_recv) {
+  return max_recv > 0 ? max_recv : static_cast<int64_t>(P) * g.max_tokens;
+}
+
+// The local experts' layer: E / P experts, min(k, E / P) slots per received row, R rows.
+LayerConfig local_config(const LayerConfig& g, int32_t P, int64_t R) {
+  LayerConfig l = g;
+  l.num_experts = g.num_experts / P;
+  l.top_k = std::min<int64_t>(g.top_k, l.num_experts);
+  l.max_tokens = R;
+  l.window_tokens = 0;
+  l.aux_loss_coeff = l.z_loss_coeff = 0.0;
+  l.empty_slots = true;
+  l.ep_ranks = 1;
+  return l;
+}
+
+ep::WindowLayout layout_of(const LayerConfig& g, int32_t P, int64_t R) {
+  const int32_t k_loc = static_cast<int32_t>(std::min<int64_t>(g.top_k, g.num_experts / P));
+  const int32_t c = static_cast<int32_t>(std::min<int64_t>(g.top_k, P));
+  return ep::window_layout(P, R, g.max_tokens, g.hidden * static_cast<int64_t>(dtype_size(g.act_dtype)), k_loc, c);
+}
+
+void check_placement(int64_t ranks, int64_t E) {
+  if (const char* why = ep::placement_error(ranks, E))
+    fail(Status::kInvalidArgument, "%s (NUM_EXPERTS = %lld, %lld ranks)", why, static_cast<long long>(E),
+         static_cast<long long>(ranks));
+}
+
+View dense(void* p, DType t, int64_t rows, int64_t cols) {
+  View v;
+  v.present = true;
+  v.data = static_cast<char*>(p);
+  v.dtype = t;
+  v.ndim = cols > 0 ? 2 : 0;
+  v.shape[0] = rows;
+  v.shape[1] = cols;
+  v.stride[0] = cols;
+  v.stride[1] = 1;
+  v.span_bytes = static_cast<size_t>(std::max<int64_t>(rows * std::max<int64_t>(cols, 1), 1)) * dtype_size(t);
+  return v;
+}
+
+struct EpSaved {
+  SavedHeader* header = nullptr;
+  RoutingPlan plan;          // the rank's own tokens over all E experts
+  char* recv_x = nullptr;    // [R, d] the received x rows
+  void* local = nullptr;     // the local engine's saved buffer
+  size_t bytes = 0;
+};
+
+struct EpWork {
+  RouterWork router;
+  ep::DeviceSendPlan send;
+  void* send_scratch = nullptr;
+  int32_t* matrix = nullptr;
+  int32_t* send_offset = nullptr;
+  int32_t* recv_offset = nullptr;
+  int32_t* local_status = nullptr;
+  void* rows = nullptr;          // [R, d] y parts (forward) or dx parts (backward)
+  float* dg_recv = nullptr;      // backward: [R, k_loc]
+  float* dg_tok = nullptr;       // backward: [L, k]
+  EpSaved inference;             // forward inference: what training keeps in saved
+  void* local_ws = nullptr;
+  size_t bytes = 0;
+};
+
+class EpEngine final : public Engine {
+ public:
+  EpEngine(const LayerConfig& g, const LayerConfig& l, std::unique_ptr<Engine> local,
+           std::unique_ptr<comm::EpComm> comm, int64_t R, int32_t ctas)
+      : g_(g), l_(l), local_(std::move(local)), comm_(std::move(comm)), R_(R), ctas_(ctas) {
+    P_ = comm_->ranks();
+    epr_ = static_cast<int32_t>(g_.num_experts / P_);
+    c_ = static_cast<int32_t>(std::min<int64_t>(g_.top_k, P_));
+    layout_ = layout_of(g_, P_, R_);
+    cuda::DeviceGuard guard(g_.device_id);
+    gemm_ = std::make_unique<gemm::CublasLtGemm>();
+    router_ = std::make_unique<CudaRouter>(g_, *gemm_);
+  }
+  EngineKind kind() const override { return local_->kind(); }
+  size_t workspace_size(Pass pass, int64_t L) const override { return carve_work(pass, L, nullptr).bytes; }
+  size_t saved_size(const LayerConfig&, int64_t L) const override { return carve_ep_saved(L, nullptr).bytes; }
+  void forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const override;
+  void backward(const CallArgs& a, const void* saved, void* ws, void* stream) const override;
+  void route(const CallArgs& a, void* ws, void* stream) const override;
+
+ private:
+  EpSaved carve_ep_saved_into(Carver& c, int64_t L, void* base, bool saved_buffer) const {
+    EpSaved sv;
+    const size_t start = c.size();
+    if (saved_buffer) sv.header = c.take<SavedHeader>(1);
+    const SavedRegions r = carve_saved(g_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
+    c.take<char>(r.bytes);
+    sv.plan = r.plan;
+    sv.recv_x = c.take<char>(static_cast<size_t>(R_ * layout_.row_bytes));
+    if (saved_buffer) sv.local = c.take<char>(local_->saved_size(l_, R_));
+    sv.bytes = c.size() - start;
+    return sv;
+  }
+  EpSaved carve_ep_saved(int64_t L, void* base) const {
+    Carver c(base);
+    return carve_ep_saved_into(c, L, base, true);
+  }
+  EpWork carve_work(Pass pass, int64_t L, void* base) const;
+  ep::Exchange exchange(const EpWork& w) const {
+    ep::Exchange x;
+    x.comm = comm_->device_comm();
+    x.window = comm_->window();
+    x.local = comm_->local();
+    x.layout = layout_;
+    x.ctas = ctas_;
+    x.flag = w.router.error_flag;
+    x.matrix = w.matrix;
+    x.send_offset = w.send_offset;
+    x.recv_offset = w.recv_offset;
+    return x;
+  }
+  // The local experts' call on the received rows.
+  CallArgs local_args(const CallArgs& a, const EpWork& w, const char* recv_x) const {
+    CallArgs la;
+    la.num_tokens = R_;
+    la.mode = RoutingMode::kCallerTopK;
+    la.x = dense(const_cast<char*>(recv_x), g_.act_dtype, R_, g_.hidden);
+    la.topk_ids = dense(comm_->local() + layout_.ids, DType::kI32, R_, l_.top_k);
+    la.topk_weights = dense(comm_->local() + layout_.gates, DType::kF32, R_, l_.top_k);
+    la.w_gate_up = a.w_gate_up;
+    la.w_down = a.w_down;
+    la.status = dense(w.local_status, DType::kI32, 0, 0);
+    return la;
+  }
+
+  LayerConfig g_, l_;
+  std::unique_ptr<Engine> local_;
+  std::unique_ptr<comm::EpComm> comm_;
+  int64_t R_;
+  int32_t ctas_, P_ = 1, epr_ = 1, c_ = 1;
+  ep::WindowLayout layout_;
+  std::unique_ptr<gemm::CublasLtGemm> gemm_;
+  std::unique_ptr<CudaRouter> router_;
+};
+
+EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
+  Carver c(base);
+  EpWork w;
+  void* gemm_ws = c.take<char>(gemm::CublasLtGemm::kWorkspaceBytes);
+  w.router = router_->carve(c, pass, L, L, gemm_ws);
+  if (pass == Pass::kRoute || pass == Pass::kForwardInference) w.inference = carve_ep_saved_into(c, L, base, false);
+  if (pass == Pass::kRoute) {
+    w.bytes = c.size();
+    return w;
+  }
+  const size_t Lc = static_cast<size_t>(std::max<int64_t>(L * c_, 1));
+  w.send.dest_start = c.take<int32_t>(static_cast<size_t>(P_ + 1));
+  w.send.send_token = c.take<int32_t>(Lc);
+  w.send.return_map = c.take<int32_t>(Lc);
+  w.send_scratch = c.take<char>(ep::send_plan_scratch_bytes_cuda(L, P_));
+  w.matrix = c.take<int32_t>(static_cast<size_t>(P_ * (P_ + 1)));
+  w.send_offset = c.take<int32_t>(static_cast<size_t>(P_));
+  w.recv_offset = c.take<int32_t>(static_cast<size_t>(P_ + 1));
+  w.local_status = c.take<int32_t>(1);
+  w.rows = c.take<char>(static_cast<size_t>(R_ * layout_.row_bytes));
+  if (pass == Pass::kBackward) {
+    w.dg_recv = c.take<float>(static_cast<size_t>(R_ * l_.top_k));
+    w.dg_tok = c.take<float>(static_cast<size_t>(std::max<int64_t>(L * g_.top_k, 1)));
+  }
+  w.local_ws = c.take<char>(local_->workspace_size(pass, R_));
+  w.bytes = c.size();
+  return w;
+}
+
+void EpEngine::route(const CallArgs& a, void* ws, void* stream) const {
+  cuda::DeviceGuard guard(g_.device_id);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  EpWork w = carve_work(Pass::kRoute, a.num_tokens, ws);
+  router_->route_and_plan(a, w.inference.plan, w.router, s);
+  router_->write_outputs(a, w.inference.plan, w.router, s);
+  cuda::write_status(w.router.error_flag, a.status, s);
+}
+
+void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const {
+  cuda::DeviceGuard guard(g_.device_id);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int64_t L = a.num_tokens;
+  const int32_t k = static_cast<int32_t>(g_.top_k);
+  EpWork w = carve_work(pass, L, ws);
+  EpSaved sv = pass == Pass::kForwardTraining ? carve_ep_saved(L, saved) : w.inference;
+  const ep::Exchange x = exchange(w);
+  int32_t* flag = w.router.error_flag;
+
+  if (sv.header) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(sv.header, 0, sizeof(SavedHeader), s));
+  router_->route_and_plan(a, sv.plan, w.router, s);
+  router_->write_outputs(a, sv.plan, w.router, s);
+  ep::build_send_plan_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, w.send, w.send_scratch, s);
+  ep::exchange_counts_cuda(x, w.send.dest_start, R_, s);
+  ep::dispatch_rows_cuda(x, a.x.data, a.x.stride[0] * static_cast<int64_t>(a.x.elem()), w.send.dest_start,
+                         w.send.send_token, sv.plan.token_expert_indices, sv.plan.gates, k, epr_, s);
+  ep::take_received_cuda(x, sv.recv_x, s);
+  CallArgs la = local_args(a, w, sv.recv_x);
+  la.y = dense(w.rows, g_.act_dtype, R_, g_.hidden);
+  local_->forward(pass, la, w.local_ws, sv.local, s);
+  cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
+  ep::return_rows_cuda(x, static_cast<const char*>(w.rows), nullptr, s);
+  combine::combine_rows_cuda(w.send.return_map, nullptr, L, c_, g_.hidden, comm_->local() + layout_.ret_rows, nullptr,
+                             a.y, s);
+  if (sv.header) cuda::store_saved_header(make_saved_header(g_, L), sv.header, s, flag);
+  cuda::poison_if_flagged(flag, a.y, s);
+  cuda::write_status(flag, a.status, s, ep::kRecvOverflow);
+}
+
+void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
+  cuda::DeviceGuard guard(g_.device_id);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int64_t L = a.num_tokens;
+  const int32_t k = static_cast<int32_t>(g_.top_k);
+  EpWork w = carve_work(Pass::kBackward, L, ws);
+  const EpSaved sv = carve_ep_saved(L, const_cast<void*>(saved));
+  const ep::Exchange x = exchange(w);
+  int32_t* flag = w.router.error_flag;
+  const Needs needs = needs_of(g_, Pass::kBackward, a);
+
+  MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int32_t), s));
+  cuda::check_saved_header_cuda(make_saved_header(g_, L), sv.header, flag, routing::kSavedHeaderInvalid, s);
+  routing::validate_plan_cuda(sv.plan, L, k, g_.num_experts, false, flag, s);
+  // Where the rows go is derived again from the checked routing, not read from the saved bytes.
+  ep::build_send_plan_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, w.send, w.send_scratch, s);
+  ep::exchange_counts_cuda(x, w.send.dest_start, R_, s);
+  ep::dispatch_rows_cuda(x, a.dy.data, a.dy.stride[0] * static_cast<int64_t>(a.dy.elem()), w.send.dest_start,
+                         w.send.send_token, sv.plan.token_expert_indices, sv.plan.gates, k, epr_, s);
+  CallArgs la = local_args(a, w, sv.recv_x);
+  la.dy = dense(comm_->local() + layout_.rows, g_.act_dtype, R_, g_.hidden);
+  if (a.dx.present) la.dx = dense(w.rows, g_.act_dtype, R_, g_.hidden);
+  la.d_w_gate_up = a.d_w_gate_up;
+  la.d_w_down = a.d_w_down;
+  la.d_topk_weights = dense(w.dg_recv, DType::kF32, R_, l_.top_k);
+  local_->backward(la, sv.local, w.local_ws, s);
+  cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
+  ep::return_rows_cuda(x, a.dx.present ? static_cast<const char*>(w.rows) : nullptr, w.dg_recv, s);
+  ep::gather_returned_gates_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, static_cast<int32_t>(l_.top_k),
+                                 reinterpret_cast<const float*>(comm_->local() + layout_.ret_gates), w.dg_tok, s);
+  const bool router_dx = router_->backward(a, needs, sv.plan, w.dg_tok, w.router, s);
+  if (a.dx.present)
+    combine::combine_rows_cuda(w.send.return_map, nullptr, L, c_, g_.hidden, comm_->local() + layout_.ret_rows,
+                               router_dx ? w.router.router_dx : nullptr, a.dx, s);
+  if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
+  for (const View* out : {&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight})
+    cuda::poison_if_flagged(flag, *out, s);
+  cuda::write_status(flag, a.status, s, ep::kRecvOverflow);
+}
+
+}  // namespace
+
+size_t ep_symmetric_bytes(const LayerConfig& cfg, int32_t ranks, int64_t max_recv) {
+  check_placement(ranks, cfg.num_experts);
+  return layout_of(cfg, ranks, recv_bound(cfg, ranks, max_recv)).bytes;
+}
+
+std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, std::string* decision) {
+  if (cfg.device_type != kDeviceCuda) fail(Status::kNotSupported, "expert parallelism runs on CUDA devices only");
+  cudaStream_t s = static_cast<cudaStream_t>(opt.stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOEBLAZE_CUDA_CHECK(cudaStreamIsCapturing(s, &capture));
+  if (capture != cudaStreamCaptureStatusNone)
+    fail(Status::kInvalidArgument, "an expert-parallel layer cannot be created while its stream is capturing "
+                                   "(create registers memory with NCCL)");
+  const comm::NcclApi& api = comm::nccl_api();
+  ncclComm_t nc = static_cast<ncclComm_t>(opt.nccl_comm);
+  int P = 0;
+  if (api.comm_count(nc, &P) != ncclSuccess) fail(Status::kInvalidArgument, "nccl_comm is not a usable NCCL communicator");
+  check_placement(P, cfg.num_experts);
+  if (opt.max_recv_tokens < 0) fail(Status::kInvalidArgument, "EP_MAX_RECV_TOKENS must be >= 0");
+  const int64_t R = recv_bound(cfg, P, opt.max_recv_tokens);
+  if (R * std::min<int64_t>(cfg.top_k, cfg.num_experts / P) > 2147483647LL)
+    fail(Status::kInvalidArgument, "the receive bound (%lld rows) times the local slots must stay below 2^31",
+         static_cast<long long>(R));
+  const int32_t ctas = opt.comm_ctas > 0 ? opt.comm_ctas : kDefaultCtas;
+  cfg.ep_ranks = P;
+  LayerConfig l = local_config(cfg, P, R);
+  std::unique_ptr<Engine> local = create_engine(l, decision);
+  cfg.device_id = l.device_id;
+  cfg.engine = l.engine;
+  auto comm = std::make_unique<comm::EpComm>(nc, opt.owns_comm, layout_of(cfg, P, R).bytes, ep::exchange_barriers(ctas),
+                                             cfg.device_id);
+  // Every rank must have passed the same configuration.
+  const uint64_t digest = saved_fingerprint(cfg) ^ (static_cast<uint64_t>(cfg.max_tokens) * 0x9e3779b97f4a7c15ull) ^
+                          (static_cast<uint64_t>(R) << 17) ^ static_cast<uint64_t>(ctas);
+  const std::vector<uint64_t> all = comm->all_gather(digest, s);
+  for (int r = 0; r < P; ++r)
+    if (all[r] != all[0])
+      fail(Status::kInvalidArgument, "rank %d passed a configuration that differs from rank 0's (every rank of an "
+                                     "expert-parallel layer must pass the same one)", r);
+  if (decision)
+    *decision += ", expert-parallel rank " + std::to_string(comm->rank()) + " of " + std::to_string(P) + " (" +
+                 std::to_string(cfg.num_experts / P) + " local experts, NVLink transport)";
+  return std::make_unique<EpEngine>(cfg, l, std::move(local), std::move(comm), R, ctas);
+}
+
+}  // namespace v0
+}  // namespace moeblaze

@@ -1,0 +1,233 @@
+#include "ep/nvlink_cuda.hpp"
+#include "ep/owner.cuh"
+
+#include <algorithm>
+
+#include "cuda/cuda_check.hpp"
+#include "util/align.hpp"
+
+namespace moeblaze {
+inline namespace v0 {
+namespace ep {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+
+__device__ char* peer_part(const Exchange& x, size_t offset, int peer) {
+  return static_cast<char*>(ncclGetPeerPointer(x.window, offset, peer));
+}
+
+// The last s in [0, P) with start[s] <= i (start ascending, start[0] <= i): the rank of send i
+// (start = dest_start) or the source of received row i (start = recv_offset).
+__device__ int32_t last_at_or_below(const int32_t* start, int32_t P, int64_t i) {
+  int32_t lo = 0, hi = P;
+  while (hi - lo > 1) {
+    const int32_t mid = (lo + hi) / 2;
+    if (start[mid] <= i) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// One warp copies a row of `bytes` bytes: 16 bytes a lane where both ends allow it.
+__device__ void copy_row(char* dst, const char* src, int64_t bytes, int lane) {
+  if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes)) % 16 == 0) {
+    for (int64_t v = lane; v < bytes / 16; v += 32)
+      reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
+  } else {
+    for (int64_t b = lane * 2; b < bytes; b += 64)  // rows of 2- and 4-byte elements: even lengths
+      *reinterpret_cast<uint16_t*>(dst + b) = *reinterpret_cast<const uint16_t*>(src + b);
+  }
+}
+
+__global__ void __launch_bounds__(256) exchange_counts_kernel(Exchange x, const int32_t* dest_start, int64_t bound) {
+  const int32_t P = x.layout.ranks, me = x.comm.rank, W = P + 1;
+  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, 0};
+  // Row `me` of every peer's matrix: this rank's counts per destination, then its flag.
+  for (int32_t i = threadIdx.x; i < P * W; i += blockDim.x) {
+    const int32_t peer = i / W, j = i % W;
+    const int32_t v = j < P ? dest_start[j + 1] - dest_start[j] : *x.flag;
+    reinterpret_cast<int32_t*>(peer_part(x, x.layout.counts, peer))[me * W + j] = v;
+  }
+  __syncthreads();
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  const int32_t* m = reinterpret_cast<const int32_t*>(x.local + x.layout.counts);
+  for (int32_t i = threadIdx.x; i < P * W; i += blockDim.x) x.matrix[i] = m[i];
+  if (threadIdx.x == 0) {
+    int32_t flag = *x.flag;
+    for (int32_t s = 0; s < P; ++s)
+      if (s != me && m[s * W + P] != 0) flag |= kPeerFailed;
+    for (int32_t q = 0; q < P; ++q) {
+      int64_t into_q = 0;
+      for (int32_t s = 0; s < P; ++s) into_q += m[s * W + q];
+      if (into_q > bound) flag |= kRecvOverflow;
+    }
+    // Nothing moves after an overflow: every offset is 0 and no row is received.
+    const bool none = (flag & kRecvOverflow) != 0;
+    for (int32_t q = 0; q < P; ++q) {
+      int32_t before = 0;
+      for (int32_t s = 0; s < me; ++s) before += m[s * W + q];
+      x.send_offset[q] = none ? 0 : before;
+    }
+    int32_t at = 0;
+    for (int32_t s = 0; s <= P; ++s) {
+      x.recv_offset[s] = none ? 0 : at;
+      if (s < P) at += m[s * W + me];
+    }
+    *x.flag = flag;
+  }
+}
+
+// One warp per send, the sends spread over the grid; metadata only with ids (forward).
+__global__ void __launch_bounds__(kThreads) dispatch_kernel(Exchange x, const char* rows, int64_t stride_bytes,
+                                                            const int32_t* dest_start, const int32_t* send_token,
+                                                            const int32_t* ids, const float* gates, int32_t k,
+                                                            int32_t epr) {
+  const WindowLayout& lay = x.layout;
+  const int32_t P = lay.ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, blockIdx.x + 1};
+  const bool send = (*x.flag & kRecvOverflow) == 0;
+  const int64_t sends = send ? dest_start[P] : 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + warp; i < sends; i += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int32_t q = last_at_or_below(dest_start, P, i);  // the destination
+    const int32_t t = send_token[i];
+    const int64_t r = x.send_offset[q] + (i - dest_start[q]);  // the row at the destination
+    copy_row(peer_part(x, lay.rows + r * lay.row_bytes, q), rows + t * stride_bytes, lay.row_bytes, lane);
+    if (!ids) continue;
+    // The token's experts on q, in id order, and its place among the ranks it reaches.
+    uint64_t ranks = 0;
+    for (int32_t j = lane; j < k; j += 32) {
+      const int32_t o = owner_of(ids[t * k + j], P, epr);
+      if (o >= 0) ranks |= uint64_t{1} << o;
+    }
+    for (int o = 16; o > 0; o /= 2) ranks |= __shfl_xor_sync(0xffffffffu, ranks, o);
+    int32_t* rid = reinterpret_cast<int32_t*>(peer_part(x, lay.ids + r * lay.row_slots * 4, q));
+    float* rg = reinterpret_cast<float*>(peer_part(x, lay.gates + r * lay.row_slots * 4, q));
+    int32_t mine = 0;  // experts on q among all lanes
+    for (int32_t j0 = 0; j0 < k; j0 += 32) {
+      const int32_t j = j0 + lane;
+      const int32_t e = j < k ? ids[t * k + j] : -1;
+      mine += __popc(__ballot_sync(0xffffffffu, owner_of(e, P, epr) == q));
+    }
+    for (int32_t j0 = 0; j0 < k; j0 += 32) {
+      const int32_t j = j0 + lane;
+      const int32_t e = j < k ? ids[t * k + j] : -1;
+      if (owner_of(e, P, epr) == q) {
+        int32_t place = 0;
+        for (int32_t jj = 0; jj < k; ++jj) {
+          const int32_t o = ids[t * k + jj];
+          place += owner_of(o, P, epr) == q && o < e;
+        }
+        if (place < lay.row_slots) {  // always, unless a flagged saved plan repeats an id
+          rid[place] = e - q * epr;
+          rg[place] = gates[t * k + j];
+        }
+      }
+    }
+    for (int32_t p = mine + lane; p < lay.row_slots; p += 32) {
+      rid[p] = -1;
+      rg[p] = 0.f;
+    }
+    if (lane == 0)
+      *reinterpret_cast<int2*>(peer_part(x, lay.meta + r * sizeof(int2), q)) =
+          make_int2(t, __popcll(ranks & ((uint64_t{1} << q) - 1)));
+  }
+  __syncthreads();
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+}
+
+__global__ void take_received_kernel(Exchange x, char* rows_out) {
+  const WindowLayout& lay = x.layout;
+  const int64_t n = x.recv_offset[lay.ranks];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(warps) + warp; i < lay.recv_rows;
+       i += static_cast<int64_t>(gridDim.x) * warps) {
+    int32_t* ids = reinterpret_cast<int32_t*>(x.local + lay.ids) + i * lay.row_slots;
+    if (i >= n) {  // nothing arrived here this step: empty slots
+      for (int32_t p = lane; p < lay.row_slots; p += 32) ids[p] = -1;
+      continue;
+    }
+    copy_row(rows_out + i * lay.row_bytes, x.local + lay.rows + i * lay.row_bytes, lay.row_bytes, lane);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) return_kernel(Exchange x, const char* rows, const float* gates) {
+  const WindowLayout& lay = x.layout;
+  const int32_t P = lay.ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, blockIdx.x + 1};
+  const int64_t n = x.recv_offset[P];
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + warp; i < n; i += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int32_t src = last_at_or_below(x.recv_offset, P, i);
+    const int2 m = reinterpret_cast<const int2*>(x.local + lay.meta)[i];
+    // Written by this step's dispatch; checked all the same, so no byte can send a row astray.
+    if (m.x < 0 || m.x >= lay.max_tokens || m.y < 0 || m.y >= lay.token_slots) continue;
+    const int64_t r = static_cast<int64_t>(m.x) * lay.token_slots + m.y;
+    if (rows) copy_row(peer_part(x, lay.ret_rows + r * lay.row_bytes, src), rows + i * lay.row_bytes, lay.row_bytes, lane);
+    if (gates) {
+      float* dst = reinterpret_cast<float*>(peer_part(x, lay.ret_gates + r * lay.row_slots * 4, src));
+      for (int32_t p = lane; p < lay.row_slots; p += 32) dst[p] = gates[i * lay.row_slots + p];
+    }
+  }
+  __syncthreads();
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+}
+
+size_t part(size_t& at, size_t bytes) {
+  const size_t here = at;
+  at = align_up(at + bytes, size_t{256});
+  return here;
+}
+
+}  // namespace
+
+WindowLayout window_layout(int32_t P, int64_t R, int64_t Lmax, int64_t row_bytes, int32_t row_slots, int32_t token_slots) {
+  WindowLayout l;
+  l.ranks = P;
+  l.row_slots = row_slots;
+  l.token_slots = token_slots;
+  l.recv_rows = R;
+  l.max_tokens = Lmax;
+  l.row_bytes = row_bytes;
+  size_t at = 0;
+  const size_t rs = static_cast<size_t>(row_slots);
+  l.counts = part(at, static_cast<size_t>(P) * (P + 1) * 4);
+  l.rows = part(at, static_cast<size_t>(R * row_bytes));
+  l.meta = part(at, static_cast<size_t>(R) * sizeof(int2));
+  l.ids = part(at, static_cast<size_t>(R) * rs * 4);
+  l.gates = part(at, static_cast<size_t>(R) * rs * 4);
+  l.ret_rows = part(at, static_cast<size_t>(Lmax * token_slots * row_bytes));
+  l.ret_gates = part(at, static_cast<size_t>(Lmax * token_slots) * rs * 4);
+  l.bytes = align_up(at, size_t{4096});
+  return l;
+}
+
+int32_t exchange_barriers(int32_t ctas) { return ctas + 1; }
+
+void exchange_counts_cuda(const Exchange& x, const int32_t* dest_start, int64_t bound, cudaStream_t s) {
+  exchange_counts_kernel<<<1, 256, 0, s>>>(x, dest_start, bound);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_exchange_counts");
+}
+
+void dispatch_rows_cuda(const Exchange& x, const char* rows, int64_t stride_bytes, const int32_t* dest_start,
+                        const int32_t* send_token, const int32_t* ids, const float* gates, int32_t k, int32_t epr,
+                        cudaStream_t s) {
+  dispatch_kernel<<<static_cast<unsigned>(x.ctas), kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, ids,
+                                                                     gates, k, epr);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch");
+}
+
+void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s) {
+  const int64_t blocks = std::clamp<int64_t>(ceil_div(x.layout.recv_rows, 8), 1, 1024);
+  take_received_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, rows_out);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_take_received");
+}
+
+void return_rows_cuda(const Exchange& x, const char* rows, const float* gates, cudaStream_t s) {
+  return_kernel<<<static_cast<unsigned>(x.ctas), kThreads, 0, s>>>(x, rows, gates);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_return");
+}
+
+}  // namespace ep
+}  // namespace v0
+}  // namespace moeblaze

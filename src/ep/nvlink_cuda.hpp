@@ -1,0 +1,91 @@
+// The NVLink transport of the expert-parallel layer (docs/ep.md, "Transports"): MoEBlaze's own
+// kernels store into the peers' symmetric window through NCCL's device API (load/store
+// pointers of an LSA team) and meet them at LSA barriers. Three exchanges per direction:
+//   counts:   every rank stores its row counts per destination (and its error flag) into every
+//             peer; after the barrier each rank holds the whole P x P matrix and derives where
+//             its rows go and where its received rows come from (by source rank, then the
+//             source's token order: the layout never depends on timing);
+//   dispatch: each send's row (x or dy), and in forward its metadata (token, place among the
+//             token's ranks, the destination's local experts in id order and their gates), into
+//             the destination's receive rows;
+//   return:   each received row's result (y part, dx part, gate gradients) into the token's
+//             rank's return rows at (token, place), summed there in rank order.
+// Every exchange ends in an acquire-release LSA barrier; stream order and the barriers keep a
+// window from being overwritten while it is read (docs/ep.md).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moeblaze {
+inline namespace v0 {
+namespace ep {
+
+// Bits of the EP layer's device error flag (beside routing's bits 1, 2, 4).
+constexpr int32_t kRecvOverflow = 8;  // some rank would receive more rows than EP_MAX_RECV_TOKENS
+constexpr int32_t kPeerFailed = 16;   // another rank's call failed its checks
+
+// One rank's part of the symmetric window, byte offsets (each part 256-byte aligned).
+struct WindowLayout {
+  int32_t ranks = 0;        // P
+  int32_t row_slots = 0;    // k_loc = min(k, E_loc)
+  int32_t token_slots = 0;  // c = min(k, P)
+  int64_t recv_rows = 0;    // R
+  int64_t max_tokens = 0;   // L_max
+  int64_t row_bytes = 0;    // d * element size
+  size_t counts = 0;        // int32 [P][P + 1]: from each source, its counts per destination and its flag
+  size_t rows = 0;          // [R, d] received rows (x in forward, dy in backward)
+  size_t meta = 0;          // int2 [R]: each received row's token and place among the token's ranks
+  size_t ids = 0;           // int32 [R, k_loc] local expert ids, -1 past the row's experts
+  size_t gates = 0;         // fp32 [R, k_loc]
+  size_t ret_rows = 0;      // [L_max c, d] returned rows
+  size_t ret_gates = 0;     // fp32 [L_max c, k_loc] returned gate gradients
+  size_t bytes = 0;         // the whole part, a multiple of 4096 (NCCL's window alignment)
+};
+WindowLayout window_layout(int32_t ranks, int64_t recv_rows, int64_t max_tokens, int64_t row_bytes, int32_t row_slots,
+                           int32_t token_slots);
+
+// The device arrays a step's exchanges read and write on this rank.
+struct Exchange {
+  ncclDevComm comm;
+  ncclWindow_t window = nullptr;
+  char* local = nullptr;              // this rank's window part (its local address)
+  WindowLayout layout;
+  int32_t ctas = 1;                   // CTAs that move rows (each with its own LSA barrier)
+  int32_t* flag = nullptr;            // the step's error flag
+  int32_t* matrix = nullptr;          // [P (P + 1)] the counts matrix (saved)
+  int32_t* send_offset = nullptr;     // [P] where this rank's rows start in each destination
+  int32_t* recv_offset = nullptr;     // [P + 1] received rows by source rank
+};
+
+// The LSA barriers the exchanges need (the device communicator's lsaBarrierCount).
+int32_t exchange_barriers(int32_t ctas);
+
+// counts: stores dest_start's per-destination counts and *flag into every peer, meets them, and
+// fills matrix, send_offset and recv_offset. A rank over recv_bound rows sets kRecvOverflow on
+// every rank (and then nothing is sent); another rank's flag sets kPeerFailed.
+void exchange_counts_cuda(const Exchange& x, const int32_t* dest_start, int64_t recv_bound, cudaStream_t s);
+
+// dispatch: send i carries row send_token[i] of `rows` (stride in elements, es bytes each) to its
+// destination; with ids (the token's global top-k ids [L, k]) and gates, the metadata too.
+void dispatch_rows_cuda(const Exchange& x, const char* rows, int64_t row_stride_bytes, const int32_t* dest_start,
+                        const int32_t* send_token, const int32_t* ids, const float* gates, int32_t k,
+                        int32_t experts_per_rank, cudaStream_t s);
+
+// The receiving side after a forward dispatch: copies the received rows into `rows_out` (the
+// saved buffer: backward needs them after the window is reused) and marks the local expert
+// slots of the rows past the received count empty (-1).
+void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s);
+
+// return: received row i of `rows` ([R, d], contiguous; null: none) and, when given, its gate
+// gradients ([R, k_loc]) to the return rows of the token's rank, at the place the row's
+// metadata in the window names.
+void return_rows_cuda(const Exchange& x, const char* rows, const float* gates, cudaStream_t s);
+
+}  // namespace ep
+}  // namespace v0
+}  // namespace moeblaze

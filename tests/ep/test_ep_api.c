@@ -1,0 +1,87 @@
+/* The expert-parallel entry points' refusals and the symmetric-size query, on any machine: NULL
+ * pointers, a NULL communicator, E not divisible by the ranks, and the size against the window
+ * formula of docs/ep.md. A build without expert parallelism answers NOT_SUPPORTED. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <string.h>
+
+#include "test_util.h"
+
+static moeblaze_config_t config(int64_t E, int64_t k, int64_t d, int64_t h, int64_t L, int64_t act) {
+  moeblaze_config_t cfg = NULL;
+  assert_ok(moeblaze_config_create(&cfg));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, E));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOP_K, k));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_HIDDEN_SIZE, d));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, h));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_MAX_TOKENS, L));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ACTIVATION, act));
+  return cfg;
+}
+
+static int built_with_ep(void) {
+  moeblaze_config_t cfg = config(8, 2, 64, 32, 16, MOEBLAZE_ACTIVATION_SILU);
+  size_t bytes = 0;
+  const moeblaze_status_t s = moeblaze_get_symmetric_size(cfg, 2, &bytes);
+  moeblaze_config_destroy(cfg);
+  return s != MOEBLAZE_STATUS_NOT_SUPPORTED;
+}
+
+static void create_refuses_null_pointers(void** state) {
+  (void)state;
+  moeblaze_config_t cfg = config(8, 2, 64, 32, 16, MOEBLAZE_ACTIVATION_SILU);
+  moeblaze_handle_t h = (moeblaze_handle_t)(uintptr_t)1;
+  int comm = 0;
+  assert_int_equal(moeblaze_create_ep(NULL, cfg, &comm, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_create_ep(&h, NULL, &comm, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_create_ep(&h, cfg, NULL, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_null(h);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "nccl_comm"));
+  moeblaze_config_destroy(cfg);
+}
+
+static size_t up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+static void symmetric_size_follows_the_formula(void** state) {
+  (void)state;
+  size_t bytes = 0;
+  moeblaze_config_t cfg = config(12, 5, 96, 40, 300, MOEBLAZE_ACTIVATION_SWIGLU);
+  assert_int_equal(moeblaze_get_symmetric_size(NULL, 2, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_get_symmetric_size(cfg, 2, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_get_symmetric_size(cfg, 0, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  if (!built_with_ep()) {
+    assert_int_equal(moeblaze_get_symmetric_size(cfg, 2, &bytes), MOEBLAZE_STATUS_NOT_SUPPORTED);
+    moeblaze_config_destroy(cfg);
+    return;
+  }
+  assert_int_equal(moeblaze_get_symmetric_size(cfg, 5, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);  /* 12 % 5 */
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "12"));
+  const int64_t ranks[] = {1, 2, 3, 4, 6, 12};
+  for (size_t i = 0; i < sizeof ranks / sizeof ranks[0]; ++i) {
+    const size_t P = (size_t)ranks[i], E = 12, k = 5, d = 96, L = 300, es = 2;
+    const size_t kl = k < E / P ? k : E / P, c = k < P ? k : P, R = P * L;
+    size_t at = 0;
+    at = up(at + P * (P + 1) * 4, 256);   /* counts and flags */
+    at = up(at + R * d * es, 256);        /* received rows */
+    at = up(at + R * 8, 256);             /* each row's token and place */
+    at = up(at + R * kl * 4, 256);        /* local expert ids */
+    at = up(at + R * kl * 4, 256);        /* gates */
+    at = up(at + L * c * d * es, 256);    /* returned rows */
+    at = up(at + L * c * kl * 4, 256);    /* returned gate gradients */
+    assert_ok(moeblaze_get_symmetric_size(cfg, (int32_t)P, &bytes));
+    assert_int_equal(bytes, up(at, 4096));
+  }
+  moeblaze_config_destroy(cfg);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(create_refuses_null_pointers),
+      cmocka_unit_test(symmetric_size_follows_the_formula),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
