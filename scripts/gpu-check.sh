@@ -2,10 +2,11 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|epbench|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
 # ep: the expert-parallel layer on every GPU of the machine (at least 2) against the single-GPU
 # layer (tests/ep/test_ep_gpu.cpp); EP_SANITIZE="memcheck racecheck" runs it under those tools too;
 # not part of "all" (the tests mode runs it through ctest).
+# epbench: perf/ep-bench, the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS).
 # sidebyside: perf/side_by_side.py on SonicMoE's configs (SIDE_CONFIGS), with SonicMoE run first
 # through .peers/run_sonic.sh when its bundle is carried in .peers/sonic/site (not part of "all").
 # profile: the CUDA kernels of one MoEBlaze fwd+bwd through moeblaze.torch (PROFILE_CONFIG).
@@ -40,7 +41,7 @@ want() {
   for w in "${what[@]}"; do
     [ "$w" = "$1" ] && return 0
     [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && [ "$1" != sidebyside ] \
-      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && return 0
+      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != epbench ] && return 0
   done
   return 1
 }
@@ -106,6 +107,14 @@ if want ep; then
       summary+=("test_ep_gpu under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/test_ep_gpu-$tool.log" | tail -1)")
     done
   fi
+fi
+if want epbench; then
+  # the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS: tokens per rank,
+  # iterations, shape names)
+  timeout ${EP_TIMEOUT:-300} build-gpu/perf/ep-bench ${EP_BENCH_ARGS:-} > "$OUT/ep-bench.md" 2> "$OUT/ep-bench.err"
+  rc=$?
+  cat "$OUT/ep-bench.md"; tail -5 "$OUT/ep-bench.err"
+  summary+=("ep-bench: rc=$rc (table above)")
 fi
 if want tests; then
   ctest --test-dir build-gpu -L gpu -V --timeout 900 > "$OUT/tests.log" 2>&1

@@ -362,11 +362,36 @@ typedef enum moeblaze_attr {
    *  depend on it only through the fp32 summation order of the weight gradients. Other engines
    *  ignore it. @since 0.2 */
   MOEBLAZE_ATTR_WINDOW_TOKENS = 19,
+  /** i64 0..2^31-1, default 0 (dropless: EP size * MAX_TOKENS): expert-parallel layers
+   *  (moeblaze_create_ep()) only, the most token rows one rank may receive in a step. A step in
+   *  which some rank would receive more sends nothing, fills every output of every rank with NaN
+   *  and reports INSUFFICIENT_WORKSPACE through #MOEBLAZE_ARG_STATUS (docs/ep.md). @since 0.2 */
+  MOEBLAZE_ATTR_EP_MAX_RECV_TOKENS = 20,
+  /** i64 ::moeblaze_ep_transport_t, default AUTO: how an expert-parallel layer moves rows. @since 0.2 */
+  MOEBLAZE_ATTR_EP_TRANSPORT = 21,
+  /** i64 0..1024, default 0 (the library picks): CTAs an expert-parallel layer's exchanges run
+   *  on. @since 0.2 */
+  MOEBLAZE_ATTR_EP_COMM_SMS = 22,
+  /** i64 0..1024, default 0 (any): on a config, the expert-parallel group size the caller expects
+   *  (moeblaze_create_ep() refuses another); on a handle, the group's size (1 for a single-GPU
+   *  layer). @since 0.2 */
+  MOEBLAZE_ATTR_EP_SIZE = 23,
+  /** i64 -1..1023, default -1 (any): on a config, the communicator rank the caller expects to
+   *  be; on a handle, the layer's rank (0 for a single-GPU layer). @since 0.2 */
+  MOEBLAZE_ATTR_EP_RANK = 24,
   MOEBLAZE_ATTR__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_attr_t;
 
 /** @brief Number of attributes known to this header (attributes are 0..MOEBLAZE_ATTR_COUNT-1). */
-#define MOEBLAZE_ATTR_COUNT 20
+#define MOEBLAZE_ATTR_COUNT 25
+
+/** @brief How an expert-parallel layer moves rows (value of #MOEBLAZE_ATTR_EP_TRANSPORT). */
+typedef enum moeblaze_ep_transport {
+  MOEBLAZE_EP_TRANSPORT_AUTO = 0,   /**< NVLINK (the only one built so far). */
+  MOEBLAZE_EP_TRANSPORT_NVLINK = 1, /**< Load/store through NCCL's device API; every rank a peer. */
+  MOEBLAZE_EP_TRANSPORT_HOST = 2,   /**< ncclSend/ncclRecv; synchronises. Not built yet: NOT_SUPPORTED. */
+  MOEBLAZE_EP_TRANSPORT__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_ep_transport_t;
 
 /**
  * @brief Creates a config with every attribute at its default.

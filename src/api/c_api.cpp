@@ -52,6 +52,11 @@ static_assert(static_cast<int>(Status::kInternalError) == MOEBLAZE_STATUS_INTERN
 static_assert(static_cast<int>(Status::kInsufficientWorkspace) == MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE, "status values");
 static_assert(static_cast<int>(Attr::kNumThreads) == MOEBLAZE_ATTR_NUM_THREADS, "attribute values");
 static_assert(static_cast<int>(Attr::kWindowTokens) == MOEBLAZE_ATTR_WINDOW_TOKENS, "attribute values");
+static_assert(static_cast<int>(Attr::kEpMaxRecvTokens) == MOEBLAZE_ATTR_EP_MAX_RECV_TOKENS, "attribute values");
+static_assert(static_cast<int>(Attr::kEpTransport) == MOEBLAZE_ATTR_EP_TRANSPORT, "attribute values");
+static_assert(static_cast<int>(Attr::kEpCommSms) == MOEBLAZE_ATTR_EP_COMM_SMS, "attribute values");
+static_assert(static_cast<int>(Attr::kEpSize) == MOEBLAZE_ATTR_EP_SIZE, "attribute values");
+static_assert(static_cast<int>(Attr::kEpRank) == MOEBLAZE_ATTR_EP_RANK, "attribute values");
 static_assert(static_cast<int>(Attr::kSavePolicy) == MOEBLAZE_ATTR_SAVE_POLICY, "attribute values");
 static_assert(static_cast<int>(ArgKind::kGradTopkWeights) == MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kZLoss) == MOEBLAZE_ARG_Z_LOSS, "argument kinds");
@@ -287,7 +292,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_get_symmetric_size(moeblaze_config_t cfg
     require(bytes, "bytes");
     if (ep_size < 1) fail(Status::kInvalidArgument, "ep_size = %d must be >= 1", ep_size);
 #if MOEBLAZE_WITH_EP
-    *bytes = ep_symmetric_bytes(LayerConfig::from_values(cfg->values), ep_size, 0);
+    *bytes = ep_symmetric_bytes(LayerConfig::from_values(cfg->values), ep_size);
 #else
     fail(Status::kNotSupported, "this build of libmoeblaze has no expert parallelism (CMake option MOEBLAZE_ENABLE_EP)");
 #endif

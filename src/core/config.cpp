@@ -32,6 +32,11 @@ const AttrInfo kAttrTable[kAttrCount] = {
     {"engine", ValueType::kI64, false, 0, 3, 0, 0.0, DType::kInvalid},
     {"num_threads", ValueType::kI64, false, 0, 1024, 0, 0.0, DType::kInvalid},
     {"window_tokens", ValueType::kI64, false, 0, kMaxI32, 0, 0.0, DType::kInvalid, 2},
+    {"ep_max_recv_tokens", ValueType::kI64, false, 0, kMaxI32, 0, 0.0, DType::kInvalid, 2},
+    {"ep_transport", ValueType::kI64, false, 0, 2, 0, 0.0, DType::kInvalid, 2},
+    {"ep_comm_sms", ValueType::kI64, false, 0, 1024, 0, 0.0, DType::kInvalid, 2},
+    {"ep_size", ValueType::kI64, false, 0, 1024, 0, 0.0, DType::kInvalid, 2},
+    {"ep_rank", ValueType::kI64, false, -1, 1023, -1, 0.0, DType::kInvalid, 2},
 };
 
 const AttrInfo& checked(int32_t attr, ValueType want) {
@@ -116,6 +121,11 @@ LayerConfig LayerConfig::from_values(const ConfigValues& v) {
   c.engine = static_cast<EngineKind>(I(Attr::kEngine));
   c.num_threads = static_cast<int32_t>(I(Attr::kNumThreads));
   c.window_tokens = I(Attr::kWindowTokens);
+  c.ep_max_recv_tokens = I(Attr::kEpMaxRecvTokens);
+  c.ep_transport = static_cast<int32_t>(I(Attr::kEpTransport));
+  c.ep_comm_sms = static_cast<int32_t>(I(Attr::kEpCommSms));
+  c.ep_size = static_cast<int32_t>(I(Attr::kEpSize));
+  c.ep_rank = static_cast<int32_t>(I(Attr::kEpRank));
 
   if (c.top_k > c.num_experts)
     fail(Status::kInvalidArgument, "top_k = %lld exceeds num_experts = %lld", static_cast<long long>(c.top_k),
@@ -147,6 +157,11 @@ ConfigValues LayerConfig::to_values() const {
   S(Attr::kEngine, static_cast<int64_t>(engine));
   S(Attr::kNumThreads, num_threads);
   S(Attr::kWindowTokens, window_tokens);
+  S(Attr::kEpMaxRecvTokens, ep_max_recv_tokens);
+  S(Attr::kEpTransport, ep_transport);
+  S(Attr::kEpCommSms, ep_comm_sms);
+  S(Attr::kEpSize, ep_ranks);    // a handle reports what it is
+  S(Attr::kEpRank, ep_rank_of);
   v.f64[static_cast<int>(Attr::kAuxLossCoeff)] = aux_loss_coeff;
   v.f64[static_cast<int>(Attr::kZLossCoeff)] = z_loss_coeff;
   v.dtype[static_cast<int>(Attr::kActivationDtype)] = act_dtype;

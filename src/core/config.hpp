@@ -15,9 +15,9 @@ enum class Attr : int32_t {
   kActivation = 5, kScoreFunction = 6, kNormalizeTopK = 7, kAuxLossCoeff = 8, kZLossCoeff = 9,
   kActivationDtype = 10, kWeightDtype = 11, kAccumDtype = 12, kSavePolicy = 13,
   kDeterministic = 14, kDeviceType = 15, kDeviceId = 16, kEngine = 17, kNumThreads = 18,
-  kWindowTokens = 19,
+  kWindowTokens = 19, kEpMaxRecvTokens = 20, kEpTransport = 21, kEpCommSms = 22, kEpSize = 23, kEpRank = 24,
 };
-constexpr int kAttrCount = 20;
+constexpr int kAttrCount = 25;
 
 enum class Activation : int32_t { kRelu = 0, kGelu = 1, kSilu = 2, kSwiglu = 3, kGeglu = 4 };
 enum class ScoreFn : int32_t { kSoftmax = 0, kSigmoid = 1 };
@@ -74,9 +74,16 @@ struct LayerConfig {
   // expert row, nothing added to y, a zero gate gradient). The expert-parallel layer's local
   // experts run on received rows that feed 1..k of them.
   bool empty_slots = false;
-  // Internal: the expert-parallel group's size P (moeblaze_create_ep); the handle's weights hold
-  // num_experts / P local experts.
+  // Expert parallelism (docs/ep.md): the attributes, then what create found. ep_size and ep_rank
+  // are what the caller expects (0 / -1: anything); ep_ranks and ep_rank_of the group's size and
+  // this layer's rank (1 and 0 on one GPU); the handle's weights hold num_experts / ep_ranks experts.
+  int64_t ep_max_recv_tokens = 0;
+  int32_t ep_transport = 0;
+  int32_t ep_comm_sms = 0;
+  int32_t ep_size = 0;
+  int32_t ep_rank = -1;
   int32_t ep_ranks = 1;
+  int32_t ep_rank_of = 0;
 
   int64_t gate_up_cols() const { return (is_gated(activation) ? 2 : 1) * ffn_hidden; }
   int64_t local_experts() const { return num_experts / ep_ranks; }

@@ -10,3 +10,6 @@
   "moeblaze backward reported INVALID_ARGUMENT through STATUS: the saved buffer was not written " \
   "by this layer's forward for these tokens"
 #define MOEBLAZE_DEVICE_ERROR_ROUTE "moeblaze route reported INVALID_ARGUMENT through STATUS"
+#define MOEBLAZE_DEVICE_ERROR_EP_RECV_BOUND                                                          \
+  "moeblaze expert-parallel step reported INSUFFICIENT_WORKSPACE through STATUS: some rank would " \
+  "receive more rows than EP_MAX_RECV_TOKENS; nothing was sent and every output is NaN"

@@ -12,6 +12,9 @@ namespace moeblaze {
 inline namespace v0 {
 
 Layer::Layer(const ConfigValues& values) : cfg_(LayerConfig::from_values(values)) {
+  if (cfg_.ep_size > 1 || cfg_.ep_rank > 0)
+    fail(Status::kInvalidArgument, "EP_SIZE = %d and EP_RANK = %d ask for an expert-parallel layer: create it with "
+         "moeblaze_create_ep on a communicator", cfg_.ep_size, cfg_.ep_rank);
   engine_ = create_engine(cfg_, &decision_);
 }
 

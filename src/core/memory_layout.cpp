@@ -51,7 +51,7 @@ uint64_t saved_fingerprint(const LayerConfig& c) {
       .add(static_cast<uint64_t>(static_cast<uint32_t>(c.device_type)));
   // Only when set, so that every single-GPU layer's value is unchanged.
   if (c.empty_slots) f.add(0x656d707479ull);
-  if (c.ep_ranks != 1) f.add(static_cast<uint64_t>(c.ep_ranks));
+  if (c.ep_ranks != 1) f.add(static_cast<uint64_t>(c.ep_ranks)).add(static_cast<uint64_t>(c.ep_max_recv_tokens));
   return f.h;
 }
 

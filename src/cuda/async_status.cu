@@ -45,7 +45,8 @@ __global__ void flag_if_status_kernel(const int32_t* status, int32_t* flag, int3
 
 __global__ void assert_status_kernel(const int32_t* status, StatusSite site) {
   if (*status == 0) return;
-  const char* cause = site == StatusSite::kForward    ? MOEBLAZE_DEVICE_ERROR_FORWARD
+  const char* cause = *status == static_cast<int32_t>(Status::kInsufficientWorkspace) ? MOEBLAZE_DEVICE_ERROR_EP_RECV_BOUND
+                      : site == StatusSite::kForward    ? MOEBLAZE_DEVICE_ERROR_FORWARD
                       : site == StatusSite::kBackward ? MOEBLAZE_DEVICE_ERROR_BACKWARD
                                                       : MOEBLAZE_DEVICE_ERROR_ROUTE;
   __assert_fail(cause, __FILE__, __LINE__, __func__);

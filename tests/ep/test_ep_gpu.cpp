@@ -49,6 +49,8 @@ struct Case {
   int64_t activation;
   bool caller_ids;   // routing given as ids skewed onto rank 0's experts, else a router weight
   int64_t tokens[8];  // per rank
+  int64_t max_recv = 0;  // EP_MAX_RECV_TOKENS (0: dropless); a bound too small for the step
+                         // must turn every output NaN and report INSUFFICIENT_WORKSPACE
 };
 
 // Host tensors of one layer call, bf16 unless named.
@@ -104,6 +106,7 @@ moeblaze_arg_t arg(int32_t kind, void* p, moeblaze_dtype_t t, Shapes& sh, int64_
 struct Run {
   std::vector<uint16_t> y, dx, dwgu, dwd, dwg;
   std::vector<float> dgates;
+  std::vector<int32_t> status;  // forward's, backward's
 };
 
 // Forward (training) and backward of `h` on the given host inputs; experts [e0, e0 + Eh).
@@ -111,7 +114,7 @@ struct Layer {
   moeblaze_handle_t h = nullptr;
   const Case* c = nullptr;
   int64_t L = 0, Eh = 0, gh = 0;
-  void *x, *dy, *wgu, *wd, *wg, *ids, *gates, *y, *dx, *dwgu, *dwd, *dwg, *dgates, *ws_f, *ws_b, *saved;
+  void *x, *dy, *wgu, *wd, *wg, *ids, *gates, *y, *dx, *dwgu, *dwd, *dwg, *dgates, *ws_f, *ws_b, *saved, *status;
   size_t ws_f_bytes = 0, ws_b_bytes = 0, saved_bytes = 0;
 
   void setup(moeblaze_handle_t handle, const Case& cs, const Host& in, int64_t tokens, int64_t e0, int64_t experts) {
@@ -137,6 +140,7 @@ struct Layer {
     CK(cudaMalloc(&ws_f, ws_f_bytes));
     CK(cudaMalloc(&ws_b, ws_b_bytes));
     CK(cudaMalloc(&saved, saved_bytes));
+    CK(cudaMalloc(&status, 2 * sizeof(int32_t)));
     CK(cudaDeviceSynchronize());  // the copies and fills above ran on the legacy stream
   }
   void set_x(const std::vector<uint16_t>& v) { CK(cudaMemcpy(x, v.data(), v.size() * 2, cudaMemcpyHostToDevice)); }
@@ -147,7 +151,8 @@ struct Layer {
     std::vector<moeblaze_arg_t> f = {arg(MOEBLAZE_ARG_INPUT, x, kBf16, sh, L, d),
                                      arg(MOEBLAZE_ARG_W_GATE_UP, wgu, kBf16, sh, Eh, d, gh),
                                      arg(MOEBLAZE_ARG_W_DOWN, wd, kBf16, sh, Eh, c->h, d),
-                                     arg(MOEBLAZE_ARG_OUTPUT, y, kBf16, sh, L, d)};
+                                     arg(MOEBLAZE_ARG_OUTPUT, y, kBf16, sh, L, d),
+                                     arg(MOEBLAZE_ARG_STATUS, status, kI32, sh, -1)};
     if (c->caller_ids) {
       f.push_back(arg(MOEBLAZE_ARG_TOPK_INDICES, ids, kI32, sh, L, k));
       f.push_back(arg(MOEBLAZE_ARG_TOPK_WEIGHTS, gates, kF32, sh, L, k));
@@ -162,6 +167,7 @@ struct Layer {
                                      arg(MOEBLAZE_ARG_GRAD_OUTPUT, dy, kBf16, sb, L, d),
                                      arg(MOEBLAZE_ARG_GRAD_INPUT, dx, kBf16, sb, L, d)};
     Shapes sc;
+    b.push_back(arg(MOEBLAZE_ARG_STATUS, static_cast<int32_t*>(status) + 1, kI32, sc, -1));
     b.push_back(arg(MOEBLAZE_ARG_GRAD_W_GATE_UP, dwgu, kBf16, sc, Eh, d, gh));
     b.push_back(arg(MOEBLAZE_ARG_GRAD_W_DOWN, dwd, kBf16, sc, Eh, c->h, d));
     if (c->caller_ids) {
@@ -180,17 +186,18 @@ struct Layer {
     r.dx = to_host<uint16_t>(dx, static_cast<size_t>(L * c->d));
     r.dwgu = to_host<uint16_t>(dwgu, static_cast<size_t>(Eh * c->d * gh));
     r.dwd = to_host<uint16_t>(dwd, static_cast<size_t>(Eh * c->h * c->d));
+    r.status = to_host<int32_t>(status, 2);
     if (c->caller_ids) r.dgates = to_host<float>(dgates, static_cast<size_t>(L * c->k));
     else r.dwg = to_host<uint16_t>(dwg, static_cast<size_t>(c->E * c->d));
     return r;
   }
   void release() {
-    for (void* p : {x, dy, wgu, wd, wg, ids, gates, y, dx, dwgu, dwd, dwg, dgates, ws_f, ws_b, saved}) cudaFree(p);
+    for (void* p : {x, dy, wgu, wd, wg, ids, gates, y, dx, dwgu, dwd, dwg, dgates, ws_f, ws_b, saved, status}) cudaFree(p);
     moeblaze_destroy(h);
   }
 };
 
-moeblaze_config_t config(const Case& c, int64_t max_tokens, int device) {
+moeblaze_config_t config(const Case& c, int64_t max_tokens, int device, int64_t max_recv = 0) {
   moeblaze_config_t cfg = nullptr;
   MB(moeblaze_config_create(&cfg));
   MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, c.E));
@@ -202,6 +209,7 @@ moeblaze_config_t config(const Case& c, int64_t max_tokens, int device) {
   MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NORMALIZE_TOPK, 1));
   MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CUDA));
   MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_ID, device));
+  MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_EP_MAX_RECV_TOKENS, max_recv));
   return cfg;
 }
 
@@ -299,9 +307,17 @@ void run_case(const Case& cs, int P, ncclComm_t* comms, uint64_t seed) {
       CK(cudaSetDevice(r));
       cudaStream_t s;
       CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      moeblaze_config_t cfg = config(cs, maxL, r);
+      moeblaze_config_t cfg = config(cs, maxL, r, cs.max_recv);
       moeblaze_handle_t h = nullptr;
       MB(moeblaze_create_ep(&h, cfg, comms[r], s));
+      int64_t size = 0, rank = -1;
+      MB(moeblaze_handle_get_i64(h, MOEBLAZE_ATTR_EP_SIZE, &size));
+      MB(moeblaze_handle_get_i64(h, MOEBLAZE_ATTR_EP_RANK, &rank));
+      if (size != P || rank != r) {
+        std::printf("  FAILED rank %d: the handle reports EP_SIZE %lld, EP_RANK %lld\n", r, static_cast<long long>(size),
+                    static_cast<long long>(rank));
+        std::exit(1);
+      }
       moeblaze_config_destroy(cfg);
       std::printf("  rank %d: created\n", r);
       Layer l;
@@ -336,6 +352,20 @@ void run_case(const Case& cs, int P, ncclComm_t* comms, uint64_t seed) {
   }
   for (auto& t : threads) t.join();
 
+  if (cs.max_recv > 0) {  // the bound is too small: every output NaN, STATUS on every rank
+    for (int r = 0; r < P; ++r) {
+      const Run& a = first[r];
+      bool nan = true;
+      for (uint16_t v : a.y) nan &= std::isnan(tu_bf16_to_f32(v));
+      for (uint16_t v : a.dx) nan &= std::isnan(tu_bf16_to_f32(v));
+      for (uint16_t v : a.dwgu) nan &= std::isnan(tu_bf16_to_f32(v));
+      const bool st = a.status[0] == MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE &&
+                      a.status[1] == MOEBLAZE_STATUS_INSUFFICIENT_WORKSPACE;
+      expect(nan, "overflow: every output NaN", cs.name, r, 0);
+      expect(st, "overflow: STATUS INSUFFICIENT_WORKSPACE", cs.name, r, a.status[0]);
+    }
+    return;
+  }
   const double tol = 2e-2;
   std::vector<double> dwg_sum(static_cast<size_t>(E * d), 0.0);
   for (int r = 0; r < P; ++r) {
@@ -363,6 +393,7 @@ void run_case(const Case& cs, int P, ncclComm_t* comms, uint64_t seed) {
     } else {
       for (size_t i = 0; i < dwg_sum.size(); ++i) dwg_sum[i] += tu_bf16_to_f32(a.dwg[i]);
     }
+    expect(a.status[0] == 0 && a.status[1] == 0, "STATUS 0", cs.name, r, a.status[0] + a.status[1]);
     const bool same = a.y == second[r].y && a.dx == second[r].dx && a.dwgu == second[r].dwgu &&
                       a.dwd == second[r].dwd && a.dwg == second[r].dwg && a.dgates == second[r].dgates;
     expect(same, "bitwise equal on a second run", cs.name, r, 0);
@@ -382,6 +413,33 @@ void run_case(const Case& cs, int P, ncclComm_t* comms, uint64_t seed) {
     const double e = std::isfinite(num) ? std::sqrt(num / std::max(den, 1e-30)) : INFINITY;
     expect(e < tol, "dW_router (sum over ranks)", cs.name, -1, e);
   }
+}
+
+// Refused on every rank before any collective call: an EP_SIZE or EP_RANK the communicator
+// contradicts, the HOST transport (not built).
+void refusals(const Case& cs, int P, ncclComm_t* comms) {
+  std::vector<std::thread> th;
+  std::vector<int> bad(P, 0);
+  for (int r = 0; r < P; ++r)
+    th.emplace_back([&, r] {
+      CK(cudaSetDevice(r));
+      const struct {
+        moeblaze_attr_t attr;
+        int64_t value;
+        moeblaze_status_t want;
+      } probes[] = {{MOEBLAZE_ATTR_EP_SIZE, P + 1, MOEBLAZE_STATUS_INVALID_ARGUMENT},
+                    {MOEBLAZE_ATTR_EP_RANK, (r + 1) % P, MOEBLAZE_STATUS_INVALID_ARGUMENT},
+                    {MOEBLAZE_ATTR_EP_TRANSPORT, MOEBLAZE_EP_TRANSPORT_HOST, MOEBLAZE_STATUS_NOT_SUPPORTED}};
+      for (const auto& p : probes) {
+        moeblaze_config_t cfg = config(cs, 64, r);
+        MB(moeblaze_config_set_i64(cfg, p.attr, p.value));
+        moeblaze_handle_t h = reinterpret_cast<moeblaze_handle_t>(1);
+        bad[r] += moeblaze_create_ep(&h, cfg, comms[r], nullptr) != p.want || h != nullptr;
+        moeblaze_config_destroy(cfg);
+      }
+    });
+  for (auto& t : th) t.join();
+  for (int r = 0; r < P; ++r) expect(bad[r] == 0, "refusals (EP_SIZE, EP_RANK, HOST)", cs.name, r, bad[r]);
 }
 
 }  // namespace
@@ -408,8 +466,11 @@ int main() {
       // k larger than the experts per rank, a rank with no tokens, routing skewed onto rank 0.
       {"silu-ids-skewed", 2LL * P, std::min<int64_t>(2LL * P, 3), 128, 64, MOEBLAZE_ACTIVATION_SILU, true,
        {129, 0, 64, 200, 5, 33, 0, 97}},
+      // Most tokens go to rank 0's experts: a receive bound of 40 rows overflows there.
+      {"overflow", 2LL * P, 2, 128, 64, MOEBLAZE_ACTIVATION_SILU, true, {100, 90, 80, 70, 60, 50, 40, 30}, 40},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) run_case(cases[i], P, comms.data(), seed + i);
+  refusals(cases[0], P, comms.data());
   for (int i = 0; i < P; ++i) ncclCommDestroy(comms[i]);
   std::printf("test_ep_gpu: %s (%d failed)\n", failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;

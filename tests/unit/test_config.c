@@ -35,7 +35,7 @@ static void every_attribute_round_trips(void** state) {
     assert_true(strlen(info.name) > 0);
     assert_int_equal(info.struct_size, sizeof info);
     assert_int_equal(info.since_version,
-                     MOEBLAZE_VERSION_ENCODE(0, a == MOEBLAZE_ATTR_WINDOW_TOKENS ? 2 : 1, 0));
+                     MOEBLAZE_VERSION_ENCODE(0, a >= MOEBLAZE_ATTR_WINDOW_TOKENS ? 2 : 1, 0));
     if (info.value_type == MOEBLAZE_VALUE_I64) {
       int64_t v = -12345;
       if (!info.required) { /* the default reads back before anything is set */

@@ -88,6 +88,8 @@ _CHECKED = {
     "moeblaze_attr_query": [c_int32, POINTER(AttrInfo)],
     "moeblaze_get_device_count": [c_int32, POINTER(c_int32)],
     "moeblaze_create": [POINTER(_handle_t), _config_t],
+    "moeblaze_create_ep": [POINTER(_handle_t), _config_t, c_void_p, _stream_t],
+    "moeblaze_get_symmetric_size": [_config_t, c_int32, POINTER(c_size_t)],
     "moeblaze_destroy": [_handle_t],
     "moeblaze_handle_get_i64": [_handle_t, c_int32, POINTER(c_int64)],
     "moeblaze_handle_get_f64": [_handle_t, c_int32, POINTER(c_double)],

@@ -72,7 +72,7 @@ VERSION = version_encode(VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH)
 #: The ABI this binding was written for; _lib refuses a library reporting another one.
 ABI_VERSION = 0
 #: Number of attributes known to the header this binding mirrors (the library may know more).
-ATTR_COUNT = 20
+ATTR_COUNT = 25
 #: Required alignment of workspace and saved buffers, in bytes.
 BUFFER_ALIGNMENT = 256
 #: Flag on a gradient output: accumulate into it instead of overwriting.
@@ -229,6 +229,11 @@ class Attr(_IntConstants):
     ENGINE = 17
     NUM_THREADS = 18
     WINDOW_TOKENS = 19
+    EP_MAX_RECV_TOKENS = 20
+    EP_TRANSPORT = 21
+    EP_COMM_SMS = 22
+    EP_SIZE = 23
+    EP_RANK = 24
 
 
 class Pass(_IntConstants):

@@ -37,7 +37,11 @@ namespace moeblaze {
 inline namespace v0 {
 namespace {
 
-constexpr int32_t kDefaultCtas = 16;      // SMs that move rows (perf/NOTES.md: the NVLink floor)
+// CTAs that move rows. The exchanges do not overlap the expert GEMMs yet, so they may take half
+// of an H100's SMs: 16-byte stores from 64 CTAs reached 236-249 GB/s per GPU to a peer, from 16
+// CTAs 136-140 (perf/NOTES.md, the NVLink floor). A constant, not the device's SM count, so that
+// every rank derives the same configuration.
+constexpr int32_t kDefaultCtas = 64;
 constexpr int32_t kLocalFailed = 32;      // the local experts' engine flagged its call
 
 int64_t recv_bound(const LayerConfig& g, int32_t P, int64_t max_recv) {
@@ -292,9 +296,9 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
 
 }  // namespace
 
-size_t ep_symmetric_bytes(const LayerConfig& cfg, int32_t ranks, int64_t max_recv) {
+size_t ep_symmetric_bytes(const LayerConfig& cfg, int32_t ranks) {
   check_placement(ranks, cfg.num_experts);
-  return layout_of(cfg, ranks, recv_bound(cfg, ranks, max_recv)).bytes;
+  return layout_of(cfg, ranks, recv_bound(cfg, ranks, cfg.ep_max_recv_tokens)).bytes;
 }
 
 std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, std::string* decision) {
@@ -310,13 +314,21 @@ std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, s
   int P = 0;
   if (api.comm_count(nc, &P) != ncclSuccess) fail(Status::kInvalidArgument, "nccl_comm is not a usable NCCL communicator");
   check_placement(P, cfg.num_experts);
-  if (opt.max_recv_tokens < 0) fail(Status::kInvalidArgument, "EP_MAX_RECV_TOKENS must be >= 0");
-  const int64_t R = recv_bound(cfg, P, opt.max_recv_tokens);
+  int rank = 0;
+  if (api.comm_user_rank(nc, &rank) != ncclSuccess) fail(Status::kInvalidArgument, "nccl_comm is not a usable NCCL communicator");
+  if (cfg.ep_size != 0 && cfg.ep_size != P)
+    fail(Status::kInvalidArgument, "EP_SIZE = %d but the communicator has %d ranks", cfg.ep_size, P);
+  if (cfg.ep_rank != -1 && cfg.ep_rank != rank)
+    fail(Status::kInvalidArgument, "EP_RANK = %d but this is rank %d of the communicator", cfg.ep_rank, rank);
+  if (cfg.ep_transport == 2)
+    fail(Status::kNotSupported, "EP_TRANSPORT = HOST is not built yet (NVLINK and AUTO are)");
+  const int64_t R = recv_bound(cfg, P, cfg.ep_max_recv_tokens);
   if (R * std::min<int64_t>(cfg.top_k, cfg.num_experts / P) > 2147483647LL)
     fail(Status::kInvalidArgument, "the receive bound (%lld rows) times the local slots must stay below 2^31",
          static_cast<long long>(R));
-  const int32_t ctas = opt.comm_ctas > 0 ? opt.comm_ctas : kDefaultCtas;
+  const int32_t ctas = cfg.ep_comm_sms > 0 ? cfg.ep_comm_sms : kDefaultCtas;
   cfg.ep_ranks = P;
+  cfg.ep_rank_of = rank;
   LayerConfig l = local_config(cfg, P, R);
   std::unique_ptr<Engine> local = create_engine(l, decision);
   cfg.device_id = l.device_id;
@@ -325,7 +337,7 @@ std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, s
                                              cfg.device_id);
   // Every rank must have passed the same configuration.
   const uint64_t digest = saved_fingerprint(cfg) ^ (static_cast<uint64_t>(cfg.max_tokens) * 0x9e3779b97f4a7c15ull) ^
-                          (static_cast<uint64_t>(R) << 17) ^ static_cast<uint64_t>(ctas);
+                          (static_cast<uint64_t>(R) << 17) ^ (static_cast<uint64_t>(ctas) << 48);
   const std::vector<uint64_t> all = comm->all_gather(digest, s);
   for (int r = 0; r < P; ++r)
     if (all[r] != all[0])

@@ -13,19 +13,18 @@ namespace moeblaze {
 inline namespace v0 {
 
 struct EpOptions {
-  void* nccl_comm = nullptr;     // ncclComm_t
-  bool owns_comm = false;        // made from a unique id: destroyed with the layer
-  int64_t max_recv_tokens = 0;   // 0: dropless (P * MAX_TOKENS)
-  int32_t comm_ctas = 0;         // 0: the library picks
-  void* stream = nullptr;        // create's stream (the configuration check runs on it)
+  void* nccl_comm = nullptr;  // ncclComm_t
+  bool owns_comm = false;     // made from a unique id: destroyed with the layer
+  void* stream = nullptr;     // create's stream (the configuration check runs on it)
 };
 
-// Collective over the communicator: every rank calls it with the same configuration. Sets
-// cfg.ep_ranks and resolves cfg.engine to the engine of the local experts.
+// Collective over the communicator: every rank calls it with the same configuration (its EP_*
+// attributes included). Sets cfg.ep_ranks and cfg.ep_rank_of and resolves cfg.engine to the
+// engine of the local experts.
 std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, std::string* decision);
 
 // The symmetric bytes one rank allocates for a layer of cfg over `ranks` ranks (shape-only).
-size_t ep_symmetric_bytes(const LayerConfig& cfg, int32_t ranks, int64_t max_recv_tokens);
+size_t ep_symmetric_bytes(const LayerConfig& cfg, int32_t ranks);
 
 }  // namespace v0
 }  // namespace moeblaze

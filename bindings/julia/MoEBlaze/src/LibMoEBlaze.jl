@@ -135,7 +135,12 @@ const MOEBLAZE_ATTR_DEVICE_ID = Int32(16)
 const MOEBLAZE_ATTR_ENGINE = Int32(17)
 const MOEBLAZE_ATTR_NUM_THREADS = Int32(18)
 const MOEBLAZE_ATTR_WINDOW_TOKENS = Int32(19)
-const MOEBLAZE_ATTR_COUNT = Int32(20)
+const MOEBLAZE_ATTR_EP_MAX_RECV_TOKENS = Int32(20)
+const MOEBLAZE_ATTR_EP_TRANSPORT = Int32(21)
+const MOEBLAZE_ATTR_EP_COMM_SMS = Int32(22)
+const MOEBLAZE_ATTR_EP_SIZE = Int32(23)
+const MOEBLAZE_ATTR_EP_RANK = Int32(24)
+const MOEBLAZE_ATTR_COUNT = Int32(25)
 
 """`moeblaze_attr_info_t` (64 bytes). Set `struct_size` before `moeblaze_attr_query`."""
 mutable struct moeblaze_attr_info_t
@@ -290,6 +295,15 @@ function moeblaze_create(out, cfg)
     @check @ccall libmoeblaze.moeblaze_create(out::Ptr{moeblaze_handle_t},
                                               cfg::moeblaze_config_t)::Int32
 end
+# Collective over the ranks of nccl_comm (an ncclComm_t, borrowed); stream is a cudaStream_t.
+function moeblaze_create_ep(out, cfg, nccl_comm, stream)
+    @check @ccall libmoeblaze.moeblaze_create_ep(out::Ptr{moeblaze_handle_t}, cfg::moeblaze_config_t,
+                                                 nccl_comm::Ptr{Cvoid}, stream::Ptr{Cvoid})::Int32
+end
+function moeblaze_get_symmetric_size(cfg, ep_size, bytes)
+    @check @ccall libmoeblaze.moeblaze_get_symmetric_size(cfg::moeblaze_config_t, ep_size::Int32,
+                                                          bytes::Ptr{Csize_t})::Int32
+end
 function moeblaze_destroy(handle)
     @check @ccall libmoeblaze.moeblaze_destroy(handle::moeblaze_handle_t)::Int32
 end
@@ -346,9 +360,10 @@ const WRAPPED = [
     :moeblaze_assert_status, :moeblaze_attr_query, :moeblaze_backward, :moeblaze_check_args, :moeblaze_config_create,
     :moeblaze_config_destroy, :moeblaze_config_get_dtype, :moeblaze_config_get_f64,
     :moeblaze_config_get_i64, :moeblaze_config_set_dtype, :moeblaze_config_set_f64,
-    :moeblaze_config_set_i64, :moeblaze_create, :moeblaze_destroy, :moeblaze_forward,
+    :moeblaze_config_set_i64, :moeblaze_create, :moeblaze_create_ep, :moeblaze_destroy, :moeblaze_forward,
     :moeblaze_get_abi_version, :moeblaze_get_build_info, :moeblaze_get_device_count,
-    :moeblaze_get_last_error_message, :moeblaze_get_saved_size, :moeblaze_get_version,
+    :moeblaze_get_last_error_message, :moeblaze_get_saved_size, :moeblaze_get_symmetric_size,
+    :moeblaze_get_version,
     :moeblaze_get_version_string, :moeblaze_get_workspace_size, :moeblaze_handle_get_dtype,
     :moeblaze_handle_get_f64, :moeblaze_handle_get_i64, :moeblaze_route,
     :moeblaze_set_log_callback, :moeblaze_status_name, :moeblaze_status_string,

@@ -198,8 +198,13 @@ pub const MOEBLAZE_ATTR_DEVICE_ID: moeblaze_attr_t = 16;
 pub const MOEBLAZE_ATTR_ENGINE: moeblaze_attr_t = 17;
 pub const MOEBLAZE_ATTR_NUM_THREADS: moeblaze_attr_t = 18;
 pub const MOEBLAZE_ATTR_WINDOW_TOKENS: moeblaze_attr_t = 19;
+pub const MOEBLAZE_ATTR_EP_MAX_RECV_TOKENS: moeblaze_attr_t = 20;
+pub const MOEBLAZE_ATTR_EP_TRANSPORT: moeblaze_attr_t = 21;
+pub const MOEBLAZE_ATTR_EP_COMM_SMS: moeblaze_attr_t = 22;
+pub const MOEBLAZE_ATTR_EP_SIZE: moeblaze_attr_t = 23;
+pub const MOEBLAZE_ATTR_EP_RANK: moeblaze_attr_t = 24;
 /// Attributes known to this header are 0..MOEBLAZE_ATTR_COUNT-1 (the library may know more).
-pub const MOEBLAZE_ATTR_COUNT: i32 = 20;
+pub const MOEBLAZE_ATTR_COUNT: i32 = 25;
 
 /// `moeblaze_attr_info_t`. Set `struct_size` before calling `moeblaze_attr_query`.
 #[repr(C)]
@@ -328,6 +333,19 @@ extern "C" {
         out: *mut moeblaze_handle_t,
         cfg: moeblaze_config_t,
     ) -> moeblaze_status_t;
+    /// Collective over the ranks of `nccl_comm` (an `ncclComm_t`, borrowed); `stream` is a
+    /// `cudaStream_t`.
+    pub fn moeblaze_create_ep(
+        out: *mut moeblaze_handle_t,
+        cfg: moeblaze_config_t,
+        nccl_comm: *mut c_void,
+        stream: *mut c_void,
+    ) -> moeblaze_status_t;
+    pub fn moeblaze_get_symmetric_size(
+        cfg: moeblaze_config_t,
+        ep_size: i32,
+        bytes: *mut usize,
+    ) -> moeblaze_status_t;
     pub fn moeblaze_destroy(handle: moeblaze_handle_t) -> moeblaze_status_t;
     pub fn moeblaze_handle_get_i64(
         handle: moeblaze_handle_t,
@@ -441,7 +459,7 @@ mod tests {
     /// Every function of the extern block, as a pointer: fails to link if one is missing.
     #[test]
     fn every_symbol_links() {
-        let ptrs: [usize; 30] = [
+        let ptrs: [usize; 32] = [
             moeblaze_get_version as *const () as usize,
             moeblaze_get_version_string as *const () as usize,
             moeblaze_get_abi_version as *const () as usize,
@@ -461,6 +479,8 @@ mod tests {
             moeblaze_attr_query as *const () as usize,
             moeblaze_get_device_count as *const () as usize,
             moeblaze_create as *const () as usize,
+            moeblaze_create_ep as *const () as usize,
+            moeblaze_get_symmetric_size as *const () as usize,
             moeblaze_destroy as *const () as usize,
             moeblaze_handle_get_i64 as *const () as usize,
             moeblaze_handle_get_f64 as *const () as usize,
