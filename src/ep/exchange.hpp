@@ -14,9 +14,22 @@ namespace moeblaze {
 inline namespace v0 {
 namespace ep {
 
-// Collective: what each source sends here. Returns this rank's receive offsets ([P + 1], by
-// source rank: receive_offsets).
-std::vector<int64_t> exchange_counts(Transport& t, const SendPlan& sp);
+// The count exchange's result on one rank: its receive offsets ([P + 1], by source rank:
+// receive_offsets) and the step's error flag.
+struct Counts {
+  std::vector<int64_t> recv_off;
+  int32_t flag = 0;
+};
+
+// Collective: every rank sends every rank its rows per destination and its error flag `flag`,
+// so each holds the whole P x P matrix (as the device exchange does). A rank that would receive
+// more than recv_bound rows (0: no bound) sets kRecvOverflow on every rank, and then nothing is
+// received anywhere (every offset 0); another rank's nonzero flag sets kPeerFailed.
+Counts exchange_counts(Transport& t, const SendPlan& sp, int64_t recv_bound = 0, int32_t flag = 0);
+
+// Collective: throws Error(kInvalidArgument) on every rank, naming the first rank whose digest
+// differs from rank 0's, unless all ranks passed the same value (a configuration's fingerprint).
+void require_same_config(Transport& t, uint64_t digest);
 
 // Collective: send_rows [sends, row_bytes] in the plan's send order (grouped by destination)
 // go to their destinations; recv [recv_off[P], row_bytes] receives this rank's rows in receive

@@ -1,6 +1,7 @@
 #include "ep/host_layer.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <initializer_list>
 #include <vector>
@@ -70,11 +71,16 @@ void expert_forward(const HostForwardArgs& a, int32_t e, int64_t n, const std::v
 
 }  // namespace
 
-void host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, float* y) {
+int32_t host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, float* y) {
   const int64_t d = a.hidden, h = a.ffn, gh = (is_gated(a.activation) ? 2 : 1) * h;
   const int32_t k = a.top_k;
   const SendPlan sp = make_send_plan(pl, a.topk_ids, a.tokens, k);
-  const std::vector<int64_t> recv_off = exchange_counts(tr, sp);
+  const Counts counts = exchange_counts(tr, sp, a.max_recv_rows, a.flag);
+  if (counts.flag) {  // every rank decided alike from the same matrix: no row moves
+    std::fill(y, y + a.tokens * d, NAN);
+    return counts.flag;
+  }
+  const std::vector<int64_t>& recv_off = counts.recv_off;
   const int64_t R = recv_off.back();
   const int64_t rec = d + 2 * sp.row_slots;  // pack_records: x, then the experts and gates
   const std::vector<float> send = pack_records(sp, a, {a.x});
@@ -110,14 +116,24 @@ void host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, 
       if (s < 0) break;
       for (int64_t c = 0; c < d; ++c) y[t * d + c] += back[static_cast<size_t>(s) * d + c];
     }
+  return 0;
 }
 
-void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a, const float* dy,
-                   const HostBackwardOut& out) {
+int32_t host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a, const float* dy,
+                      const HostBackwardOut& out) {
   const int64_t d = a.hidden, h = a.ffn, gh = (is_gated(a.activation) ? 2 : 1) * h;
   const int32_t k = a.top_k;
+  const int32_t El = pl.experts_per_rank();
   const SendPlan sp = make_send_plan(pl, a.topk_ids, a.tokens, k);
-  const std::vector<int64_t> recv_off = exchange_counts(tr, sp);
+  const Counts counts = exchange_counts(tr, sp, a.max_recv_rows, a.flag);
+  if (counts.flag) {
+    std::fill(out.dx, out.dx + a.tokens * d, NAN);
+    std::fill(out.dgates, out.dgates + a.tokens * k, NAN);
+    std::fill(out.dw_gate_up, out.dw_gate_up + El * d * gh, NAN);
+    std::fill(out.dw_down, out.dw_down + El * h * d, NAN);
+    return counts.flag;
+  }
+  const std::vector<int64_t>& recv_off = counts.recv_off;
   const int64_t R = recv_off.back();
   const int64_t rec = 2 * d + 2 * sp.row_slots;  // pack_records: x, dy, then the experts and gates
   const std::vector<float> send = pack_records(sp, a, {a.x, dy});
@@ -127,7 +143,6 @@ void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a,
   // What goes back per row: its partial dx, then its gate gradients by row slot.
   const int64_t back_rec = d + sp.row_slots;
   std::vector<float> back_send(static_cast<size_t>(R) * back_rec, 0.f);
-  const int32_t El = pl.experts_per_rank();
   std::fill(out.dw_gate_up, out.dw_gate_up + El * d * gh, 0.f);  // experts without rows
   std::fill(out.dw_down, out.dw_down + El * h * d, 0.f);
   std::vector<int64_t> rows;
@@ -194,6 +209,7 @@ void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a,
         if (slot >= 0) out.dgates[t * k + slot] = b[d + j];
       }
     }
+  return 0;
 }
 
 }  // namespace ep

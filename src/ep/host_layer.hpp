@@ -27,12 +27,16 @@ struct HostForwardArgs {
   const float* gates = nullptr;     // [L, k]
   View w_gate_up;                   // [E_loc, d, g h]: this rank's experts
   View w_down;                      // [E_loc, h, d]
+  int64_t max_recv_rows = 0;        // EP_MAX_RECV_TOKENS: 0 dropless, else the most rows a rank receives
+  int32_t flag = 0;                 // this rank's error flag going in (e.g. its routing failed checks)
 };
 
 // Collective. y [L, d]: for each token, sum over the ranks owning its experts, in rank order, of
 // that rank's sum over the token's experts there, in expert-id order, of gate * expert(x).
 // fp32 throughout (the experts' GEMMs through experts/expert_mlp, fp32 accumulation).
-void host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, float* y);
+// Returns the step's error flag, the same on every rank: with kRecvOverflow or kPeerFailed set
+// (a rank over max_recv_rows; another rank's nonzero flag) every output is NaN, as on the device.
+int32_t host_forward(Transport& tr, const Placement& pl, const HostForwardArgs& a, float* y);
 
 // The backward's outputs, all overwritten: dx [L, d] (the expert path's part), dgates [L, k],
 // and this rank's experts' weight gradients, dense fp32: dw_gate_up [E_loc, d, g h] and
@@ -47,8 +51,9 @@ struct HostBackwardOut {
 // Collective, given dy [L, d]: dispatches x again beside dy (no saved state), recomputes each
 // expert's up GEMM and activation, and returns each row's partial dx (its experts in id order)
 // and gate gradients <dy, o_e> to the token's rank, which sums the partial dx in rank order.
-void host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a, const float* dy,
-                   const HostBackwardOut& out);
+// Returns the step's error flag, as host_forward.
+int32_t host_backward(Transport& tr, const Placement& pl, const HostForwardArgs& a, const float* dy,
+                      const HostBackwardOut& out);
 
 }  // namespace ep
 }  // namespace v0

@@ -21,13 +21,11 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ep/send_plan.hpp"  // the error flag's bits
+
 namespace moeblaze {
 inline namespace v0 {
 namespace ep {
-
-// Bits of the EP layer's device error flag (beside routing's bits 1, 2, 4).
-constexpr int32_t kRecvOverflow = 8;  // some rank would receive more rows than EP_MAX_RECV_TOKENS
-constexpr int32_t kPeerFailed = 16;   // another rank's call failed its checks
 
 // One rank's part of the symmetric window, byte offsets (each part 256-byte aligned).
 struct WindowLayout {

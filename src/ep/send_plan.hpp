@@ -24,6 +24,11 @@ struct Placement {
 // Why P ranks cannot hold E experts, or nullptr.
 const char* placement_error(int64_t ranks, int64_t num_experts);
 
+// Bits of an EP step's error flag, beside the routing plan's (1, 2, 4); the same on the host and
+// the device.
+constexpr int32_t kRecvOverflow = 8;  // some rank would receive more rows than EP_MAX_RECV_TOKENS
+constexpr int32_t kPeerFailed = 16;   // another rank's call failed its checks
+
 // One rank's sends for one step. A token travels once to each rank that owns at least one of
 // its experts; the sends to rank q are that rank's rows from this source, in token order.
 struct SendPlan {

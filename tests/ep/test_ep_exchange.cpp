@@ -46,7 +46,7 @@ int64_t record_doubles(const SendPlan& sp) { return kD + 2 * sp.row_slots; }
 
 void run_rank(Transport& tr, const Placement& pl, int32_t k, RankData& rd) {
   const SendPlan sp = make_send_plan(pl, rd.ids.data(), rd.L, k);
-  const std::vector<int64_t> recv_off = exchange_counts(tr, sp);
+  const std::vector<int64_t> recv_off = exchange_counts(tr, sp).recv_off;
   const int64_t rec = record_doubles(sp), R = recv_off.back();
   std::vector<double> send(static_cast<size_t>(sp.sends()) * rec), recv(static_cast<size_t>(R) * rec);
   for (int32_t s = 0; s < sp.sends(); ++s) {

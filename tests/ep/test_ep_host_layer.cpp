@@ -12,10 +12,13 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "ep/exchange.hpp"
 #include "util/dtype.hpp"
+#include "util/error.hpp"
 
 extern "C" {
 #include "reference_moe.h"
@@ -199,11 +202,150 @@ void forward_and_backward_match_single_device(void**) {
               "dW_down): worst relative L2 error %.3g\n", cases, worst);
 }
 
+// One step on P threads: each rank's flags from forward and backward, its y and dx.
+struct StepResult {
+  std::vector<int32_t> fwd_flag, bwd_flag;
+  std::vector<std::vector<float>> y, dx;
+};
+
+StepResult step(int32_t P, int32_t E, int32_t k, int64_t bound, int32_t failing_rank, uint64_t seed) {
+  const int64_t d = 8, h = 12, El = E / P;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::vector<float> wgu(static_cast<size_t>(E * d * h)), wd(static_cast<size_t>(E * h * d));
+  for (float& v : wgu) v = static_cast<float>(nd(rng) * 0.3);
+  for (float& v : wd) v = static_cast<float>(nd(rng) * 0.3);
+  struct Rank {
+    int64_t L;
+    std::vector<float> x, gates, dy;
+    std::vector<int32_t> ids;
+  };
+  std::vector<Rank> ranks(P);
+  std::vector<int32_t> pool(E);
+  for (int32_t r = 0; r < P; ++r) {
+    Rank& rk = ranks[r];
+    rk.L = 20 + 7 * r;
+    for (int64_t i = 0; i < rk.L * d; ++i) rk.x.push_back(static_cast<float>(nd(rng)));
+    for (int64_t i = 0; i < rk.L * d; ++i) rk.dy.push_back(static_cast<float>(nd(rng)));
+    for (int64_t t = 0; t < rk.L; ++t) {
+      std::iota(pool.begin(), pool.end(), 0);
+      std::shuffle(pool.begin(), pool.end(), rng);
+      std::stable_partition(pool.begin(), pool.end(), [&](int32_t e) { return e < El; });  // onto rank 0
+      for (int32_t j = 0; j < k; ++j) {
+        rk.ids.push_back(pool[j]);
+        rk.gates.push_back(0.5f);
+      }
+    }
+  }
+  StepResult res;
+  res.fwd_flag.assign(P, -1);
+  res.bwd_flag.assign(P, -1);
+  res.y.resize(P);
+  res.dx.resize(P);
+  const Placement pl{P, E};
+  LoopbackGroup group(P);
+  std::vector<std::thread> threads;
+  for (int32_t r = 0; r < P; ++r)
+    threads.emplace_back([&, r] {
+      Rank& rk = ranks[r];
+      HostForwardArgs a;
+      a.activation = Activation::kSilu;
+      a.hidden = d;
+      a.ffn = h;
+      a.top_k = k;
+      a.tokens = rk.L;
+      a.x = rk.x.data();
+      a.topk_ids = rk.ids.data();
+      a.gates = rk.gates.data();
+      a.w_gate_up = weight_view(&wgu[static_cast<size_t>(r * El * d * h)], DType::kF32, El, d, h);
+      a.w_down = weight_view(&wd[static_cast<size_t>(r * El * h * d)], DType::kF32, El, h, d);
+      a.max_recv_rows = bound;
+      a.flag = r == failing_rank ? 1 : 0;
+      auto tr = group.transport(r);
+      res.y[r].assign(rk.L * d, 0.f);
+      res.fwd_flag[r] = host_forward(*tr, pl, a, res.y[r].data());
+      std::vector<float> dg(rk.L * k), dwgu(El * d * h), dwd(El * h * d);
+      res.dx[r].assign(rk.L * d, 0.f);
+      HostBackwardOut o{res.dx[r].data(), dg.data(), dwgu.data(), dwd.data()};
+      res.bwd_flag[r] = host_backward(*tr, pl, a, rk.dy.data(), o);
+    });
+  for (std::thread& t : threads) t.join();
+  return res;
+}
+
+bool all_nan(const std::vector<std::vector<float>>& v) {
+  for (const auto& r : v)
+    for (float f : r)
+      if (!std::isnan(f)) return false;
+  return true;
+}
+
+// EP_MAX_RECV_TOKENS: a bound one row short of what the busiest rank receives turns every
+// output of every rank NaN with kRecvOverflow on every rank; the exact bound changes nothing.
+// A rank whose own checks failed turns every other rank's outputs NaN (kPeerFailed).
+void receive_bound_and_failed_peers(void**) {
+  const int32_t P = 3, E = 6, k = 2;
+  const StepResult free_run = step(P, E, k, 0, -1, 7);
+  // The busiest rank's rows: the smallest bound that does not overflow (routing is skewed onto
+  // rank 0, which receives from every rank).
+  int64_t busiest = 0;
+  for (int64_t bound = 1; bound < 400 && busiest == 0; ++bound) {
+    const StepResult r = step(P, E, k, bound, -1, 7);
+    if (r.fwd_flag[0] == 0) busiest = bound;
+  }
+  assert_true(busiest > 20);  // rank 0 receives from every rank
+  const StepResult tight = step(P, E, k, busiest - 1, -1, 7), exact = step(P, E, k, busiest, -1, 7);
+  for (int32_t r = 0; r < P; ++r) {
+    assert_int_equal(tight.fwd_flag[r], kRecvOverflow);
+    assert_int_equal(tight.bwd_flag[r], kRecvOverflow);
+    assert_int_equal(exact.fwd_flag[r], 0);
+    assert_int_equal(exact.bwd_flag[r], 0);
+    assert_true(exact.y[r] == free_run.y[r]);  // bitwise: the bound changes nothing that fits
+    assert_true(exact.dx[r] == free_run.dx[r]);
+  }
+  assert_true(all_nan(tight.y) && all_nan(tight.dx));
+  const StepResult failed = step(P, E, k, 0, 1, 7);
+  for (int32_t r = 0; r < P; ++r) {
+    assert_int_equal(failed.fwd_flag[r], r == 1 ? 1 : kPeerFailed);
+    assert_int_equal(failed.bwd_flag[r], r == 1 ? 1 : kPeerFailed);
+  }
+  assert_true(all_nan(failed.y) && all_nan(failed.dx));
+  std::printf("receive bound %lld rows: one less overflows on all %d ranks, the exact bound matches the dropless "
+              "step bitwise; a failed rank poisons every rank\n", static_cast<long long>(busiest), P);
+}
+
+// Configurations that differ across ranks are refused on every rank, naming the first one.
+void differing_configs_are_refused_everywhere(void**) {
+  const int32_t P = 4;
+  LoopbackGroup group(P);
+  std::vector<int> refused(P, 0);
+  std::vector<std::string> msg(P);
+  std::vector<std::thread> threads;
+  for (int32_t r = 0; r < P; ++r)
+    threads.emplace_back([&, r] {
+      auto tr = group.transport(r);
+      try {
+        require_same_config(*tr, r == 2 ? 8 : 7);
+      } catch (const Error& e) {
+        refused[r] = e.status() == Status::kInvalidArgument;
+        msg[r] = e.what();
+      }
+      require_same_config(*tr, 99);  // and the same digest everywhere passes
+    });
+  for (std::thread& t : threads) t.join();
+  for (int32_t r = 0; r < P; ++r) {
+    assert_true(refused[r]);
+    assert_non_null(std::strstr(msg[r].c_str(), "rank 2"));
+  }
+}
+
 }  // namespace
 
 int main() {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(forward_and_backward_match_single_device),
+      cmocka_unit_test(receive_bound_and_failed_peers),
+      cmocka_unit_test(differing_configs_are_refused_everywhere),
   };
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }
