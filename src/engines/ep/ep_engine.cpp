@@ -132,13 +132,19 @@ class EpEngine final : public Engine {
   void route(const CallArgs& a, void* ws, void* stream) const override;
 
  private:
-  EpSaved carve_ep_saved_into(Carver& c, int64_t L, void* base, bool saved_buffer) const {
+  // The saved regions (saved_buffer), or, for inference, the same in the workspace; a route
+  // needs the plan alone.
+  EpSaved carve_ep_saved_into(Carver& c, int64_t L, void* base, bool saved_buffer, bool plan_only = false) const {
     EpSaved sv;
     const size_t start = c.size();
     if (saved_buffer) sv.header = c.take<SavedHeader>(1);
     const SavedRegions r = carve_saved(g_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
     c.take<char>(r.bytes);
     sv.plan = r.plan;
+    if (plan_only) {
+      sv.bytes = c.size() - start;
+      return sv;
+    }
     sv.recv_x = c.take<char>(static_cast<size_t>(R_ * layout_.row_bytes));
     if (saved_buffer) sv.local = c.take<char>(local_->saved_size(l_, R_));
     sv.bytes = c.size() - start;
@@ -191,7 +197,8 @@ EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
   EpWork w;
   void* gemm_ws = c.take<char>(gemm::CublasLtGemm::kWorkspaceBytes);
   w.router = router_->carve(c, pass, L, L, gemm_ws);
-  if (pass == Pass::kRoute || pass == Pass::kForwardInference) w.inference = carve_ep_saved_into(c, L, base, false);
+  if (pass == Pass::kRoute || pass == Pass::kForwardInference)
+    w.inference = carve_ep_saved_into(c, L, base, false, pass == Pass::kRoute);
   if (pass == Pass::kRoute) {
     w.bytes = c.size();
     return w;
