@@ -369,8 +369,9 @@ typedef enum moeblaze_attr {
   MOEBLAZE_ATTR_EP_MAX_RECV_TOKENS = 20,
   /** i64 ::moeblaze_ep_transport_t, default AUTO: how an expert-parallel layer moves rows. @since 0.2 */
   MOEBLAZE_ATTR_EP_TRANSPORT = 21,
-  /** i64 0..1024, default 0 (the library picks): CTAs an expert-parallel layer's exchanges run
-   *  on. @since 0.2 */
+  /** i64 0..128, default 0 (the library picks): CTAs an expert-parallel layer's exchanges run
+   *  on (each meets its peers' CTA of the same index at a barrier, so all must fit on the GPU at
+   *  once). @since 0.2 */
   MOEBLAZE_ATTR_EP_COMM_SMS = 22,
   /** i64 0..1024, default 0 (any): on a config, the expert-parallel group size the caller expects
    *  (moeblaze_create_ep() refuses another); on a handle, the group's size (1 for a single-GPU

@@ -34,7 +34,7 @@ const AttrInfo kAttrTable[kAttrCount] = {
     {"window_tokens", ValueType::kI64, false, 0, kMaxI32, 0, 0.0, DType::kInvalid, 2},
     {"ep_max_recv_tokens", ValueType::kI64, false, 0, kMaxI32, 0, 0.0, DType::kInvalid, 2},
     {"ep_transport", ValueType::kI64, false, 0, 2, 0, 0.0, DType::kInvalid, 2},
-    {"ep_comm_sms", ValueType::kI64, false, 0, 1024, 0, 0.0, DType::kInvalid, 2},
+    {"ep_comm_sms", ValueType::kI64, false, 0, 128, 0, 0.0, DType::kInvalid, 2},
     {"ep_size", ValueType::kI64, false, 0, 1024, 0, 0.0, DType::kInvalid, 2},
     {"ep_rank", ValueType::kI64, false, -1, 1023, -1, 0.0, DType::kInvalid, 2},
 };

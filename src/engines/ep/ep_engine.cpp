@@ -321,6 +321,7 @@ std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, s
   int P = 0;
   if (api.comm_count(nc, &P) != ncclSuccess) fail(Status::kInvalidArgument, "nccl_comm is not a usable NCCL communicator");
   check_placement(P, cfg.num_experts);
+  if (P > 64) fail(Status::kNotSupported, "expert parallelism over %d ranks (at most 64)", P);
   int rank = 0;
   if (api.comm_user_rank(nc, &rank) != ncclSuccess) fail(Status::kInvalidArgument, "nccl_comm is not a usable NCCL communicator");
   if (cfg.ep_size != 0 && cfg.ep_size != P)
