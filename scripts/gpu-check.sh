@@ -6,7 +6,8 @@
 # ep: the expert-parallel layer on every GPU of the machine (at least 2) against the single-GPU
 # layer (tests/ep/test_ep_gpu.cpp); EP_SANITIZE="memcheck racecheck" runs it under those tools too;
 # not part of "all" (the tests mode runs it through ctest).
-# epbench: perf/ep-bench, the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS).
+# epbench: perf/ep-bench, the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS), then
+# perf/ep_torch_baselines.py (all_to_all_single + MoEBlaze, torchtitan-style) on 2, 4, ... GPUs.
 # sidebyside: perf/side_by_side.py on SonicMoE's configs (SIDE_CONFIGS), with SonicMoE run first
 # through .peers/run_sonic.sh when its bundle is carried in .peers/sonic/site (not part of "all").
 # profile: the CUDA kernels of one MoEBlaze fwd+bwd through moeblaze.torch (PROFILE_CONFIG).
@@ -115,6 +116,17 @@ if want epbench; then
   rc=$?
   cat "$OUT/ep-bench.md"; tail -5 "$OUT/ep-bench.err"
   summary+=("ep-bench: rc=$rc (table above)")
+  # the torch.distributed baselines beside it, on 2, 4, ... of the same GPUs (EP_TORCH_ARGS)
+  gpus=$(nvidia-smi -L | wc -l)
+  for p in 2 4 8; do
+    [ "$p" -le "$gpus" ] || break
+    MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \
+      timeout ${EP_TIMEOUT:-300} torchrun --standalone --nproc_per_node=$p perf/ep_torch_baselines.py ${EP_TORCH_ARGS:-} \
+      > "$OUT/ep-torch-$p.md" 2> "$OUT/ep-torch-$p.err"
+    rc=$?
+    cat "$OUT/ep-torch-$p.md"; grep -E 'Error|error' "$OUT/ep-torch-$p.err" | tail -3
+    summary+=("ep torch baselines, $p ranks: rc=$rc (table above)")
+  done
 fi
 if want tests; then
   ctest --test-dir build-gpu -L gpu -V --timeout 900 > "$OUT/tests.log" 2>&1
