@@ -78,8 +78,39 @@ static void symmetric_size_follows_the_formula(void** state) {
   moeblaze_config_destroy(cfg);
 }
 
+/* A single-device handle reports EP_SIZE 1 and EP_RANK 0; a config that expects a group is
+ * refused by moeblaze_create (it asks for moeblaze_create_ep). */
+static void single_device_handles_report_one_rank(void** state) {
+  (void)state;
+  tu_layer l = tu_layer_default(4, 2, 8, 16, 32, MOEBLAZE_ACTIVATION_SILU);
+  moeblaze_handle_t h = NULL;
+  assert_ok(tu_create_cpu(&l, &h));
+  int64_t v = -7;
+  assert_ok(moeblaze_handle_get_i64(h, MOEBLAZE_ATTR_EP_SIZE, &v));
+  assert_int_equal(v, 1);
+  assert_ok(moeblaze_handle_get_i64(h, MOEBLAZE_ATTR_EP_RANK, &v));
+  assert_int_equal(v, 0);
+  assert_ok(moeblaze_handle_get_i64(h, MOEBLAZE_ATTR_EP_MAX_RECV_TOKENS, &v));
+  assert_int_equal(v, 0);
+  moeblaze_destroy(h);
+  moeblaze_config_t cfg = config(4, 2, 8, 16, 32, MOEBLAZE_ACTIVATION_SILU);
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CPU));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_EP_SIZE, 2));
+  h = NULL;
+  assert_int_equal(moeblaze_create(&h, cfg), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_null(h);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "moeblaze_create_ep"));
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_EP_SIZE, 1));  /* a group of one is a single device */
+  assert_ok(moeblaze_create(&h, cfg));
+  moeblaze_destroy(h);
+  assert_int_equal(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_EP_COMM_SMS, 129), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_EP_RANK, -2), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  moeblaze_config_destroy(cfg);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(single_device_handles_report_one_rank),
       cmocka_unit_test(create_refuses_null_pointers),
       cmocka_unit_test(symmetric_size_follows_the_formula),
   };
