@@ -596,6 +596,29 @@ MOEBLAZE_API moeblaze_status_t moeblaze_create_ep(moeblaze_handle_t* out, moebla
                                                   void* stream);
 
 /**
+ * @brief moeblaze_create_ep() for a caller without a communicator: the layer makes one from an
+ *        ncclUniqueId (ncclCommInitRank on the config's device) and destroys it with the handle.
+ *        Collective over the @p nranks ranks, each passing its @p rank and the same id (made by
+ *        ncclGetUniqueId on one rank and shared by the caller).
+ * @param[out] out Receives the handle.
+ * @param[in] cfg The config, as for moeblaze_create_ep().
+ * @param[in] unique_id The ncclUniqueId's bytes.
+ * @param[in] unique_id_bytes Their count: sizeof(ncclUniqueId), 128.
+ * @param[in] nranks The group's size P.
+ * @param[in] rank This caller's rank in [0, P).
+ * @param[in] stream As for moeblaze_create_ep().
+ * @retval MOEBLAZE_STATUS_SUCCESS Created.
+ * @retval MOEBLAZE_STATUS_INVALID_ARGUMENT A NULL pointer, a rank outside [0, nranks), a wrong
+ *         unique_id_bytes, or as moeblaze_create_ep().
+ * @retval MOEBLAZE_STATUS_NOT_SUPPORTED As moeblaze_create_ep().
+ * @retval MOEBLAZE_STATUS_INTERNAL_ERROR NCCL failed (the message names the call).
+ * @since 0.2
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_create_ep_from_unique_id(moeblaze_handle_t* out, moeblaze_config_t cfg,
+                                                                 const void* unique_id, size_t unique_id_bytes,
+                                                                 int32_t nranks, int32_t rank, void* stream);
+
+/**
  * @brief Bytes of symmetric memory (ncclMemAlloc, registered with NCCL) that
  *        moeblaze_create_ep() allocates on each rank for @p cfg over @p ep_size ranks; a
  *        function of the shapes alone (docs/ep.md, "Memory").

@@ -286,6 +286,38 @@ MOEBLAZE_API moeblaze_status_t moeblaze_create_ep(moeblaze_handle_t* out, moebla
   });
 }
 
+MOEBLAZE_API moeblaze_status_t moeblaze_create_ep_from_unique_id(moeblaze_handle_t* out, moeblaze_config_t cfg,
+                                                                 const void* unique_id, size_t unique_id_bytes,
+                                                                 int32_t nranks, int32_t rank, void* stream) {
+  return api::guard(__func__, [&] {
+    require(out, "out");
+    *out = nullptr;
+    require(cfg, "cfg");
+    require(unique_id, "unique_id");
+    if (nranks < 1) fail(Status::kInvalidArgument, "nranks = %d must be >= 1", nranks);
+    if (rank < 0 || rank >= nranks) fail(Status::kInvalidArgument, "rank = %d is outside [0, nranks = %d)", rank, nranks);
+#if MOEBLAZE_WITH_EP
+    LayerConfig c = LayerConfig::from_values(cfg->values);
+    EpOptions opt;
+    opt.unique_id = unique_id;
+    opt.unique_id_bytes = unique_id_bytes;
+    opt.ranks = nranks;
+    opt.rank = rank;
+    opt.stream = stream;
+    std::string decision;
+    std::unique_ptr<Engine> engine = make_ep_engine(c, opt, &decision);
+    moeblaze_handle_s* h = new moeblaze_handle_s(Layer(c, std::move(engine), decision));
+    *out = h;
+    api::log_message(MOEBLAZE_LOG_INFO, "moeblaze_create_ep_from_unique_id", h->layer.decision().c_str());
+#else
+    (void)unique_id_bytes;
+    (void)stream;
+    fail(Status::kNotSupported, "this build of libmoeblaze has no expert parallelism (CMake option MOEBLAZE_ENABLE_EP, "
+                                "which needs CUDA and NCCL's headers)");
+#endif
+  });
+}
+
 MOEBLAZE_API moeblaze_status_t moeblaze_get_symmetric_size(moeblaze_config_t cfg, int32_t ep_size, size_t* bytes) {
   return api::guard(__func__, [&] {
     require(cfg, "cfg");

@@ -44,6 +44,28 @@ static void create_refuses_null_pointers(void** state) {
   moeblaze_config_destroy(cfg);
 }
 
+static void create_from_unique_id_refuses_bad_arguments(void** state) {
+  (void)state;
+  moeblaze_config_t cfg = config(8, 2, 64, 32, 16, MOEBLAZE_ACTIVATION_SILU);
+  unsigned char id[128] = {0};
+  moeblaze_handle_t h = (moeblaze_handle_t)(uintptr_t)1;
+  assert_int_equal(moeblaze_create_ep_from_unique_id(NULL, cfg, id, 128, 2, 0, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_create_ep_from_unique_id(&h, cfg, NULL, 128, 2, 0, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_null(h);
+  assert_int_equal(moeblaze_create_ep_from_unique_id(&h, cfg, id, 128, 0, 0, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_create_ep_from_unique_id(&h, cfg, id, 128, 2, 2, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "rank"));
+  assert_int_equal(moeblaze_create_ep_from_unique_id(&h, cfg, id, 128, 2, -1, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  if (built_with_ep()) {  /* checked before any NCCL call: no device or library is touched */
+    assert_int_equal(moeblaze_create_ep_from_unique_id(&h, cfg, id, 64, 2, 0, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moeblaze_get_last_error_message(), "unique_id_bytes"));
+  } else {
+    assert_int_equal(moeblaze_create_ep_from_unique_id(&h, cfg, id, 128, 2, 0, NULL), MOEBLAZE_STATUS_NOT_SUPPORTED);
+  }
+  assert_null(h);
+  moeblaze_config_destroy(cfg);
+}
+
 static size_t up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 static void symmetric_size_follows_the_formula(void** state) {
@@ -112,6 +134,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(single_device_handles_report_one_rank),
       cmocka_unit_test(create_refuses_null_pointers),
+      cmocka_unit_test(create_from_unique_id_refuses_bad_arguments),
       cmocka_unit_test(symmetric_size_follows_the_formula),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

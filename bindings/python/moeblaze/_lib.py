@@ -89,6 +89,8 @@ _CHECKED = {
     "moeblaze_get_device_count": [c_int32, POINTER(c_int32)],
     "moeblaze_create": [POINTER(_handle_t), _config_t],
     "moeblaze_create_ep": [POINTER(_handle_t), _config_t, c_void_p, _stream_t],
+    "moeblaze_create_ep_from_unique_id": [POINTER(_handle_t), _config_t, c_void_p, c_size_t, c_int32, c_int32,
+                                          _stream_t],
     "moeblaze_get_symmetric_size": [_config_t, c_int32, POINTER(c_size_t)],
     "moeblaze_destroy": [_handle_t],
     "moeblaze_handle_get_i64": [_handle_t, c_int32, POINTER(c_int64)],

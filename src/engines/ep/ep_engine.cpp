@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 #include "combine/combine_cuda.hpp"
@@ -309,6 +310,9 @@ size_t ep_symmetric_bytes(const LayerConfig& cfg, int32_t ranks) {
 }
 
 std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, std::string* decision) {
+  if (!opt.nccl_comm && opt.unique_id_bytes != sizeof(ncclUniqueId))
+    fail(Status::kInvalidArgument, "unique_id_bytes = %zu but an ncclUniqueId has %zu bytes", opt.unique_id_bytes,
+         sizeof(ncclUniqueId));
   if (cfg.device_type != kDeviceCuda) fail(Status::kNotSupported, "expert parallelism runs on CUDA devices only");
   cudaStream_t s = static_cast<cudaStream_t>(opt.stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -318,12 +322,14 @@ std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, s
                                    "(create registers memory with NCCL)");
   const comm::NcclApi& api = comm::nccl_api();
   ncclComm_t nc = static_cast<ncclComm_t>(opt.nccl_comm);
-  int P = 0;
-  if (api.comm_count(nc, &P) != ncclSuccess) fail(Status::kInvalidArgument, "nccl_comm is not a usable NCCL communicator");
+  const bool own = nc == nullptr;  // made below from the unique id, once everything else checks
+  int P = opt.ranks, rank = opt.rank;
+  if (!own) {
+    if (api.comm_count(nc, &P) != ncclSuccess || api.comm_user_rank(nc, &rank) != ncclSuccess)
+      fail(Status::kInvalidArgument, "nccl_comm is not a usable NCCL communicator");
+  }
   check_placement(P, cfg.num_experts);
   if (P > 64) fail(Status::kNotSupported, "expert parallelism over %d ranks (at most 64)", P);
-  int rank = 0;
-  if (api.comm_user_rank(nc, &rank) != ncclSuccess) fail(Status::kInvalidArgument, "nccl_comm is not a usable NCCL communicator");
   if (cfg.ep_size != 0 && cfg.ep_size != P)
     fail(Status::kInvalidArgument, "EP_SIZE = %d but the communicator has %d ranks", cfg.ep_size, P);
   if (cfg.ep_rank != -1 && cfg.ep_rank != rank)
@@ -341,7 +347,14 @@ std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, s
   std::unique_ptr<Engine> local = create_engine(l, decision);
   cfg.device_id = l.device_id;
   cfg.engine = l.engine;
-  auto comm = std::make_unique<comm::EpComm>(nc, opt.owns_comm, layout_of(cfg, P, R).bytes, ep::exchange_barriers(ctas),
+  if (own) {  // collective; from here on the EpComm owns it (and destroys it if create fails)
+    cuda::DeviceGuard guard(cfg.device_id);
+    ncclUniqueId id;
+    std::memcpy(&id, opt.unique_id, sizeof id);
+    const ncclResult_t r = api.comm_init_rank(&nc, P, id, rank);
+    if (r != ncclSuccess) fail(Status::kInternalError, "NCCL ncclCommInitRank failed: %s", api.get_error_string(r));
+  }
+  auto comm = std::make_unique<comm::EpComm>(nc, own, layout_of(cfg, P, R).bytes, ep::exchange_barriers(ctas),
                                              cfg.device_id);
   // Every rank must have passed the same configuration.
   const uint64_t digest = saved_fingerprint(cfg) ^ (static_cast<uint64_t>(cfg.max_tokens) * 0x9e3779b97f4a7c15ull) ^

@@ -13,9 +13,11 @@ namespace moeblaze {
 inline namespace v0 {
 
 struct EpOptions {
-  void* nccl_comm = nullptr;  // ncclComm_t
-  bool owns_comm = false;     // made from a unique id: destroyed with the layer
-  void* stream = nullptr;     // create's stream (the configuration check runs on it)
+  void* nccl_comm = nullptr;     // ncclComm_t, borrowed; or null, and then:
+  const void* unique_id = nullptr;  // an ncclUniqueId: create makes (and the layer owns) the communicator
+  size_t unique_id_bytes = 0;
+  int32_t ranks = 0, rank = -1;     //   of `ranks` ranks, this one being `rank`
+  void* stream = nullptr;        // create's stream (the configuration check runs on it)
 };
 
 // Collective over the communicator: every rank calls it with the same configuration (its EP_*

@@ -300,6 +300,12 @@ function moeblaze_create_ep(out, cfg, nccl_comm, stream)
     @check @ccall libmoeblaze.moeblaze_create_ep(out::Ptr{moeblaze_handle_t}, cfg::moeblaze_config_t,
                                                  nccl_comm::Ptr{Cvoid}, stream::Ptr{Cvoid})::Int32
 end
+# Collective over nranks ranks sharing one ncclUniqueId (unique_id_bytes = 128).
+function moeblaze_create_ep_from_unique_id(out, cfg, unique_id, unique_id_bytes, nranks, rank, stream)
+    @check @ccall libmoeblaze.moeblaze_create_ep_from_unique_id(out::Ptr{moeblaze_handle_t},
+        cfg::moeblaze_config_t, unique_id::Ptr{Cvoid}, unique_id_bytes::Csize_t, nranks::Int32,
+        rank::Int32, stream::Ptr{Cvoid})::Int32
+end
 function moeblaze_get_symmetric_size(cfg, ep_size, bytes)
     @check @ccall libmoeblaze.moeblaze_get_symmetric_size(cfg::moeblaze_config_t, ep_size::Int32,
                                                           bytes::Ptr{Csize_t})::Int32
@@ -360,7 +366,7 @@ const WRAPPED = [
     :moeblaze_assert_status, :moeblaze_attr_query, :moeblaze_backward, :moeblaze_check_args, :moeblaze_config_create,
     :moeblaze_config_destroy, :moeblaze_config_get_dtype, :moeblaze_config_get_f64,
     :moeblaze_config_get_i64, :moeblaze_config_set_dtype, :moeblaze_config_set_f64,
-    :moeblaze_config_set_i64, :moeblaze_create, :moeblaze_create_ep, :moeblaze_destroy, :moeblaze_forward,
+    :moeblaze_config_set_i64, :moeblaze_create, :moeblaze_create_ep, :moeblaze_create_ep_from_unique_id, :moeblaze_destroy, :moeblaze_forward,
     :moeblaze_get_abi_version, :moeblaze_get_build_info, :moeblaze_get_device_count,
     :moeblaze_get_last_error_message, :moeblaze_get_saved_size, :moeblaze_get_symmetric_size,
     :moeblaze_get_version,

@@ -341,6 +341,16 @@ extern "C" {
         nccl_comm: *mut c_void,
         stream: *mut c_void,
     ) -> moeblaze_status_t;
+    /// Collective over `nranks` ranks sharing one `ncclUniqueId` (`unique_id_bytes` = 128).
+    pub fn moeblaze_create_ep_from_unique_id(
+        out: *mut moeblaze_handle_t,
+        cfg: moeblaze_config_t,
+        unique_id: *const c_void,
+        unique_id_bytes: usize,
+        nranks: i32,
+        rank: i32,
+        stream: *mut c_void,
+    ) -> moeblaze_status_t;
     pub fn moeblaze_get_symmetric_size(
         cfg: moeblaze_config_t,
         ep_size: i32,
@@ -459,7 +469,7 @@ mod tests {
     /// Every function of the extern block, as a pointer: fails to link if one is missing.
     #[test]
     fn every_symbol_links() {
-        let ptrs: [usize; 32] = [
+        let ptrs: [usize; 33] = [
             moeblaze_get_version as *const () as usize,
             moeblaze_get_version_string as *const () as usize,
             moeblaze_get_abi_version as *const () as usize,
@@ -480,6 +490,7 @@ mod tests {
             moeblaze_get_device_count as *const () as usize,
             moeblaze_create as *const () as usize,
             moeblaze_create_ep as *const () as usize,
+            moeblaze_create_ep_from_unique_id as *const () as usize,
             moeblaze_get_symmetric_size as *const () as usize,
             moeblaze_destroy as *const () as usize,
             moeblaze_handle_get_i64 as *const () as usize,
