@@ -16,8 +16,8 @@ The time is fwd+bwd (gradients of x, the expert weights and the router weight), 
 --reps steps of the slowest rank, bf16, SwiGLU.
 
   torchrun --nproc_per_node=P perf/ep_torch_baselines.py [--tokens 16384] [--reps 20] [--shapes ...]
-  torchrun --nproc_per_node=2 perf/ep_torch_baselines.py --device cpu --tokens 64 --reps 2 --shapes tiny
-    (a smoke test on the CPU over gloo)
+  torchrun --nproc_per_node=2 perf/ep_torch_baselines.py --device cpu --tokens 64 --reps 1 --shapes tiny \
+    --check-tol 0.02   (the CPU smoke test CI runs, over gloo)
 """
 import argparse
 import os
@@ -138,6 +138,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "olmoe", "deepseek-v3", "mixtral"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--check-tol", type=float, default=None,
+                    help="exit 1 when the two baselines' y differ by more than this (relative L2)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -152,6 +154,7 @@ def main():
               "(bf16, SwiGLU)\n" % (P, T, args.reps))
         print("| shape (d, h, E, k) | P | torchtitan-style ms | all_to_all + MoEBlaze ms | y, rel. difference |")
         print("|---|---|---|---|---|")
+    failed = False
     for name in args.shapes:
         d, h, E, k = SHAPES[name]
         El = E // P
@@ -195,7 +198,12 @@ def main():
         if rank == 0:
             print("| %s (%d, %d, %d, %d) | %d | %.3f | %.3f | %.1e |" % (name, d, h, E, k, P, t_titan, t_blaze,
                                                                        float(err)))
+        failed = failed or (args.check_tol is not None and not float(err) <= args.check_tol)
     dist.destroy_process_group()
+    if failed:
+        if rank == 0:
+            print("FAILED: the two baselines' y differ by more than %g" % args.check_tol)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
