@@ -31,7 +31,8 @@ import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
+if os.environ.get("MOEBLAZE_LIBRARY"):  # the source tree's package, on the library named there;
+    sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))  # else the installed one
 
 SHAPES = {  # d, h, E, k
     "qwen3-30b-a3b": (2048, 768, 128, 8),
