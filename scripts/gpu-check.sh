@@ -4,7 +4,8 @@
 # Usage (device tool, carry .deps):
 #   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|epbench|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
 # ep: the expert-parallel layer on every GPU of the machine (at least 2) against the single-GPU
-# layer (tests/ep/test_ep_gpu.cpp); EP_SANITIZE="memcheck racecheck" runs it under those tools too;
+# layer (tests/ep/test_ep_gpu.cpp, tests/ep/test_ep_processes.cpp); EP_SANITIZE="memcheck racecheck"
+# runs the one-process-per-rank test on two GPUs under those tools too;
 # not part of "all" (the tests mode runs it through ctest).
 # epbench: perf/ep-bench, the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS), then
 # perf/ep_torch_baselines.py (all_to_all_single + MoEBlaze, torchtitan-style) on 2, 4, ... GPUs.
@@ -101,11 +102,19 @@ if want ep; then
   rc=$?
   grep -vE '^  ok ' "$OUT/test_ep_gpu.log" | tail -30
   summary+=("test_ep_gpu: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu.log") FAILED; $(tail -1 "$OUT/test_ep_gpu.log")")
+  # one process per rank (layers made from an ncclUniqueId) and the soak (EP_SOAK_STEPS, 1000)
+  timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_processes > "$OUT/test_ep_processes.log" 2>&1
+  rc=$?
+  grep -vE '^  ok ' "$OUT/test_ep_processes.log" | tail -20
+  grep -E 'soak' "$OUT/test_ep_processes.log" | head -12
+  summary+=("test_ep_processes: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_processes.log") checks ok, $(grep -c FAILED "$OUT/test_ep_processes.log") FAILED; $(tail -1 "$OUT/test_ep_processes.log")")
+  # compute-sanitizer follows every rank's process: two ranks, a short soak
   if [ -n "${EP_SANITIZE:-}" ]; then
     for tool in $EP_SANITIZE; do
-      timeout 500 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
-        build-gpu/tests/ep/test_ep_gpu > "$OUT/test_ep_gpu-$tool.log" 2>&1
-      summary+=("test_ep_gpu under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/test_ep_gpu-$tool.log" | tail -1)")
+      EP_PROCS=2 EP_SOAK_STEPS=${EP_SANITIZE_STEPS:-4} timeout ${EP_SANITIZE_TIMEOUT:-400} \
+        compute-sanitizer --tool "$tool" --target-processes all --report-api-errors no --error-exitcode 9 --print-limit 20 \
+        build-gpu/tests/ep/test_ep_processes > "$OUT/test_ep_processes-$tool.log" 2>&1
+      summary+=("test_ep_processes (2 ranks) under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/test_ep_processes-$tool.log" | tr '\n' ' '); $(tail -1 "$OUT/test_ep_processes-$tool.log")")
     done
   fi
 fi

@@ -131,6 +131,7 @@ class EpEngine final : public Engine {
   void forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const override;
   void backward(const CallArgs& a, const void* saved, void* ws, void* stream) const override;
   void route(const CallArgs& a, void* ws, void* stream) const override;
+  void refuse_capture_if_local_syncs(cudaStream_t s, const char* what) const;
 
  private:
   // The saved regions (saved_buffer), or, for inference, the same in the workspace; a route
@@ -232,9 +233,23 @@ void EpEngine::route(const CallArgs& a, void* ws, void* stream) const {
   cuda::write_status(w.router.error_flag, a.status, s);
 }
 
+// The cuBLASLt local engine reads its expert offsets on the host, which a capture forbids: refuse
+// before the route and the exchanges are enqueued, so the caller's capture stays intact.
+void EpEngine::refuse_capture_if_local_syncs(cudaStream_t s, const char* what) const {
+  if (local_->kind() != EngineKind::kCudaCublasLt) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOEBLAZE_CUDA_CHECK(cudaStreamIsCapturing(s, &capture));
+  if (capture != cudaStreamCaptureStatusNone)
+    fail(Status::kNotSupported,
+         "the expert-parallel %s on the cuBLASLt local engine synchronises the stream (expert offsets to the host) "
+         "and cannot be captured in a CUDA graph; nothing was enqueued and the capture is intact (the fused engine "
+         "is capturable)", what);
+}
+
 void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const {
   cuda::DeviceGuard guard(g_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  refuse_capture_if_local_syncs(s, "forward");
   const int64_t L = a.num_tokens;
   const int32_t k = static_cast<int32_t>(g_.top_k);
   EpWork w = carve_work(pass, L, ws);
@@ -265,6 +280,7 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
 void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
   cuda::DeviceGuard guard(g_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  refuse_capture_if_local_syncs(s, "backward");
   const int64_t L = a.num_tokens;
   const int32_t k = static_cast<int32_t>(g_.top_k);
   EpWork w = carve_work(Pass::kBackward, L, ws);
