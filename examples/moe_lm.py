@@ -114,11 +114,12 @@ class LM(nn.Module):
         return self.head(self.norm(x))
 
 
-def train(model, data, args, device, compiled=False):
+def train(model, data, args, device, compiled=False, rows=None, reduce_grads=None):
     """AdamW on fp32 master weights (a 16-bit model's parameters are their rounded copies, as
     mixed-precision trainers keep them); the same batches for every run. Returns the losses,
     tokens/s over the steps after the first few (compilation and warm-up excluded) and the
-    peak memory."""
+    peak memory. A data-parallel process trains on the batch's ``rows`` (start, stop) and
+    calls ``reduce_grads(loss)`` after backward, which returns the whole batch's loss."""
     params = list(model.parameters())
     master = None
     if any(p.dtype != torch.float32 for p in params):
@@ -141,9 +142,13 @@ def train(model, data, args, device, compiled=False):
             t0 = time.perf_counter()
         starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
         chunk = torch.stack([data[s:s + args.seq + 1] for s in starts.tolist()]).to(device)
+        if rows is not None:
+            chunk = chunk[rows[0]:rows[1]]
         logits = model(chunk[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1))
         loss.backward()
+        if reduce_grads is not None:
+            loss = reduce_grads(loss)
         if master:
             for m, p in zip(master, params):
                 m.grad = p.grad.float()
@@ -159,7 +164,8 @@ def train(model, data, args, device, compiled=False):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    return losses, (args.steps - warm) * args.batch * args.seq / seconds, peak
+    tokens = args.batch if rows is None else rows[1] - rows[0]
+    return losses, (args.steps - warm) * tokens * args.seq / seconds, peak
 
 
 def smooth(v, n=10):

@@ -111,7 +111,7 @@ def moeblaze_layer(mb, x, wg, wgu, wd, k, E, P):
     return torch.zeros_like(x).index_add(0, ex.token, ob * g)
 
 
-def median_ms(step, reps, cuda):
+def median_ms(step, reps, cuda, dev):
     times = []
     for r in range(reps + 3):
         dist.barrier()
@@ -128,7 +128,7 @@ def median_ms(step, reps, cuda):
             t = (time.perf_counter() - t0) * 1e3
         if r >= 3:
             times.append(t)
-    worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    worst = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)  # NCCL: device tensors
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst)
 
@@ -191,10 +191,11 @@ def main():
         with torch.no_grad():  # the two compute the same layer (MoEBlaze's SwiGLU: silu(gate half) * up half)
             ya = torchtitan_layer(x, wg, w1, w3, w2, k, E, P).float()
             yb = moeblaze_layer(mb, x, wg, wgu, w2, k, E, P).float()
-            err = torch.tensor([float((ya - yb).norm() / ya.norm().clamp_min(1e-30))], dtype=torch.float64)
+            err = torch.tensor([float((ya - yb).norm() / ya.norm().clamp_min(1e-30))], dtype=torch.float64,
+                               device=dev)
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
-        t_titan = median_ms(titan, args.reps, cuda)
-        t_blaze = median_ms(blaze, args.reps, cuda)
+        t_titan = median_ms(titan, args.reps, cuda, dev)
+        t_blaze = median_ms(blaze, args.reps, cuda, dev)
         mb.close()
         if rank == 0:
             print("| %s (%d, %d, %d, %d) | %d | %.3f | %.3f | %.1e |" % (name, d, h, E, k, P, t_titan, t_blaze,

@@ -2,11 +2,13 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|epbench|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|eptorch|epbench|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
 # ep: the expert-parallel layer on every GPU of the machine (at least 2) against the single-GPU
 # layer (tests/ep/test_ep_gpu.cpp, tests/ep/test_ep_processes.cpp); EP_SANITIZE="memcheck racecheck"
 # runs the one-process-per-rank test on two GPUs under those tools too;
 # not part of "all" (the tests mode runs it through ctest).
+# eptorch: MoELayer(ep_group=...) on every GPU (tests/gpu/ep_torch_check.py) and
+# examples/moe_lm_ep.py on 2 GPUs against one GPU's loss curve.
 # epbench: perf/ep-bench, the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS), then
 # perf/ep_torch_baselines.py (all_to_all_single + MoEBlaze, torchtitan-style) on 2, 4, ... GPUs.
 # sidebyside: perf/side_by_side.py on SonicMoE's configs (SIDE_CONFIGS), with SonicMoE run first
@@ -43,7 +45,7 @@ want() {
   for w in "${what[@]}"; do
     [ "$w" = "$1" ] && return 0
     [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && [ "$1" != sidebyside ] \
-      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != epbench ] && return 0
+      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != epbench ] && [ "$1" != eptorch ] && return 0
   done
   return 1
 }
@@ -63,8 +65,14 @@ fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 t0=$(date +%s)
+# Expert parallelism is built against the NCCL that PyTorch loads (its nvidia-nccl wheel), so that
+# the torch runs and the C tests (linked to the same library) use one NCCL version.
+nccl_dir=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null)
+nccl_args=()
+[ -n "$nccl_dir" ] && [ -f "$nccl_dir/include/nccl_device.h" ] && nccl_args=(-DMOEBLAZE_NCCL_INCLUDE_DIR="$nccl_dir/include" -DMOEBLAZE_NCCL_LIBRARY="$nccl_dir/lib/libnccl.so.2")
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEBLAZE_ENABLE_CUDA=ON -DMOEBLAZE_BUILD_DOCS=OFF \
-      -DMOEBLAZE_BUILD_RUST=OFF > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+      -DMOEBLAZE_BUILD_RUST=OFF "${nccl_args[@]}" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+echo "NCCL: $(grep -E 'MOEBLAZE_NCCL_(INCLUDE_DIR|LIBRARY):' build-gpu/CMakeCache.txt | tr '\n' ' ')"
 if ! cmake --build build-gpu --parallel 16 >> "$OUT/build.log" 2>&1; then
   grep -E 'error|FAILED' "$OUT/build.log" | head -30; exit 1
 fi
@@ -117,6 +125,23 @@ if want ep; then
       summary+=("test_ep_processes (2 ranks) under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/test_ep_processes-$tool.log" | tr '\n' ' '); $(tail -1 "$OUT/test_ep_processes-$tool.log")")
     done
   fi
+fi
+if want eptorch; then
+  # MoELayer(ep_group=...) on every GPU against one GPU (eager, state_dict, torch.compile, CUDA
+  # graphs, FSDP2), then examples/moe_lm_ep.py on 2 GPUs against one GPU's loss curve
+  gpus=$(nvidia-smi -L | wc -l)
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \
+    timeout ${EP_TIMEOUT:-300} torchrun --standalone --nproc_per_node="$gpus" tests/gpu/ep_torch_check.py \
+    > "$OUT/ep-torch-check.log" 2>&1
+  rc=$?
+  grep -E '^  |PASS|FAIL|Error|error' "$OUT/ep-torch-check.log" | tail -30
+  summary+=("ep_torch_check on $gpus GPUs: rc=$rc; $(grep -E '^(PASS|FAIL)' "$OUT/ep-torch-check.log" | tail -1)")
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \
+    timeout ${EP_TIMEOUT:-300} torchrun --standalone --nproc_per_node=2 examples/moe_lm_ep.py ${EP_EXAMPLE_ARGS:-} \
+    > "$OUT/moe-lm-ep.log" 2>&1
+  rc=$?
+  grep -vE '^W[0-9]' "$OUT/moe-lm-ep.log" | tail -30
+  summary+=("examples/moe_lm_ep.py on 2 GPUs: rc=$rc; $(grep -E '^(PASS|FAIL)' "$OUT/moe-lm-ep.log" | tail -1)")
 fi
 if want epbench; then
   # the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS: tokens per rank,

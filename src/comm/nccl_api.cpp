@@ -96,10 +96,14 @@ std::string nccl_version_error(int built, int runtime) {
   decode(built, &bmajor, &bminor, &bpatch);
   if (major < 2 || (major == 2 && minor < 28))
     return "NCCL " + version_string(runtime) + " is too old: expert parallelism needs NCCL 2.28 or later";
+  // Before 2.31 the device API's structures (ncclDevCommRequirements, ncclDevComm) carry no size
+  // or version and changed between patch releases: only the exact version built against is safe.
   const bool fixed_layout = built < NCCL_VERSION(2, 31, 0) || runtime < NCCL_VERSION(2, 31, 0);
-  if (fixed_layout && (major != bmajor || minor != bminor))
+  if (fixed_layout && runtime != built)
     return "NCCL " + version_string(runtime) + " is loaded but this libmoeblaze was built against NCCL " +
-           version_string(built) + ": before NCCL 2.31 their major and minor versions must match";
+           version_string(built) +
+           ": before NCCL 2.31 the versions must match exactly (build against the NCCL the process loads, e.g. "
+           "PyTorch's nvidia-nccl wheel, with -DMOEBLAZE_NCCL_INCLUDE_DIR=<its include directory>)";
   if (!fixed_layout && runtime < built)
     return "NCCL " + version_string(runtime) + " is older than the NCCL " + version_string(built) +
            " this libmoeblaze was built against";

@@ -29,7 +29,7 @@ bool refused(int built, int runtime, const char* mentions) {
 
 void version_rule(void**) {
   assert_true(nccl_version_error(22809, 22809).empty());
-  assert_true(nccl_version_error(22809, 22803).empty());    // the same minor: the same device layout
+  assert_true(refused(22809, 22803, "2.28.3"));              // another patch of 2.28: its layout differs
   assert_true(refused(22809, 22903, "2.29.3"));              // a newer minor before 2.31
   assert_true(refused(22903, 22809, "2.28.9"));              // an older one
   assert_true(refused(22809, 23100, "2.31.0"));              // built before 2.31: the layout may differ

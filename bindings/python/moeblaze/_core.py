@@ -613,6 +613,38 @@ class Handle(_Owned):
             _L.moeblaze_create(byref(ptr), cfg)
         self._own(ptr.value)
 
+    @classmethod
+    def create_ep(cls, config, nccl_comm, stream=None):
+        """An expert-parallel layer on the caller's NCCL communicator (``moeblaze_create_ep``):
+        ``nccl_comm`` is the ncclComm_t as an int (e.g. ``ProcessGroupNCCL._comm_ptr()``), which
+        the caller keeps alive until this handle is closed. Collective over the communicator's
+        ranks, as is :meth:`close`; ``stream`` (an int cudaStream_t) must not be capturing."""
+        comm = checked_int(nccl_comm, UINT64, "nccl_comm", "moeblaze.Handle.create_ep")
+        if comm == 0:
+            raise BindingError(Status.INVALID_ARGUMENT, "moeblaze.Handle.create_ep", "nccl_comm is null")
+        self = cls.__new__(cls)
+        ptr = c_void_p()
+        with config._call():
+            _L.moeblaze_create_ep(byref(ptr), config, c_void_p(comm), _stream(stream))
+        self._own(ptr.value)
+        return self
+
+    @classmethod
+    def create_ep_from_unique_id(cls, config, unique_id, nranks, rank, stream=None):
+        """An expert-parallel layer that makes (and owns) its communicator from an ncclUniqueId
+        (``unique_id``: its 128 bytes, drawn on one rank and shared with every rank)."""
+        what = "moeblaze.Handle.create_ep_from_unique_id"
+        uid = bytes(unique_id)
+        n = checked_int(nranks, INT32, "nranks", what)
+        r = checked_int(rank, INT32, "rank", what)
+        self = cls.__new__(cls)
+        ptr = c_void_p()
+        buf = ctypes.create_string_buffer(uid, len(uid))
+        with config._call():
+            _L.moeblaze_create_ep_from_unique_id(byref(ptr), config, buf, len(uid), n, r, _stream(stream))
+        self._own(ptr.value)
+        return self
+
     def get(self, attr):
         """An effective attribute value (e.g. the engine chosen at create)."""
         number, value_type = _attr_number_and_type(attr)

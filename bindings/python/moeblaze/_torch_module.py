@@ -11,6 +11,18 @@ Parameters:
     ``transpose(1, 2)`` views, which it reads and whose gradients it writes in place, on every
     engine: no copy per call.
 Initialised as ``nn.Linear`` does (uniform in +-1/sqrt(fan_in)).
+
+Expert parallelism: ``MoELayer(..., ep_group=group)`` over a torch.distributed NCCL process group
+of P ranks holds this rank's experts only, ``[r E/P, (r+1) E/P)`` (``w_gate_up`` and ``w_down``
+have E/P experts; the router weight is whole and replicated). ``forward(x)`` takes this rank's
+tokens and is collective: every rank of the group calls it (and backward) in the same order. The
+experts' gradients cover every rank's tokens routed to them (the gradient of the sum of the ranks'
+losses); the router weight's gradient covers this rank's tokens, to be reduced over the group as
+any replicated parameter's (docs/ep.md has the data-parallel recipe). The state_dict holds the
+local experts and records their range; ``load_state_dict`` takes that or the single-GPU layout
+(all E experts, of which it keeps its own), and :meth:`full_state_dict` gathers the single-GPU
+layout (collective). The converters and ``load_*_experts`` take all E experts and keep this
+rank's; ``store_*_experts`` write this rank's experts into their place.
 """
 import math
 
@@ -35,8 +47,14 @@ class MoELayer(torch.nn.Module):
     """
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, top_k, activation="swiglu",
-                 max_tokens=65536, dtype=None, device=None, weight_layout="in_out", **attrs):
+                 max_tokens=65536, dtype=None, device=None, weight_layout="in_out", ep_group=None,
+                 **attrs):
         super().__init__()
+        self.ep_group = ep_group
+        self.ep_size, self.ep_rank = (ep_group.size(), ep_group.rank()) if ep_group is not None else (1, 0)
+        if int(num_experts) % self.ep_size:
+            raise ValueError("MoELayer: %d experts cannot be split over %d expert-parallel ranks (E must be "
+                             "divisible by the group's size)" % (num_experts, self.ep_size))
         if weight_layout not in ("in_out", "out_in"):
             raise ValueError("MoELayer: weight_layout must be 'in_out' or 'out_in', not %r" % (weight_layout,))
         self.weight_layout = weight_layout
@@ -51,10 +69,12 @@ class MoELayer(torch.nn.Module):
         self._spec_dtype = None
         self._spec_for(dtype)
         self._register_state_dict_hook(MoELayer._record_layout)
-        d, h, E = self.hidden_size, self.ffn_hidden_size, self.num_experts
+        d, h = self.hidden_size, self.ffn_hidden_size
+        E = self.num_local_experts = self.num_experts // self.ep_size
+        self.first_expert = self.ep_rank * E
         g = 2 if self.activation in _GATED else 1
         kw = dict(dtype=dtype, device=device)
-        self.router_weight = torch.nn.Parameter(torch.empty(E, d, **kw))
+        self.router_weight = torch.nn.Parameter(torch.empty(self.num_experts, d, **kw))
         out_in = weight_layout == "out_in"
         self.w_gate_up = torch.nn.Parameter(torch.empty((E, g * h, d) if out_in else (E, d, g * h), **kw))
         self.w_down = torch.nn.Parameter(torch.empty((E, d, h) if out_in else (E, h, d), **kw))
@@ -70,7 +90,7 @@ class MoELayer(torch.nn.Module):
                                   hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
                                   max_tokens=self.max_tokens, activation=self.activation,
                                   activation_dtype=_DTYPE_NAMES[dtype], weight_dtype=_DTYPE_NAMES[dtype],
-                                  **self.attrs)
+                                  ep_group=self.ep_group, **self.attrs)
             self._spec_dtype = dtype
         return self.spec
 
@@ -107,6 +127,8 @@ class MoELayer(torch.nn.Module):
                             "(layer.to(%s) or x.to(%s)), or run under torch.autocast"
                             % (x.dtype, dtype, x.dtype, dtype))
         spec = self._spec_for(dtype)
+        if self.ep_group is not None and not torch.compiler.is_compiling():
+            spec.handle(x.device)  # made collectively here, on the first eager call
         y, aux, z = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up, w_down)[:3]
         return y.reshape(*lead, self.hidden_size), aux, z
 
@@ -119,8 +141,32 @@ class MoELayer(torch.nn.Module):
     # layer's layout.
     _LAYOUT_KEY = "moeblaze_weight_layout"
 
+    _EXPERTS_KEY = "moeblaze_experts"  # (first expert, experts held, all experts)
+
     def _record_layout(self, state_dict, prefix, local_metadata):
         local_metadata[self._LAYOUT_KEY] = self.weight_layout
+        local_metadata[self._EXPERTS_KEY] = (self.first_expert, self.num_local_experts, self.num_experts)
+
+    def expert_parameters(self):
+        """The parameters that hold experts (``w_gate_up``, ``w_down``): under expert
+        parallelism, this rank's own, not replicated over the group."""
+        return [self.w_gate_up, self.w_down]
+
+    @torch.no_grad()
+    def full_state_dict(self):
+        """The state_dict in the single-GPU layout (all E experts): on an expert-parallel layer
+        the experts are gathered over the group (collective); otherwise ``state_dict()``."""
+        sd = self.state_dict()
+        if self.ep_group is None:
+            return sd
+        import torch.distributed as dist
+        for name in ("w_gate_up", "w_down"):
+            local = getattr(self, name).detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(self.ep_size)]
+            dist.all_gather(parts, local, group=self.ep_group)
+            sd[name] = torch.cat(parts, 0)
+        sd._metadata[""][self._EXPERTS_KEY] = (0, self.num_experts, self.num_experts)
+        return sd
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -132,13 +178,44 @@ class MoELayer(torch.nn.Module):
             for name in ("w_gate_up", "w_down"):
                 if prefix + name in state_dict:
                     state_dict[prefix + name] = state_dict[prefix + name].transpose(1, 2)
+        # The experts: all E (the single-GPU layout: this rank keeps its own), or exactly the ones
+        # this layer holds.
+        held = local_metadata.get(self._EXPERTS_KEY) if local_metadata else None
+        mine = (self.first_expert, self.num_local_experts, self.num_experts)
+        for name in ("w_gate_up", "w_down"):
+            w = state_dict.get(prefix + name)
+            if w is None or w.dim() != 3:
+                continue
+            if w.shape[0] == self.num_experts and self.ep_size > 1:
+                state_dict[prefix + name] = w[self.first_expert:self.first_expert + self.num_local_experts]
+            elif held is not None and tuple(held) != mine and w.shape[0] == self.num_local_experts:
+                error_msgs.append("%s%s holds experts [%d, %d) of %d; this layer holds [%d, %d) of %d" % (
+                    prefix, name, held[0], held[0] + held[1], held[2], mine[0], mine[0] + mine[1], mine[2]))
+                return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
     def extra_repr(self):
-        return "hidden_size=%d, ffn_hidden_size=%d, num_experts=%d, top_k=%d, activation=%s, weight_layout=%s" % (
+        ep = ", ep_size=%d, ep_rank=%d" % (self.ep_size, self.ep_rank) if self.ep_group is not None else ""
+        return "hidden_size=%d, ffn_hidden_size=%d, num_experts=%d, top_k=%d, activation=%s, weight_layout=%s%s" % (
             self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation,
-            self.weight_layout)
+            self.weight_layout, ep)
+
+    def close(self):
+        """Releases the layer's library handles now; on an expert-parallel layer, collective
+        (every rank, before the process group is destroyed). The layer makes new ones if it is
+        called again."""
+        spec = self.__dict__.get("spec")
+        if spec is not None:
+            spec.close()
+        self._spec_dtype = None
+
+    def _local(self, experts):
+        """The part of an all-E sequence or tensor that this layer holds (all of it without
+        expert parallelism)."""
+        if len(experts) != self.num_experts:
+            raise ValueError("%d experts given, the layer has %d" % (len(experts), self.num_experts))
+        return experts[self.first_expert:self.first_expert + self.num_local_experts]
 
     # ---- Hugging Face per-expert nn.Linear layouts ------------------------------------------------
 
@@ -149,10 +226,8 @@ class MoELayer(torch.nn.Module):
         [out, in], into this layer's parameters (one copy, at load time)."""
         wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         h = self.ffn_hidden_size
-        if len(experts) != self.num_experts:
-            raise ValueError("%d experts given, the layer has %d" % (len(experts), self.num_experts))
         self.router_weight.copy_(router.weight)
-        for e, ex in enumerate(experts):
+        for e, ex in enumerate(self._local(experts)):
             wgu[e, :, :h].copy_(getattr(ex, gate).weight.t())
             if self.activation in _GATED:
                 wgu[e, :, h:].copy_(getattr(ex, up).weight.t())
@@ -165,7 +240,7 @@ class MoELayer(torch.nn.Module):
         wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         h = self.ffn_hidden_size
         router.weight.copy_(self.router_weight)
-        for e, ex in enumerate(experts):
+        for e, ex in enumerate(self._local(experts)):
             getattr(ex, gate).weight.copy_(wgu[e, :, :h].t())
             if self.activation in _GATED:
                 getattr(ex, up).weight.copy_(wgu[e, :, h:].t())
@@ -178,8 +253,8 @@ class MoELayer(torch.nn.Module):
         [E, d] (one copy, at load time)."""
         wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         self.router_weight.copy_(router_weight)
-        wgu.copy_(gate_up_proj.transpose(1, 2))
-        wd.copy_(down_proj.transpose(1, 2))
+        wgu.copy_(self._local(gate_up_proj).transpose(1, 2))
+        wd.copy_(self._local(down_proj).transpose(1, 2))
         return self
 
     @torch.no_grad()
@@ -187,8 +262,8 @@ class MoELayer(torch.nn.Module):
         """The inverse of :meth:`load_fused_experts`."""
         wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         router_weight.copy_(self.router_weight)
-        gate_up_proj.copy_(wgu.transpose(1, 2))
-        down_proj.copy_(wd.transpose(1, 2))
+        self._local(gate_up_proj).copy_(wgu.transpose(1, 2))
+        self._local(down_proj).copy_(wd.transpose(1, 2))
 
     @classmethod
     def from_qwen3_moe(cls, block, max_tokens=65536, **attrs):
@@ -237,6 +312,7 @@ class MoELayer(torch.nn.Module):
         wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         h = self.ffn_hidden_size
         self.router_weight.copy_(router.weight)
+        w1, w2, w3 = self._local(w1), self._local(w2), self._local(w3)
         wgu[:, :, :h].copy_(w1.transpose(1, 2))
         wgu[:, :, h:].copy_(w3.transpose(1, 2))
         wd.copy_(w2.transpose(1, 2))
@@ -248,6 +324,7 @@ class MoELayer(torch.nn.Module):
         wgu, wd = self.expert_weights()  # [E, d, g h] and [E, h, d] views
         h = self.ffn_hidden_size
         router.weight.copy_(self.router_weight)
+        w1, w2, w3 = self._local(w1), self._local(w2), self._local(w3)
         w1.copy_(wgu[:, :, :h].transpose(1, 2))
         w3.copy_(wgu[:, :, h:].transpose(1, 2))
         w2.copy_(wd.transpose(1, 2))

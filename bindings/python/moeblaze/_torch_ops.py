@@ -51,9 +51,10 @@ class LayerSpec:
     _lock = threading.Lock()
     _next_id = 1
 
-    def __init__(self, **attrs):
+    def __init__(self, ep_group=None, **attrs):
         attrs.pop("device_type", None)
         attrs.pop("device_id", None)
+        self.ep_group = ep_group  # a torch.distributed NCCL group: an expert-parallel layer
         with Config(**attrs) as cfg:  # validates the attributes now, on the caller's thread
             self.num_experts = int(cfg.get(Attr.NUM_EXPERTS))
             self.top_k = int(cfg.get(Attr.TOP_K))
@@ -61,6 +62,8 @@ class LayerSpec:
             # a CPU handle checks them as create does, instead of the first call on a device.
             cfg.set(Attr.DEVICE_TYPE, DeviceType.CPU)
             cfg.set(Attr.ENGINE, 0)  # AUTO: the device's own engine
+            cfg.set(Attr.EP_SIZE, 0)
+            cfg.set(Attr.EP_RANK, -1)
             Handle(cfg).close()
         self.attrs = attrs
         self._bound = None  # a caller's Handle (for_handle): used for every device
@@ -70,9 +73,13 @@ class LayerSpec:
 
     def __reduce__(self):
         # Pickling and copy.deepcopy (EMA copies, torch.save of a module) rebuild the spec from
-        # its attributes: a new id and its own handles. A spec over a caller's Handle cannot be.
+        # its attributes: a new id and its own handles. A spec over a caller's Handle cannot be,
+        # nor one over a process group (its handles are made collectively).
         if self._bound is not None:
             raise TypeError("a LayerSpec over a caller's Handle cannot be copied or pickled")
+        if self.ep_group is not None:
+            raise TypeError("an expert-parallel LayerSpec cannot be copied or pickled: its handles are "
+                            "made collectively over its process group")
         return (_spec_from_attrs, (dict(self.attrs),))
 
     @classmethod
@@ -84,7 +91,7 @@ class LayerSpec:
             spec = cls.__new__(cls)
             spec.num_experts = int(handle.get(Attr.NUM_EXPERTS))
             spec.top_k = int(handle.get(Attr.TOP_K))
-            spec.attrs, spec._bound, spec._handles = {}, handle, {}
+            spec.attrs, spec._bound, spec._handles, spec.ep_group = {}, handle, {}, None
             spec._handles_lock = threading.Lock()
             spec._register()
             handle._torch_layer_spec = spec
@@ -121,9 +128,39 @@ class LayerSpec:
                         cfg.set(Attr.DEVICE_ID, key[1])
                     else:
                         cfg.set(Attr.DEVICE_TYPE, DeviceType.CPU)
-                    h = Handle(cfg)
+                    h = self._create_ep(cfg, key) if self.ep_group is not None else Handle(cfg)
                 self._handles[key] = h
             return h
+
+    def _create_ep(self, cfg, key):
+        """The expert-parallel handle on the group's NCCL communicator: collective, so made on
+        the layer's first eager call (every rank makes the same calls), never while tracing or
+        capturing."""
+        import torch.distributed as dist
+        if key[0] != "cuda":
+            raise ValueError("moeblaze: an expert-parallel layer runs on CUDA tensors")
+        if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+            raise RuntimeError("moeblaze: an expert-parallel layer makes its handle collectively on its "
+                               "first eager call; run one eager step before torch.compile")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moeblaze: an expert-parallel layer makes its handle collectively on its "
+                               "first eager call; run one eager step before capturing a CUDA graph")
+        group = self.ep_group
+        device = torch.device("cuda", key[1])
+        # The group's communicator exists once a collective ran on it.
+        dist.barrier(group=group, device_ids=[key[1]])
+        backend = group._get_backend(device)
+        comm = backend._comm_ptr() if hasattr(backend, "_comm_ptr") else 0
+        if not comm:
+            raise RuntimeError("moeblaze: the expert-parallel group has no NCCL communicator (ep_group must "
+                               "be an NCCL process group of this PyTorch)")
+        cfg.set(Attr.EP_SIZE, group.size())
+        cfg.set(Attr.EP_RANK, group.rank())
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device)
+            h = Handle.create_ep(cfg, comm, stream=stream.cuda_stream)
+        h._ep_group = group  # the communicator's owner lives as long as the handle
+        return h
 
     def close(self):
         with LayerSpec._lock:

@@ -361,5 +361,87 @@ class TestTorchtitanLayouts(unittest.TestCase):
         self.assertIn("num_expert_groups", str(cm.exception))
 
 
+class _Group:
+    """Stands in for a process group where no collective runs: its size and this rank."""
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@unittest.skipIf(_torch() is None, "torch is not installed")
+class TestExpertParallelLayer(unittest.TestCase):
+    """MoELayer(ep_group=...) where no GPU is needed: the local experts' shapes and range, the
+    state_dict in both layouts, and the refusals (the GPU runs are tests/gpu/ep_torch_check.py)."""
+
+    def _layers(self):
+        torch = _torch()
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        single = MoELayer(16, 24, 8, 2, max_tokens=64)
+        ep = MoELayer(16, 24, 8, 2, max_tokens=64, ep_group=_Group(4, 2))
+        return single, ep
+
+    def test_local_experts_and_state_dict(self):
+        torch = _torch()
+        single, ep = self._layers()
+        self.assertEqual(tuple(ep.w_gate_up.shape), (2, 16, 48))
+        self.assertEqual(tuple(ep.w_down.shape), (2, 24, 16))
+        self.assertEqual(tuple(ep.router_weight.shape), (8, 16))
+        self.assertEqual((ep.first_expert, ep.num_local_experts), (4, 2))
+        self.assertIn("ep_size=4, ep_rank=2", repr(ep))
+        ep.load_state_dict(single.state_dict())  # all 8 experts: experts 4 and 5 kept
+        self.assertTrue(torch.equal(ep.w_gate_up, single.w_gate_up[4:6]))
+        self.assertTrue(torch.equal(ep.w_down, single.w_down[4:6]))
+        self.assertTrue(torch.equal(ep.router_weight, single.router_weight))
+        sd = ep.state_dict()
+        self.assertEqual(sd._metadata[""]["moeblaze_experts"], (4, 2, 8))
+        self.assertEqual(single.state_dict()._metadata[""]["moeblaze_experts"], (0, 8, 8))
+        ep.load_state_dict(sd)  # its own shard
+        from moeblaze.torch import MoELayer
+        other = MoELayer(16, 24, 8, 2, max_tokens=64, ep_group=_Group(4, 1))
+        with self.assertRaises(RuntimeError) as cm:
+            other.load_state_dict(sd)  # rank 2's shard into rank 1's layer
+        self.assertIn("holds experts [4, 6) of 8", str(cm.exception))
+        self.assertEqual([p is q for p, q in zip(ep.expert_parameters(), (ep.w_gate_up, ep.w_down))], [True, True])
+
+    def test_converters_keep_own_experts(self):
+        torch = _torch()
+        single, ep = self._layers()
+        gate_up = single.w_gate_up.detach().transpose(1, 2).clone()
+        down = single.w_down.detach().transpose(1, 2).clone()
+        ep.load_fused_experts(single.router_weight, gate_up, down)
+        self.assertTrue(torch.equal(ep.w_gate_up, single.w_gate_up[4:6]))
+        out_gu, out_d, out_r = torch.zeros_like(gate_up), torch.zeros_like(down), torch.zeros(8, 16)
+        ep.store_fused_experts(out_r, out_gu, out_d)
+        self.assertTrue(torch.equal(out_gu[4:6], gate_up[4:6]) and not out_gu[:4].any() and not out_gu[6:].any())
+
+    def test_refusals(self):
+        import copy
+        torch = _torch()
+        from moeblaze.torch import MoELayer
+        from moeblaze import Config, Handle
+        from moeblaze.errors import MoEBlazeError
+        with self.assertRaises(ValueError) as cm:
+            MoELayer(16, 24, 6, 2, ep_group=_Group(4, 0))
+        self.assertIn("divisible", str(cm.exception))
+        _, ep = self._layers()
+        with self.assertRaises(ValueError) as cm:
+            ep(torch.randn(5, 16))
+        self.assertIn("CUDA", str(cm.exception))
+        with self.assertRaises(TypeError):
+            copy.deepcopy(ep)
+        with Config(num_experts=8, top_k=2, hidden_size=16, ffn_hidden_size=24, max_tokens=64) as cfg:
+            with self.assertRaises(MoEBlazeError):
+                Handle.create_ep(cfg, 0)
+            with self.assertRaises(MoEBlazeError) as cm:
+                Handle.create_ep_from_unique_id(cfg, b"x" * 10, 2, 0)
+            self.assertIn("id_bytes", str(cm.exception))
+
+
 if __name__ == "__main__":
     unittest.main()
