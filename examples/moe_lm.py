@@ -173,9 +173,8 @@ def smooth(v, n=10):
     return [sum(v[i:i + n]) / len(v[i:i + n]) for i in range(0, len(v), n)]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def add_model_args(ap):
+    """The model, data and training options (shared with moe_lm_ep.py)."""
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d", type=int, default=512)
@@ -189,6 +188,12 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text", default="/usr/share/common-licenses/*")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_args(ap)
     ap.add_argument("--png", default="moe_lm_loss.png")
     ap.add_argument("--engine", default="auto", choices=["auto", "cpu", "cublaslt", "fused"])
     ap.add_argument("--compile", action="store_true",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_lm import DTYPES, LM, NOISE_FACTOR, TOLERANCE, load_text, smooth, train  # noqa: E402
+from moe_lm import DTYPES, LM, NOISE_FACTOR, TOLERANCE, add_model_args, load_text, smooth, train  # noqa: E402
 
 try:
     from moeblaze.torch import MoELayer
@@ -32,19 +32,8 @@ except ImportError:  # run from a source checkout without `pip install .`
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--ffn", type=int, default=0, help="expert width (default 2 d / top-k)")
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16, help="the whole batch, split over the ranks")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--text", default="/usr/share/common-licenses/*")
+    add_model_args(ap)
+    ap.set_defaults(batch=16)  # the whole batch, split over the ranks
     args = ap.parse_args()
 
     dist.init_process_group("nccl")
