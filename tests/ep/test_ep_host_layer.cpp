@@ -1,7 +1,7 @@
 // The expert-parallel forward and backward on the host (src/ep/host_layer over the in-process
 // loopback) against the independent fp64 reference layer (tests/common/reference_moe:
 // ref_forward and ref_backward over all E experts on one device; the weight gradients summed
-// over the ranks' tokens): y, dx, the gate gradients and both weight gradients; P = 1 to 4 ranks as threads, each with its own tokens (one with
+// over the ranks' tokens): y, dx, the gate gradients and both weight gradients; P = 1 to 4 and 8 ranks as threads, each with its own tokens (one with
 // none), every activation, k above and below the experts per rank, routing spread or skewed onto
 // rank 0's experts, fp32 and bf16 weights. Relative L2 error within fp32 accumulation noise.
 #include "ep/host_layer.hpp"
@@ -198,8 +198,20 @@ void forward_and_backward_match_single_device(void**) {
             ++cases;
           }
       }
-  std::printf("%d EP forwards and backwards against the fp64 single-device reference (y, dx, dgates, dW_gate_up, "
-              "dW_down): worst relative L2 error %.3g\n", cases, worst);
+  // Eight ranks, as one 8-GPU host runs them: k below, at and above the experts per rank.
+  for (int32_t El : {1, 2})
+    for (int32_t k : {1, 3, 8})
+      for (Activation act : {Activation::kSwiglu, Activation::kGelu})
+        for (bool skew : {false, true}) {
+          const Case c{8, 8 * El, k, 24, 40, act, skew, cases % 3 == 2 ? DType::kBF16 : DType::kF32};
+          const double err = run_case(c, rng);
+          if (err > 1e-5) std::printf("P 8 E %d k %d act %d skew %d: rel err %.3g\n", c.E, k, static_cast<int>(act), skew, err);
+          assert_true(err <= 1e-5);
+          worst = std::max(worst, err);
+          ++cases;
+        }
+  std::printf("%d EP forwards and backwards on 1 to 4 and 8 ranks against the fp64 single-device reference (y, dx, "
+              "dgates, dW_gate_up, dW_down): worst relative L2 error %.3g\n", cases, worst);
 }
 
 // One step on P threads: each rank's flags from forward and backward, its y and dx.
