@@ -12,6 +12,14 @@ Parameters:
     engine: no copy per call.
 Initialised as ``nn.Linear`` does (uniform in +-1/sqrt(fan_in)).
 
+Shared expert: ``shared_expert_hidden=hs`` (0: none) adds a dense expert of width hs that every
+token goes through (DeepSeek-V2/V3, Qwen2-MoE, Llama-4), with the layer's activation:
+``shared_w_gate_up`` [1, d, g hs] and ``shared_w_down`` [1, hs, d] (transposed for ``"out_in"``).
+``shared_expert_gate=True`` scales its output per token by ``sigmoid(x shared_gate_weight^T)``
+(``shared_gate_weight`` [1, d]), as Qwen2-MoE does. It runs on the same engine as the routed
+experts, as a layer of one expert that every token picks (the gate given as its weight); under
+expert parallelism it is replicated like the router.
+
 Expert parallelism: ``MoELayer(..., ep_group=group)`` over a torch.distributed NCCL process group
 of P ranks holds this rank's experts only, ``[r E/P, (r+1) E/P)`` (``w_gate_up`` and ``w_down``
 have E/P experts; the router weight is whole and replicated). ``forward(x)`` takes this rank's
@@ -28,10 +36,12 @@ import math
 
 import torch
 
-from ._torch_ops import ROUTE_WEIGHT, LayerSpec, moe_forward
+from ._torch_ops import ROUTE_CALLER, ROUTE_WEIGHT, LayerSpec, moe_forward
 
 _GATED = ("swiglu", "geglu")
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+# The attributes a shared expert takes from the layer's (how it computes, not how it routes).
+_SHARED_EXPERT_ATTRS = ("engine", "save_policy", "deterministic", "num_threads", "window_tokens")
 
 
 class MoELayer(torch.nn.Module):
@@ -48,8 +58,14 @@ class MoELayer(torch.nn.Module):
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, top_k, activation="swiglu",
                  max_tokens=65536, dtype=None, device=None, weight_layout="in_out", ep_group=None,
-                 **attrs):
+                 shared_expert_hidden=0, shared_expert_gate=False, **attrs):
         super().__init__()
+        self.shared_expert_hidden = int(shared_expert_hidden)
+        self.shared_expert_gate = bool(shared_expert_gate)
+        if self.shared_expert_hidden < 0:
+            raise ValueError("MoELayer: shared_expert_hidden must be >= 0, not %d" % self.shared_expert_hidden)
+        if self.shared_expert_gate and not self.shared_expert_hidden:
+            raise ValueError("MoELayer: shared_expert_gate needs a shared expert (shared_expert_hidden > 0)")
         self.ep_group = ep_group
         self.ep_size, self.ep_rank = (ep_group.size(), ep_group.rank()) if ep_group is not None else (1, 0)
         if int(num_experts) % self.ep_size:
@@ -78,6 +94,11 @@ class MoELayer(torch.nn.Module):
         out_in = weight_layout == "out_in"
         self.w_gate_up = torch.nn.Parameter(torch.empty((E, g * h, d) if out_in else (E, d, g * h), **kw))
         self.w_down = torch.nn.Parameter(torch.empty((E, d, h) if out_in else (E, h, d), **kw))
+        hs = self.shared_expert_hidden
+        self.shared_w_gate_up = torch.nn.Parameter(
+            torch.empty((1, g * hs, d) if out_in else (1, d, g * hs), **kw)) if hs else None
+        self.shared_w_down = torch.nn.Parameter(torch.empty((1, d, hs) if out_in else (1, hs, d), **kw)) if hs else None
+        self.shared_gate_weight = torch.nn.Parameter(torch.empty(1, d, **kw)) if self.shared_expert_gate else None
         self.reset_parameters()
 
     def _spec_for(self, dtype):
@@ -91,6 +112,13 @@ class MoELayer(torch.nn.Module):
                                   max_tokens=self.max_tokens, activation=self.activation,
                                   activation_dtype=_DTYPE_NAMES[dtype], weight_dtype=_DTYPE_NAMES[dtype],
                                   ep_group=self.ep_group, **self.attrs)
+            # The shared expert: one expert every token picks, on the same engine, never
+            # expert-parallel; the routing attributes do not apply to it.
+            self.shared_spec = LayerSpec(
+                num_experts=1, top_k=1, hidden_size=self.hidden_size, ffn_hidden_size=self.shared_expert_hidden,
+                max_tokens=self.max_tokens, activation=self.activation, activation_dtype=_DTYPE_NAMES[dtype],
+                weight_dtype=_DTYPE_NAMES[dtype],
+                **{k: v for k, v in self.attrs.items() if k in _SHARED_EXPERT_ATTRS}) if self.shared_expert_hidden else None
             self._spec_dtype = dtype
         return self.spec
 
@@ -101,10 +129,24 @@ class MoELayer(torch.nn.Module):
             return self.w_gate_up.transpose(1, 2), self.w_down.transpose(1, 2)
         return self.w_gate_up, self.w_down
 
+    def shared_expert_weights(self):
+        """``(shared_w_gate_up [1, d, g hs], shared_w_down [1, hs, d])`` as the library reads them
+        (see :meth:`expert_weights`), or ``(None, None)`` without a shared expert."""
+        if not self.shared_expert_hidden:
+            return None, None
+        if self.weight_layout == "out_in":
+            return self.shared_w_gate_up.transpose(1, 2), self.shared_w_down.transpose(1, 2)
+        return self.shared_w_gate_up, self.shared_w_down
+
     def reset_parameters(self):
         with torch.no_grad():
-            for w, fan_in in ((self.router_weight, self.hidden_size),
-                              (self.w_gate_up, self.hidden_size), (self.w_down, self.ffn_hidden_size)):
+            pairs = [(self.router_weight, self.hidden_size), (self.w_gate_up, self.hidden_size),
+                     (self.w_down, self.ffn_hidden_size)]
+            if self.shared_expert_hidden:
+                pairs += [(self.shared_w_gate_up, self.hidden_size), (self.shared_w_down, self.shared_expert_hidden)]
+            if self.shared_expert_gate:
+                pairs.append((self.shared_gate_weight, self.hidden_size))
+            for w, fan_in in pairs:
                 bound = 1.0 / math.sqrt(fan_in)
                 w.uniform_(-bound, bound)
 
@@ -114,7 +156,8 @@ class MoELayer(torch.nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)
         w_gate_up, w_down = self.expert_weights()
-        router = self.router_weight
+        s_gate_up, s_down = self.shared_expert_weights()
+        router, s_gate = self.router_weight, self.shared_gate_weight
         dtype = w_gate_up.dtype
         if torch.is_autocast_enabled(x.device.type):
             # As autocast treats a linear layer: inputs and weights cast to the autocast dtype
@@ -122,6 +165,9 @@ class MoELayer(torch.nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x2, router = x2.to(dtype), router.to(dtype)
             w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
+            if self.shared_expert_hidden:
+                s_gate_up, s_down = s_gate_up.to(dtype), s_down.to(dtype)
+                s_gate = s_gate.to(dtype) if s_gate is not None else None
         elif x.dtype != dtype:
             raise TypeError("MoELayer: x is %s but the layer's parameters are %s; convert one "
                             "(layer.to(%s) or x.to(%s)), or run under torch.autocast"
@@ -130,7 +176,21 @@ class MoELayer(torch.nn.Module):
         if self.ep_group is not None and not torch.compiler.is_compiling():
             spec.handle(x.device)  # made collectively here, on the first eager call
         y, aux, z = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up, w_down)[:3]
+        if self.shared_expert_hidden:
+            y = y + self._shared_expert(x2, s_gate_up, s_down, s_gate)
         return y.reshape(*lead, self.hidden_size), aux, z
+
+    def _shared_expert(self, x2, w_gate_up, w_down, gate_weight):
+        """The shared expert's output: the one-expert layer with every token routed to it, its
+        gate 1 or sigmoid(x W_gate^T) (fp32, given to the library as the routing weight, so its
+        gradient comes back as d TOPK_WEIGHTS)."""
+        L = x2.shape[0]
+        ids = torch.zeros((L, 1), dtype=torch.int32, device=x2.device)
+        if gate_weight is not None:
+            gates = torch.sigmoid(torch.nn.functional.linear(x2, gate_weight).float())
+        else:
+            gates = torch.ones((L, 1), dtype=torch.float32, device=x2.device)
+        return moe_forward(self.shared_spec.id, ROUTE_CALLER, x2, None, ids, gates, w_gate_up, w_down)[0]
 
     # ---- the weight layout in the state_dict -------------------------------------------------
     # The state_dict records the layout in its metadata (state_dict._metadata, which torch.save
@@ -175,7 +235,7 @@ class MoELayer(torch.nn.Module):
             error_msgs.append("%s: unknown weight layout record %r" % (prefix or "MoELayer", layout))
             return
         if layout is not None and layout != self.weight_layout:
-            for name in ("w_gate_up", "w_down"):
+            for name in ("w_gate_up", "w_down", "shared_w_gate_up", "shared_w_down"):
                 if prefix + name in state_dict:
                     state_dict[prefix + name] = state_dict[prefix + name].transpose(1, 2)
         # The experts: all E (the single-GPU layout: this rank keeps its own), or exactly the ones
@@ -197,6 +257,9 @@ class MoELayer(torch.nn.Module):
 
     def extra_repr(self):
         ep = ", ep_size=%d, ep_rank=%d" % (self.ep_size, self.ep_rank) if self.ep_group is not None else ""
+        if self.shared_expert_hidden:
+            ep += ", shared_expert_hidden=%d%s" % (self.shared_expert_hidden,
+                                                   ", shared_expert_gate=True" if self.shared_expert_gate else "")
         return "hidden_size=%d, ffn_hidden_size=%d, num_experts=%d, top_k=%d, activation=%s, weight_layout=%s%s" % (
             self.hidden_size, self.ffn_hidden_size, self.num_experts, self.top_k, self.activation,
             self.weight_layout, ep)
@@ -205,9 +268,10 @@ class MoELayer(torch.nn.Module):
         """Releases the layer's library handles now; on an expert-parallel layer, collective
         (every rank, before the process group is destroyed). The layer makes new ones if it is
         called again."""
-        spec = self.__dict__.get("spec")
-        if spec is not None:
-            spec.close()
+        for name in ("spec", "shared_spec"):
+            spec = self.__dict__.get(name)
+            if spec is not None:
+                spec.close()
         self._spec_dtype = None
 
     def _local(self, experts):
@@ -273,6 +337,39 @@ class MoELayer(torch.nn.Module):
         softmax, top-k, renormalised when ``norm_topk_prob`` (default True)."""
         return cls._from_hf_block(block, ("gate_proj", "up_proj", "down_proj"),
                                   bool(_find(block, "norm_topk_prob", True)), max_tokens, attrs)
+
+    @classmethod
+    def from_qwen2_moe(cls, block, max_tokens=65536, **attrs):
+        """From a Qwen2-MoE sparse block: the routed experts as :meth:`from_qwen3_moe` (softmax,
+        top-k, renormalised when ``norm_topk_prob``, Qwen2-MoE's default being False), and
+        ``block.shared_expert`` (``gate_proj``/``up_proj``/``down_proj``) scaled by the sigmoid
+        of ``block.shared_expert_gate`` as the layer's shared expert."""
+        mlp = block.shared_expert
+        gate = getattr(block, "shared_expert_gate", None)
+        attrs.setdefault("shared_expert_hidden", int(mlp.gate_proj.weight.shape[0]))
+        attrs.setdefault("shared_expert_gate", gate is not None)
+        layer = cls._from_hf_block(block, ("gate_proj", "up_proj", "down_proj"),
+                                   bool(_find(block, "norm_topk_prob", False)), max_tokens, attrs)
+        return layer.load_shared_expert(mlp, gate)
+
+    @torch.no_grad()
+    def load_shared_expert(self, mlp, gate=None, names=("gate_proj", "up_proj", "down_proj")):
+        """Copies a dense gated MLP (``nn.Linear`` ``gate``/``up`` [hs, d], ``down`` [d, hs]) into
+        the shared expert, and its gate ``nn.Linear(d, 1)`` when given (one copy, at load time)."""
+        if not self.shared_expert_hidden:
+            raise ValueError("MoELayer: this layer has no shared expert (shared_expert_hidden = 0)")
+        wgu, wd = self.shared_expert_weights()  # [1, d, g hs] and [1, hs, d] views
+        hs = self.shared_expert_hidden
+        wgu[0, :, :hs].copy_(getattr(mlp, names[0]).weight.t())
+        if self.activation in _GATED:
+            wgu[0, :, hs:].copy_(getattr(mlp, names[1]).weight.t())
+        wd[0].copy_(getattr(mlp, names[2]).weight.t())
+        if gate is not None:
+            if not self.shared_expert_gate:
+                raise ValueError("MoELayer: a shared expert gate was given but the layer has none "
+                                 "(shared_expert_gate=False)")
+            self.shared_gate_weight.copy_(gate.weight)
+        return self
 
     @classmethod
     def from_mixtral(cls, block, max_tokens=65536, **attrs):
@@ -341,8 +438,10 @@ class MoELayer(torch.nn.Module):
         (torchtitan then multiplies the expert's input by the gate; this layer multiplies its
         output, which differs for a gated MLP), group-limited routing (``num_expert_groups``),
         and a non-zero expert bias (``expert_bias_E`` or ``expert_bias``: aux-loss-free balancing
-        is not part of this layer). Shared experts are not part of it either: keep
-        ``moe.shared_experts`` and add its output."""
+        is not part of this layer). Shared experts are not converted: keep
+        ``moe.shared_experts`` and add its output, or make the layer with
+        ``shared_expert_hidden`` and copy them with ``load_shared_expert(moe.shared_experts,
+        names=("w1", "w3", "w2"))``."""
         r = moe.router
         ex = getattr(moe, "experts", None)
         if ex is None and hasattr(moe, "routed_experts"):

@@ -443,5 +443,82 @@ class TestExpertParallelLayer(unittest.TestCase):
             self.assertIn("id_bytes", str(cm.exception))
 
 
+@unittest.skipIf(_torch() is None, "torch is not installed")
+class TestSharedExpert(unittest.TestCase):
+    """The shared expert (every token, one dense expert on the same engine) against plain
+    PyTorch, and the Qwen2-MoE converter against transformers' block, outputs and gradients."""
+
+    def test_matches_a_dense_mlp(self):
+        torch = _torch()
+        import torch.nn.functional as F
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        for layout in ("in_out", "out_in"):
+            for gated in (False, True):
+                layer = MoELayer(16, 24, 4, 2, max_tokens=64, shared_expert_hidden=20, shared_expert_gate=gated,
+                                 weight_layout=layout, normalize_topk=1)
+                plain = MoELayer(16, 24, 4, 2, max_tokens=64, weight_layout=layout, normalize_topk=1)
+                plain.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith("shared_")})
+                x = torch.randn(25, 16, requires_grad=True)
+                y = layer(x)[0]
+                wgu, wd = layer.shared_expert_weights()
+                xr = x.detach().clone().requires_grad_()
+                hid = xr @ wgu[0]
+                want = plain(xr)[0] + (F.silu(hid[:, :20]) * hid[:, 20:]) @ wd[0] * (
+                    torch.sigmoid(xr @ layer.shared_gate_weight[0])[:, None] if gated else 1.0)
+                self.assertLess(_rel(y, want), 1e-5)
+                dy = torch.randn_like(y)
+                y.backward(dy)
+                want.backward(dy)
+                self.assertLess(_rel(x.grad, xr.grad), 1e-5)
+                if gated:
+                    self.assertIsNotNone(layer.shared_gate_weight.grad)
+                self.assertIsNotNone(layer.shared_w_down.grad)
+                self.assertIn("shared_expert_hidden=20", repr(layer))
+
+    def test_qwen2_moe_block(self):
+        torch = _torch()
+        try:
+            from transformers import Qwen2MoeConfig
+            from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+        except ImportError:
+            self.skipTest("transformers with Qwen2-MoE is not installed")
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        for norm in (False, True):
+            cfg = Qwen2MoeConfig(hidden_size=16, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                 num_experts=6, num_experts_per_tok=2, norm_topk_prob=norm, hidden_act="silu",
+                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+            block = Qwen2MoeSparseMoeBlock(cfg).float()
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.normal_(0, 0.3)
+            layer = MoELayer.from_qwen2_moe(block, max_tokens=64)
+            self.assertEqual((layer.shared_expert_hidden, layer.shared_expert_gate), (40, True))
+            x = torch.randn(2, 9, 16)
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            want = block(xa)
+            got = layer(xb)[0]
+            self.assertLess(_rel(got, want), 1e-5)
+            dy = torch.randn_like(want)
+            want.backward(dy)
+            got.backward(dy)
+            self.assertLess(_rel(xb.grad, xa.grad), 1e-5)
+            self.assertLess(_rel(layer.shared_gate_weight.grad, block.shared_expert_gate.weight.grad), 1e-5)
+            wgu_grad = layer.shared_w_gate_up.grad[0]  # [d, 2 hs]: gate columns, then up
+            self.assertLess(_rel(wgu_grad[:, :40].t(), block.shared_expert.gate_proj.weight.grad), 1e-5)
+            self.assertLess(_rel(layer.shared_w_down.grad[0].t(), block.shared_expert.down_proj.weight.grad), 1e-5)
+            self.assertLess(_rel(layer.router_weight.grad, block.gate.weight.grad), 1e-5)
+
+    def test_refusals(self):
+        from moeblaze.torch import MoELayer
+        with self.assertRaises(ValueError):
+            MoELayer(16, 24, 4, 2, shared_expert_gate=True)
+        with self.assertRaises(ValueError):
+            MoELayer(16, 24, 4, 2, shared_expert_hidden=-1)
+        with self.assertRaises(ValueError):
+            MoELayer(16, 24, 4, 2, max_tokens=64).load_shared_expert(None)
+
+
 if __name__ == "__main__":
     unittest.main()
