@@ -380,11 +380,23 @@ typedef enum moeblaze_attr {
   /** i64 -1..1023, default -1 (any): on a config, the communicator rank the caller expects to
    *  be; on a handle, the layer's rank (0 for a single-GPU layer). @since 0.2 */
   MOEBLAZE_ATTR_EP_RANK = 24,
+  /** i64 1..65536, default 1: the experts form this many groups of NUM_EXPERTS / NUM_EXPERT_GROUPS
+   *  consecutive ids (create refuses a count that does not divide NUM_EXPERTS), for group-limited
+   *  routing (#MOEBLAZE_ATTR_TOPK_GROUPS; docs/routing.md). @since 0.2 */
+  MOEBLAZE_ATTR_NUM_EXPERT_GROUPS = 25,
+  /** i64 0..65536, default 0 (no limit): group-limited routing as DeepSeek-V3's. A token picks its
+   *  experts only from its TOPK_GROUPS best groups, a group's score being the sum of its two best
+   *  selection scores. Create requires TOPK_GROUPS <= NUM_EXPERT_GROUPS and
+   *  TOPK_GROUPS * (NUM_EXPERTS / NUM_EXPERT_GROUPS) >= TOP_K. @since 0.2 */
+  MOEBLAZE_ATTR_TOPK_GROUPS = 26,
+  /** f64 >= 0, default 1: multiplies the gates after any renormalisation (DeepSeek-V3's
+   *  routed_scaling_factor). @since 0.2 */
+  MOEBLAZE_ATTR_ROUTE_SCALE = 27,
   MOEBLAZE_ATTR__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_attr_t;
 
 /** @brief Number of attributes known to this header (attributes are 0..MOEBLAZE_ATTR_COUNT-1). */
-#define MOEBLAZE_ATTR_COUNT 25
+#define MOEBLAZE_ATTR_COUNT 28
 
 /** @brief How an expert-parallel layer moves rows (value of #MOEBLAZE_ATTR_EP_TRANSPORT). */
 typedef enum moeblaze_ep_transport {
@@ -792,7 +804,11 @@ typedef enum moeblaze_arg_kind {
   MOEBLAZE_ARG_ROUTER_WEIGHT = 2,
   /** Router logits [L, E], F32 or ACTIVATION_DTYPE. @since 0.1 */
   MOEBLAZE_ARG_ROUTER_LOGITS = 3,
-  /* 4 is reserved for an expert bias (aux-loss-free balancing). */
+  /** Optional expert score bias b [E], F32 (aux-loss-free balancing as DeepSeek-V3's): added to
+   *  the scores to rank the experts, never to the gates, which come from the unbiased scores.
+   *  For the library's routing only (refused with caller routing); backward accepts it and does
+   *  not read it. The CPU engine only, so far (CUDA engines: NOT_SUPPORTED). @since 0.2 */
+  MOEBLAZE_ARG_EXPERT_BIAS = 4,
   /** Expert up weights [E, d, g*h] (gate columns first, then up), WEIGHT_DTYPE. @since 0.1 */
   MOEBLAZE_ARG_W_GATE_UP = 5,
   /** Expert down weights [E, h, d], WEIGHT_DTYPE. @since 0.1 */

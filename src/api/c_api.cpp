@@ -57,10 +57,14 @@ static_assert(static_cast<int>(Attr::kEpTransport) == MOEBLAZE_ATTR_EP_TRANSPORT
 static_assert(static_cast<int>(Attr::kEpCommSms) == MOEBLAZE_ATTR_EP_COMM_SMS, "attribute values");
 static_assert(static_cast<int>(Attr::kEpSize) == MOEBLAZE_ATTR_EP_SIZE, "attribute values");
 static_assert(static_cast<int>(Attr::kEpRank) == MOEBLAZE_ATTR_EP_RANK, "attribute values");
+static_assert(static_cast<int>(Attr::kNumExpertGroups) == MOEBLAZE_ATTR_NUM_EXPERT_GROUPS, "attribute values");
+static_assert(static_cast<int>(Attr::kTopkGroups) == MOEBLAZE_ATTR_TOPK_GROUPS, "attribute values");
+static_assert(static_cast<int>(Attr::kRouteScale) == MOEBLAZE_ATTR_ROUTE_SCALE, "attribute values");
 static_assert(static_cast<int>(Attr::kSavePolicy) == MOEBLAZE_ATTR_SAVE_POLICY, "attribute values");
 static_assert(static_cast<int>(ArgKind::kGradTopkWeights) == MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kZLoss) == MOEBLAZE_ARG_Z_LOSS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kStatus) == MOEBLAZE_ARG_STATUS, "argument kinds");
+static_assert(static_cast<int>(ArgKind::kExpertBias) == MOEBLAZE_ARG_EXPERT_BIAS, "argument kinds");
 static_assert(static_cast<int>(Pass::kRoute) == MOEBLAZE_PASS_ROUTE, "passes");
 static_assert(static_cast<int>(Activation::kGeglu) == MOEBLAZE_ACTIVATION_GEGLU, "activations");
 static_assert(static_cast<int>(SavePolicy::kSaveAll) == MOEBLAZE_SAVE_ALL, "save policies");

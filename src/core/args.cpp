@@ -17,7 +17,7 @@ constexpr uint64_t kMaxAddress = uint64_t{1} << 57;
 
 enum Use : uint8_t { kNo = 0, kOptional = 1, kRequired = 2 };
 enum class Role : uint8_t { kInput, kOutput, kGradOutput };
-enum class TypeRule : uint8_t { kAct, kWeight, kRouter, kIndex, kScalarF32, kScalarI32 };
+enum class TypeRule : uint8_t { kAct, kWeight, kRouter, kIndex, kScalarF32, kScalarI32, kF32 };
 
 struct KindInfo {
   ArgKind kind;
@@ -32,6 +32,8 @@ const KindInfo kKinds[] = {
     {ArgKind::kInput, "INPUT", Role::kInput, TypeRule::kAct, {kRequired, kRequired, kRequired, kOptional}},
     {ArgKind::kRouterWeight, "ROUTER_WEIGHT", Role::kInput, TypeRule::kWeight, {kOptional, kOptional, kOptional, kOptional}},
     {ArgKind::kRouterLogits, "ROUTER_LOGITS", Role::kInput, TypeRule::kRouter, {kOptional, kOptional, kOptional, kOptional}},
+    // Backward accepts it (frameworks pass the forward's arguments again) and does not read it.
+    {ArgKind::kExpertBias, "EXPERT_BIAS", Role::kInput, TypeRule::kF32, {kOptional, kOptional, kOptional, kOptional}},
     {ArgKind::kWGateUp, "W_GATE_UP", Role::kInput, TypeRule::kWeight, {kRequired, kRequired, kRequired, kNo}},
     {ArgKind::kWDown, "W_DOWN", Role::kInput, TypeRule::kWeight, {kRequired, kRequired, kRequired, kNo}},
     // In backward the saved buffer holds the ids and gates; the caller's copies are accepted
@@ -66,6 +68,7 @@ View* slot(CallArgs& c, ArgKind k) {
     case ArgKind::kInput: return &c.x;
     case ArgKind::kRouterWeight: return &c.router_weight;
     case ArgKind::kRouterLogits: return &c.logits;
+    case ArgKind::kExpertBias: return &c.expert_bias;
     case ArgKind::kWGateUp: return &c.w_gate_up;
     case ArgKind::kWDown: return &c.w_down;
     case ArgKind::kTopkIndices: return &c.topk_ids;
@@ -101,7 +104,7 @@ int expected_shape(const LayerConfig& cfg, ArgKind k, int64_t L, int64_t* s) {
     case ArgKind::kWDown: case ArgKind::kGradWDown: s[0] = cfg.local_experts(); s[1] = h; s[2] = d; return 3;
     case ArgKind::kTopkIndices: case ArgKind::kTopkWeights: case ArgKind::kGradTopkWeights:
       s[0] = L; s[1] = K; return 2;
-    case ArgKind::kTokensPerExpert: s[0] = E; return 1;
+    case ArgKind::kTokensPerExpert: case ArgKind::kExpertBias: s[0] = E; return 1;
     case ArgKind::kAuxLoss: case ArgKind::kZLoss: case ArgKind::kGradAuxLoss: case ArgKind::kGradZLoss:
     case ArgKind::kStatus:
       return 0;
@@ -127,6 +130,7 @@ void check_dtype(const LayerConfig& cfg, const KindInfo& ki, DType t) {
     case TypeRule::kIndex: ok = t == DType::kI32 || t == DType::kI64; want = "i32 or i64"; break;
     case TypeRule::kScalarF32: ok = t == DType::kF32; want = "f32"; break;
     case TypeRule::kScalarI32: ok = t == DType::kI32; want = "i32"; break;
+    case TypeRule::kF32: ok = t == DType::kF32; want = "f32"; break;
   }
   if (!ok) fail(Status::kInvalidArgument, "%s has dtype %s; expected %s", ki.name, dtype_name(t), want);
 }
@@ -369,6 +373,9 @@ CallArgs decode_args(const LayerConfig& cfg, Pass pass, const RawArg* args, size
     if (c.aux_loss.present || c.z_loss.present)
       fail(Status::kInvalidArgument, "AUX_LOSS and Z_LOSS need router scores: route from ROUTER_LOGITS or ROUTER_WEIGHT");
   }
+  if (c.expert_bias.present && c.mode == RoutingMode::kCallerTopK && pass != Pass::kBackward)
+    fail(Status::kInvalidArgument, "EXPERT_BIAS applies to the library's routing: pass ROUTER_LOGITS or ROUTER_WEIGHT, "
+                                   "not TOPK_INDICES and TOPK_WEIGHTS");
   check_no_overlap(c, pass);
   if (pass == Pass::kBackward) {
     if (c.d_logits.present && c.mode != RoutingMode::kLogits)

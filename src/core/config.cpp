@@ -37,6 +37,9 @@ const AttrInfo kAttrTable[kAttrCount] = {
     {"ep_comm_sms", ValueType::kI64, false, 0, 128, 0, 0.0, DType::kInvalid, 2},
     {"ep_size", ValueType::kI64, false, 0, 1024, 0, 0.0, DType::kInvalid, 2},
     {"ep_rank", ValueType::kI64, false, -1, 1023, -1, 0.0, DType::kInvalid, 2},
+    {"num_expert_groups", ValueType::kI64, false, 1, 65536, 1, 0.0, DType::kInvalid, 2},
+    {"topk_groups", ValueType::kI64, false, 0, 65536, 0, 0.0, DType::kInvalid, 2},
+    {"route_scale", ValueType::kF64, false, 0, 0, 0, 1.0, DType::kInvalid, 2},
 };
 
 const AttrInfo& checked(int32_t attr, ValueType want) {
@@ -126,6 +129,9 @@ LayerConfig LayerConfig::from_values(const ConfigValues& v) {
   c.ep_comm_sms = static_cast<int32_t>(I(Attr::kEpCommSms));
   c.ep_size = static_cast<int32_t>(I(Attr::kEpSize));
   c.ep_rank = static_cast<int32_t>(I(Attr::kEpRank));
+  c.num_expert_groups = I(Attr::kNumExpertGroups);
+  c.topk_groups = I(Attr::kTopkGroups);
+  c.route_scale = v.f64[static_cast<int>(Attr::kRouteScale)];
 
   if (c.top_k > c.num_experts)
     fail(Status::kInvalidArgument, "top_k = %lld exceeds num_experts = %lld", static_cast<long long>(c.top_k),
@@ -133,6 +139,17 @@ LayerConfig LayerConfig::from_values(const ConfigValues& v) {
   if (c.window_tokens > c.max_tokens)
     fail(Status::kInvalidArgument, "window_tokens = %lld exceeds max_tokens = %lld (0 chooses the window automatically)",
          static_cast<long long>(c.window_tokens), static_cast<long long>(c.max_tokens));
+  if (c.num_experts % c.num_expert_groups != 0)
+    fail(Status::kInvalidArgument, "num_expert_groups = %lld does not divide num_experts = %lld",
+         static_cast<long long>(c.num_expert_groups), static_cast<long long>(c.num_experts));
+  if (c.topk_groups > c.num_expert_groups)
+    fail(Status::kInvalidArgument, "topk_groups = %lld exceeds num_expert_groups = %lld",
+         static_cast<long long>(c.topk_groups), static_cast<long long>(c.num_expert_groups));
+  if (c.topk_groups > 0 && c.topk_groups * (c.num_experts / c.num_expert_groups) < c.top_k)
+    fail(Status::kInvalidArgument,
+         "topk_groups = %lld groups of %lld experts hold fewer than top_k = %lld experts",
+         static_cast<long long>(c.topk_groups), static_cast<long long>(c.num_experts / c.num_expert_groups),
+         static_cast<long long>(c.top_k));
   if (c.max_tokens * c.top_k > kMaxI32)
     fail(Status::kInvalidArgument, "max_tokens * top_k = %lld must stay below 2^31 (int32 routing indices)",
          static_cast<long long>(c.max_tokens * c.top_k));
@@ -162,6 +179,9 @@ ConfigValues LayerConfig::to_values() const {
   S(Attr::kEpCommSms, ep_comm_sms);
   S(Attr::kEpSize, ep_ranks);    // a handle reports what it is
   S(Attr::kEpRank, ep_rank_of);
+  S(Attr::kNumExpertGroups, num_expert_groups);
+  S(Attr::kTopkGroups, topk_groups);
+  v.f64[static_cast<int>(Attr::kRouteScale)] = route_scale;
   v.f64[static_cast<int>(Attr::kAuxLossCoeff)] = aux_loss_coeff;
   v.f64[static_cast<int>(Attr::kZLossCoeff)] = z_loss_coeff;
   v.dtype[static_cast<int>(Attr::kActivationDtype)] = act_dtype;

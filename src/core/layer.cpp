@@ -43,8 +43,21 @@ void Layer::check_buffer(const char* what, const void* p, size_t have, size_t ne
     fail(Status::kInvalidArgument, "%s is not aligned to MOEBLAZE_BUFFER_ALIGNMENT (%zu bytes)", what, kBufferAlignment);
 }
 
+namespace {
+
+// The expert score bias runs on the CPU engine so far; refused before anything is enqueued.
+// Backward does not read it.
+void check_engine_takes(const LayerConfig& cfg, const CallArgs& a, Pass pass) {
+  if (a.expert_bias.present && pass != Pass::kBackward && cfg.device_type != kDeviceCpu)
+    fail(Status::kNotSupported, "EXPERT_BIAS runs on the CPU engine only so far");
+}
+
+}  // namespace
+
 CallArgs Layer::check(Pass pass, const RawArg* args, size_t num_args) const {
-  return decode_args(cfg_, pass, args, num_args);
+  CallArgs a = decode_args(cfg_, pass, args, num_args);
+  check_engine_takes(cfg_, a, pass);
+  return a;
 }
 
 void Layer::forward(Pass pass, const RawArg* args, size_t n, void* ws, size_t ws_bytes, void* saved, size_t saved_bytes,
@@ -52,6 +65,7 @@ void Layer::forward(Pass pass, const RawArg* args, size_t n, void* ws, size_t ws
   if (pass != Pass::kForwardTraining && pass != Pass::kForwardInference)
     fail(Status::kInvalidArgument, "moeblaze_forward takes FORWARD_TRAINING or FORWARD_INFERENCE, not %s", pass_name(pass));
   CallArgs a = decode_args(cfg_, pass, args, n);
+  check_engine_takes(cfg_, a, pass);
   const size_t ws_need = workspace_size(pass, a.num_tokens);
   check_buffer("workspace", ws, ws_bytes, ws_need);
   const bool training = pass == Pass::kForwardTraining;
@@ -75,6 +89,7 @@ void Layer::backward(const RawArg* args, size_t n, const void* saved, size_t sav
 
 void Layer::route(const RawArg* args, size_t n, void* ws, size_t ws_bytes, void* stream) const {
   CallArgs a = decode_args(cfg_, Pass::kRoute, args, n);
+  check_engine_takes(cfg_, a, Pass::kRoute);
   const size_t ws_need = workspace_size(Pass::kRoute, a.num_tokens);
   check_buffer("workspace", ws, ws_bytes, ws_need);
   const CallBuffer buffers[] = {{"workspace", ws, ws_need, true}};

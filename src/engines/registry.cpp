@@ -28,7 +28,14 @@ namespace {
 
 const char* cpu_refuses(const LayerConfig&, const cuda::DeviceInfo*) { return nullptr; }
 
+// Group-limited routing and the route scale run on the CPU engine so far.
+const char* routing_refused(const LayerConfig& cfg) {
+  return cfg.extended_routing() ? "group-limited routing (TOPK_GROUPS) and ROUTE_SCALE run on the CPU engine only so far"
+                                : nullptr;
+}
+
 const char* fused_refuses(const LayerConfig& cfg, const cuda::DeviceInfo* info) {
+  if (const char* why = routing_refused(cfg)) return why;
   return fused_engine_refuses(cfg, info ? info->sm_major : 0);
 }
 
@@ -39,6 +46,7 @@ bool fused_auto(const LayerConfig& cfg) {
 bool always(const LayerConfig&) { return true; }
 
 const char* cublaslt_refuses(const LayerConfig& cfg, const cuda::DeviceInfo*) {
+  if (const char* why = routing_refused(cfg)) return why;
   if (cfg.act_dtype != cfg.weight_dtype) return "it needs activation_dtype == weight_dtype";
   return nullptr;
 }

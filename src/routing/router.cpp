@@ -1,5 +1,6 @@
 #include "routing/router.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "routing/score_order.hpp"
@@ -26,35 +27,88 @@ float scores_of(const LayerConfig& cfg, const float* l, int64_t E, float* s) {
   return lse;
 }
 
-// The k first experts under routing::ranks_before of their rank_value (logits l, scores s), in
-// rank order: pick j is the best of those ranked after pick j - 1 (no taken-list; NaN scores
-// rank last). O(k E).
-void top_k(const float* l, const float* s, int64_t E, int64_t k, int32_t* ids) {
-  auto r = [&](int64_t e) { return rank_value(l[e], s[e]); };
+// The k first candidates under routing::ranks_before of their value r(e), in rank order: pick
+// j is the best of those ranked after pick j - 1 (no taken-list; NaN ranks last). O(k n).
+template <class Value, class Allowed>
+void top_k(Value r, Allowed allowed, int64_t n, int64_t k, int32_t* ids) {
   for (int64_t j = 0; j < k; ++j) {
     int64_t best = -1;
-    for (int64_t e = 0; e < E; ++e) {
-      if (j > 0 && !ranks_before(r(ids[j - 1]), ids[j - 1], r(e), e)) continue;
+    for (int64_t e = 0; e < n; ++e) {
+      if (!allowed(e) || (j > 0 && !ranks_before(r(ids[j - 1]), ids[j - 1], r(e), e))) continue;
       if (ranks_before(r(e), e, best >= 0 ? r(best) : 0.f, best)) best = e;
     }
     ids[j] = static_cast<int32_t>(best);
   }
 }
 
+// Group-limited routing (DeepSeek-V3): a group's score is the sum of its two best selection
+// values (its only one for groups of one); the topk_groups best groups under ranks_before stay
+// open. Returns the last group kept (the worst of them) and its score: group g is open when it
+// ranks before that one or is that one.
+struct GroupCut {
+  float score;
+  int64_t id;
+  bool open(float s, int64_t g) const { return g == id || ranks_before(s, g, score, id); }
+};
+
+template <class Value>
+GroupCut group_cut(Value v, int64_t E, int64_t groups, int64_t keep, float* group_score) {
+  const int64_t size = E / groups;
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t two[2] = {0, 0};
+    const int64_t n = std::min<int64_t>(2, size);
+    top_k([&](int64_t i) { return v(g * size + i); }, [](int64_t) { return true; }, size, n, two);
+    group_score[g] = n == 2 ? v(g * size + two[0]) + v(g * size + two[1]) : v(g * size + two[0]);
+  }
+  GroupCut cut{0.f, -1};
+  for (int64_t j = 0; j < keep; ++j) {
+    int64_t best = -1;
+    for (int64_t g = 0; g < groups; ++g) {
+      if (j > 0 && !ranks_before(cut.score, cut.id, group_score[g], g)) continue;
+      if (ranks_before(group_score[g], g, best >= 0 ? group_score[best] : 0.f, best)) best = g;
+    }
+    cut = {group_score[best], best};
+  }
+  return cut;
+}
+
 }  // namespace
 
-void route_tokens(const LayerConfig& cfg, const float* logits, int64_t t0, int64_t t1, int32_t* ids,
-                  float* gates, float* score_sum, float* lse_sq_sum, float* s) {
-  const int64_t E = cfg.num_experts, k = cfg.top_k;
+void route_tokens(const LayerConfig& cfg, const float* logits, const float* bias, int64_t t0, int64_t t1,
+                  int32_t* ids, float* gates, float* score_sum, float* lse_sq_sum, float* s) {
+  const int64_t E = cfg.num_experts, k = cfg.top_k, groups = cfg.num_expert_groups;
+  const bool limited = cfg.topk_groups > 0 && cfg.topk_groups < groups;
+  float* group_score = s + E;
   for (int64_t t = t0; t < t1; ++t) {
-    const float lse = scores_of(cfg, logits + t * E, E, s);
+    const float* l = logits + t * E;
+    const float lse = scores_of(cfg, l, E, s);
     *lse_sq_sum += lse * lse;
     for (int64_t e = 0; e < E; ++e) score_sum[e] += s[e];
     int32_t* id = ids + t * k;
-    top_k(logits + t * E, s, E, k, id);
+    // Selection values: the biased scores with a bias; without one, the rank value (the logit)
+    // for top-k, and the scores for group sums.
+    auto biased = [&](int64_t e) { return s[e] + bias[e]; };
+    auto score = [&](int64_t e) { return s[e]; };
+    auto rank = [&](int64_t e) { return rank_value(l[e], s[e]); };
+    if (limited) {
+      const GroupCut cut = bias ? group_cut(biased, E, groups, cfg.topk_groups, group_score)
+                                : group_cut(score, E, groups, cfg.topk_groups, group_score);
+      const int64_t size = E / groups;
+      auto open = [&](int64_t e) { return cut.open(group_score[e / size], e / size); };
+      if (bias) top_k(biased, open, E, k, id);
+      else top_k(rank, open, E, k, id);
+    } else {
+      auto all = [](int64_t) { return true; };
+      if (bias) top_k(biased, all, E, k, id);
+      else top_k(rank, all, E, k, id);
+    }
     float norm = 0.f;
     for (int64_t j = 0; j < k; ++j) norm += s[id[j]];
-    for (int64_t j = 0; j < k; ++j) gates[t * k + j] = cfg.normalize_topk ? s[id[j]] / norm : s[id[j]];
+    const float scale = static_cast<float>(cfg.route_scale);
+    for (int64_t j = 0; j < k; ++j) {
+      const float g = cfg.normalize_topk ? s[id[j]] / norm : s[id[j]];
+      gates[t * k + j] = cfg.route_scale == 1.0 ? g : g * scale;
+    }
   }
 }
 
@@ -90,7 +144,14 @@ void router_backward(const LayerConfig& cfg, int64_t L, const float* logits, con
     const float lse = scores_of(cfg, l, E, s);
     for (int64_t e = 0; e < E; ++e) ds[e] = 0.f;
     const int32_t* id = ids + t * k;
+    // The gates are scale * (renormalised) scores: the scale first (none when it is 1).
     const float* dg = dgates + t * k;
+    float* dgs = nullptr;
+    if (cfg.route_scale != 1.0) {
+      dgs = dlogits + t * E;  // k <= E floats of this token's row, written in full below
+      for (int64_t j = 0; j < k; ++j) dgs[j] = dg[j] * static_cast<float>(cfg.route_scale);
+      dg = dgs;
+    }
     if (cfg.normalize_topk) {
       float norm = 0.f, dot = 0.f;
       for (int64_t j = 0; j < k; ++j) norm += s[id[j]];

@@ -72,7 +72,7 @@ VERSION = version_encode(VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH)
 #: The ABI this binding was written for; _lib refuses a library reporting another one.
 ABI_VERSION = 0
 #: Number of attributes known to the header this binding mirrors (the library may know more).
-ATTR_COUNT = 25
+ATTR_COUNT = 28
 #: Required alignment of workspace and saved buffers, in bytes.
 BUFFER_ALIGNMENT = 256
 #: Flag on a gradient output: accumulate into it instead of overwriting.
@@ -234,6 +234,9 @@ class Attr(_IntConstants):
     EP_COMM_SMS = 22
     EP_SIZE = 23
     EP_RANK = 24
+    NUM_EXPERT_GROUPS = 25
+    TOPK_GROUPS = 26
+    ROUTE_SCALE = 27
 
 
 class Pass(_IntConstants):
@@ -251,6 +254,7 @@ class ArgKind(_IntConstants):
     INPUT = 1
     ROUTER_WEIGHT = 2
     ROUTER_LOGITS = 3
+    EXPERT_BIAS = 4
     W_GATE_UP = 5
     W_DOWN = 6
     TOPK_INDICES = 7

@@ -163,12 +163,13 @@ void CpuEngine::route_and_plan(const CallArgs& a, RoutingPlan& plan, const Work&
     for (int64_t t = 0; t < L; ++t) load_row(a.topk_weights.row(t), a.topk_weights.dtype, k, plan.gates + t * k);
   } else {
     compute_logits(a, w.logits, w);
+    const float* bias = a.expert_bias.present ? reinterpret_cast<const float*>(a.expert_bias.data) : nullptr;
     const int64_t chunks = ceil_div(L, routing::kLossChunk);
     pool_.parallel_for(chunks, [&](int64_t c, int worker) {
       float* sums = w.chunk_scores + c * E;
       std::fill(sums, sums + E, 0.f);
       w.chunk_lse[c] = 0.f;
-      routing::route_tokens(cfg_, w.logits, c * routing::kLossChunk, std::min(L, (c + 1) * routing::kLossChunk),
+      routing::route_tokens(cfg_, w.logits, bias, c * routing::kLossChunk, std::min(L, (c + 1) * routing::kLossChunk),
                             plan.token_expert_indices, plan.gates, sums, &w.chunk_lse[c], scratch(w, worker));
     });
   }

@@ -203,8 +203,11 @@ pub const MOEBLAZE_ATTR_EP_TRANSPORT: moeblaze_attr_t = 21;
 pub const MOEBLAZE_ATTR_EP_COMM_SMS: moeblaze_attr_t = 22;
 pub const MOEBLAZE_ATTR_EP_SIZE: moeblaze_attr_t = 23;
 pub const MOEBLAZE_ATTR_EP_RANK: moeblaze_attr_t = 24;
+pub const MOEBLAZE_ATTR_NUM_EXPERT_GROUPS: moeblaze_attr_t = 25;
+pub const MOEBLAZE_ATTR_TOPK_GROUPS: moeblaze_attr_t = 26;
+pub const MOEBLAZE_ATTR_ROUTE_SCALE: moeblaze_attr_t = 27;
 /// Attributes known to this header are 0..MOEBLAZE_ATTR_COUNT-1 (the library may know more).
-pub const MOEBLAZE_ATTR_COUNT: i32 = 25;
+pub const MOEBLAZE_ATTR_COUNT: i32 = 28;
 
 /// `moeblaze_attr_info_t`. Set `struct_size` before calling `moeblaze_attr_query`.
 #[repr(C)]
@@ -244,6 +247,7 @@ pub type moeblaze_arg_kind_t = i32;
 pub const MOEBLAZE_ARG_INPUT: moeblaze_arg_kind_t = 1;
 pub const MOEBLAZE_ARG_ROUTER_WEIGHT: moeblaze_arg_kind_t = 2;
 pub const MOEBLAZE_ARG_ROUTER_LOGITS: moeblaze_arg_kind_t = 3;
+pub const MOEBLAZE_ARG_EXPERT_BIAS: moeblaze_arg_kind_t = 4;
 pub const MOEBLAZE_ARG_W_GATE_UP: moeblaze_arg_kind_t = 5;
 pub const MOEBLAZE_ARG_W_DOWN: moeblaze_arg_kind_t = 6;
 pub const MOEBLAZE_ARG_TOPK_INDICES: moeblaze_arg_kind_t = 7;

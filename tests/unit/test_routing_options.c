@@ -1,0 +1,270 @@
+/* Group-limited routing, the expert score bias and the route scale (docs/routing.md) on the CPU
+ * engine, against an independent fp64 reference of DeepSeek-V3's rule written here:
+ *  - the picked ids (in rank order) and gates for softmax and sigmoid scores, with and without
+ *    renormalisation, groups of 1 to 4 experts, with and without a bias, scales 1 and 2.5;
+ *  - a bias that moves the selection leaves the gates to the unbiased scores;
+ *  - the route scale multiplies y and the router's gradient exactly as it multiplies the gates;
+ *  - the refusals: groups that do not divide E, TOPK_GROUPS above the group count or holding
+ *    fewer than k experts, a bias of the wrong shape or dtype, a bias with caller routing; a
+ *    refused call writes nothing. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe_step.h"
+#include "test_util.h"
+
+enum { E = 16, L = 48, D = 8, H = 12, MAXK = 8 };
+
+typedef struct opts {
+  int64_t k, groups, keep, score_fn, normalize;
+  double scale;
+} opts;
+
+static moeblaze_status_t make(const opts* o, moeblaze_handle_t* h) {
+  moeblaze_config_t cfg = NULL;
+  moeblaze_status_t s = moeblaze_config_create(&cfg);
+  if (s != MOEBLAZE_STATUS_SUCCESS) return s;
+  const struct { moeblaze_attr_t a; int64_t v; } i64s[] = {
+      {MOEBLAZE_ATTR_NUM_EXPERTS, E}, {MOEBLAZE_ATTR_TOP_K, o->k}, {MOEBLAZE_ATTR_HIDDEN_SIZE, D},
+      {MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, H}, {MOEBLAZE_ATTR_MAX_TOKENS, 64},
+      {MOEBLAZE_ATTR_ACTIVATION, MOEBLAZE_ACTIVATION_SWIGLU}, {MOEBLAZE_ATTR_SCORE_FUNCTION, o->score_fn},
+      {MOEBLAZE_ATTR_NORMALIZE_TOPK, o->normalize}, {MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CPU},
+      {MOEBLAZE_ATTR_NUM_EXPERT_GROUPS, o->groups}, {MOEBLAZE_ATTR_TOPK_GROUPS, o->keep}};
+  for (size_t i = 0; i < sizeof i64s / sizeof i64s[0] && s == MOEBLAZE_STATUS_SUCCESS; ++i)
+    s = moeblaze_config_set_i64(cfg, i64s[i].a, i64s[i].v);
+  if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, tu_f32);
+  if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, tu_f32);
+  if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_ROUTE_SCALE, o->scale);
+  *h = NULL;
+  if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_create(h, cfg);
+  moeblaze_config_destroy(cfg);
+  return s;
+}
+
+/* ---- the reference: DeepSeek-V3's selection in fp64 ---- */
+typedef struct ranked { double v; int id; } ranked;
+static int by_value(const void* a, const void* b) {  /* higher first, then the lower id */
+  const ranked *x = a, *y = b;
+  if (x->v != y->v) return x->v > y->v ? -1 : 1;
+  return x->id - y->id;
+}
+
+/* Picks, gates and the smallest gap between a kept and a dropped candidate (group or expert):
+ * the caller draws again where that gap is too small for fp32 to rank the same way. */
+static double reference(const opts* o, const float* l, const float* bias, int32_t* ids, double* gates) {
+  double s[E], v[E], m = -INFINITY, sum = 0, gap = INFINITY;
+  for (int e = 0; e < E; ++e) m = fmax(m, l[e]);
+  for (int e = 0; e < E; ++e) sum += exp((double)l[e] - m);
+  for (int e = 0; e < E; ++e)
+    s[e] = o->score_fn == MOEBLAZE_SCORE_SIGMOID ? 1.0 / (1.0 + exp(-(double)l[e])) : exp((double)l[e] - m) / sum;
+  for (int e = 0; e < E; ++e) v[e] = s[e] + (bias ? bias[e] : 0.0);
+  int open[E];
+  for (int e = 0; e < E; ++e) open[e] = 1;
+  const int size = (int)(E / o->groups);
+  if (o->keep > 0 && o->keep < o->groups) {
+    ranked g[E];
+    for (int q = 0; q < o->groups; ++q) {
+      ranked in[E];
+      for (int i = 0; i < size; ++i) in[i] = (ranked){v[q * size + i], q * size + i};
+      qsort(in, (size_t)size, sizeof in[0], by_value);
+      g[q] = (ranked){size >= 2 ? in[0].v + in[1].v : in[0].v, q};
+    }
+    qsort(g, (size_t)o->groups, sizeof g[0], by_value);
+    gap = fmin(gap, g[o->keep - 1].v - g[o->keep].v);
+    for (int e = 0; e < E; ++e) open[e] = 0;
+    for (int q = 0; q < o->keep; ++q)
+      for (int i = 0; i < size; ++i) open[g[q].id * size + i] = 1;
+  }
+  ranked c[E];
+  int n = 0;
+  for (int e = 0; e < E; ++e)
+    if (open[e]) c[n++] = (ranked){v[e], e};
+  qsort(c, (size_t)n, sizeof c[0], by_value);
+  for (int j = 0; j + 1 < n && j <= o->k; ++j) gap = fmin(gap, c[j].v - c[j + 1].v);
+  double norm = 0;
+  for (int j = 0; j < o->k; ++j) norm += s[c[j].id];
+  for (int j = 0; j < o->k; ++j) {
+    ids[j] = c[j].id;
+    gates[j] = (o->normalize ? s[c[j].id] / norm : s[c[j].id]) * o->scale;
+  }
+  return gap;
+}
+
+/* moeblaze_route from logits (and the bias when given). */
+static moeblaze_status_t route(moeblaze_handle_t h, int64_t k, float* logits, float* bias, int32_t* ids, float* gates) {
+  const int64_t sl[2] = {L, E}, sk[2] = {L, k}, se[1] = {E};
+  moeblaze_arg_t r[4] = {tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tu_tensor(logits, tu_f32, 2, sl)),
+                         tu_arg(MOEBLAZE_ARG_TOPK_INDICES, tu_tensor(ids, tu_i32, 2, sk)),
+                         tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tu_tensor(gates, tu_f32, 2, sk)),
+                         tu_arg(MOEBLAZE_ARG_EXPERT_BIAS, tu_tensor(bias, tu_f32, 1, se))};
+  size_t ws = 0;
+  moeblaze_status_t s = moeblaze_get_workspace_size(h, MOEBLAZE_PASS_ROUTE, L, &ws);
+  if (s != MOEBLAZE_STATUS_SUCCESS) return s;
+  void* w = tu_alloc_bytes(ws);
+  s = moeblaze_route(h, r, bias ? 4 : 3, w, ws, NULL);
+  tu_free(w);
+  return s;
+}
+
+static void routing_matches_reference(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("routing_options"));
+  const int64_t group_sets[][2] = {{1, 0}, {4, 2}, {8, 3}, {16, 4}, {4, 4}};
+  int cases = 0;
+  for (int fn = 0; fn < 2; ++fn)
+    for (size_t gs = 0; gs < sizeof group_sets / sizeof group_sets[0]; ++gs)
+      for (int with_bias = 0; with_bias < 2; ++with_bias)
+        for (int k = 2; k <= 4; k += 2) {
+          const opts o = {k, group_sets[gs][0], group_sets[gs][1], fn ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX,
+                          (cases % 2), cases % 3 == 1 ? 2.5 : 1.0};
+          moeblaze_handle_t h = NULL;
+          assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
+          float logits[L * E], bias[E], gates[L * MAXK];
+          int32_t ids[L * MAXK], want_ids[MAXK];
+          double want_gates[MAXK];
+          for (int e = 0; e < E; ++e) bias[e] = (float)(0.2 * tu_rng_normal(&rng));
+          for (int t = 0; t < L; ++t)  /* draw again where fp32 could rank differently */
+            do {
+              for (int e = 0; e < E; ++e) logits[t * E + e] = (float)(1.5 * tu_rng_normal(&rng));
+            } while (reference(&o, logits + t * E, with_bias ? bias : NULL, want_ids, want_gates) < 1e-4);
+          tu_poison(ids, tu_i32, (size_t)(L * k));
+          tu_poison(gates, tu_f32, (size_t)(L * k));
+          assert_int_equal(route(h, k, logits, with_bias ? bias : NULL, ids, gates), MOEBLAZE_STATUS_SUCCESS);
+          for (int t = 0; t < L; ++t) {
+            reference(&o, logits + t * E, with_bias ? bias : NULL, want_ids, want_gates);
+            for (int j = 0; j < k; ++j) {
+              if (ids[t * k + j] != want_ids[j] || fabs(gates[t * k + j] - want_gates[j]) > 1e-6 * (1 + fabs(want_gates[j])))
+                fail_msg("fn %d groups %lld keep %lld bias %d k %d scale %g: token %d pick %d is expert %d gate %g, "
+                         "want %d gate %g", fn, (long long)o.groups, (long long)o.keep, with_bias, k, o.scale, t, j,
+                         ids[t * k + j], gates[t * k + j], want_ids[j], want_gates[j]);
+            }
+          }
+          moeblaze_destroy(h);
+          ++cases;
+        }
+  print_message("%d routing configurations match the fp64 reference of DeepSeek-V3's rule\n", cases);
+}
+
+/* A bias that moves the selection onto expert 3 leaves its gate to the unbiased score. */
+static void bias_selects_but_does_not_gate(void** state) {
+  (void)state;
+  const opts o = {2, 1, 0, MOEBLAZE_SCORE_SIGMOID, 0, 1.0};
+  moeblaze_handle_t h = NULL;
+  assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
+  float logits[L * E], bias[E] = {0}, gates[L * 2];
+  int32_t ids[L * 2];
+  tu_rng rng;
+  tu_rng_seed(&rng, 7);
+  for (int i = 0; i < L * E; ++i) logits[i] = (float)tu_rng_normal(&rng);
+  bias[3] = 10.f;
+  assert_int_equal(route(h, 2, logits, bias, ids, gates), MOEBLAZE_STATUS_SUCCESS);
+  for (int t = 0; t < L; ++t) {
+    assert_int_equal(ids[t * 2], 3);
+    const float want = 1.f / (1.f + expf(-logits[t * E + 3]));
+    assert_true(fabsf(gates[t * 2] - want) <= 1e-6f);
+  }
+  moeblaze_destroy(h);
+}
+
+/* ROUTE_SCALE c: y and the router's gradient are c times those of the same layer without it. */
+static void route_scale_scales_y_and_gradients(void** state) {
+  (void)state;
+  const double c = 2.5;
+  opts o = {2, 4, 2, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0};
+  moeblaze_handle_t h1 = NULL, hc = NULL;
+  assert_int_equal(make(&o, &h1), MOEBLAZE_STATUS_SUCCESS);
+  o.scale = c;
+  assert_int_equal(make(&o, &hc), MOEBLAZE_STATUS_SUCCESS);
+  ms_problem p1, pc;
+  ms_init(&p1, h1, L, E, 2, D, H, 1, 99);
+  ms_init(&pc, hc, L, E, 2, D, H, 1, 99);
+  assert_int_equal(ms_forward(h1, &p1), MOEBLAZE_STATUS_SUCCESS);
+  assert_int_equal(ms_forward(hc, &pc), MOEBLAZE_STATUS_SUCCESS);
+  assert_int_equal(ms_backward(h1, &p1), MOEBLAZE_STATUS_SUCCESS);
+  assert_int_equal(ms_backward(hc, &pc), MOEBLAZE_STATUS_SUCCESS);
+  /* relative L2 errors of y and of d logits against c times the unscaled layer's */
+  double ny = 0, dy = 0, nl = 0, dl = 0;
+  for (int64_t i = 0; i < L * D; ++i) ny += pow(c * p1.y[i], 2), dy += pow(pc.y[i] - c * p1.y[i], 2);
+  for (int64_t i = 0; i < L * E; ++i) nl += pow(c * p1.dlogits[i], 2), dl += pow(pc.dlogits[i] - c * p1.dlogits[i], 2);
+  for (int64_t i = 0; i < L * 2; ++i) assert_int_equal(pc.ids[i], p1.ids[i]);
+  const double ey = sqrt(dy / ny), el = sqrt(dl / nl);
+  print_message("ROUTE_SCALE %g: y within %.2g and d logits within %.2g (relative L2) of %g x the unscaled layer's\n",
+                c, ey, el, c);
+  assert_true(ny > 0 && nl > 0 && ey < 1e-6 && el < 1e-5);
+  ms_free(&p1);
+  ms_free(&pc);
+  moeblaze_destroy(h1);
+  moeblaze_destroy(hc);
+}
+
+static void refusals(void** state) {
+  (void)state;
+  moeblaze_handle_t h = (moeblaze_handle_t)1;
+  const opts bad[] = {{2, 3, 0, 0, 0, 1.0},   /* 3 groups do not divide 16 experts */
+                      {2, 4, 5, 0, 0, 1.0},   /* 5 of 4 groups */
+                      {4, 8, 1, 0, 0, 1.0}};  /* one group of 2 experts for top-4 */
+  const char* names[] = {"num_expert_groups", "topk_groups", "topk_groups"};
+  for (int i = 0; i < 3; ++i) {
+    assert_int_equal(make(&bad[i], &h), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_null(h);
+    assert_non_null(strstr(moeblaze_get_last_error_message(), names[i]));
+  }
+  const opts o = {2, 4, 2, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0};
+  assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
+  float logits[L * E], bias[E + 1], gates[L * 2];
+  int32_t ids[L * 2];
+  memset(logits, 0, sizeof logits);
+  memset(bias, 0, sizeof bias);
+  size_t ws = 0;
+  assert_int_equal(moeblaze_get_workspace_size(h, MOEBLAZE_PASS_ROUTE, L, &ws), MOEBLAZE_STATUS_SUCCESS);
+  void* w = tu_alloc_bytes(ws);
+  const int64_t sl[2] = {L, E}, sk[2] = {L, 2}, se_bad[1] = {E + 1}, se[1] = {E};
+  uint16_t bias16[E] = {0};
+  const moeblaze_tensor_t bad_bias[] = {tu_tensor(bias, tu_f32, 1, se_bad), tu_tensor(bias16, tu_bf16, 1, se)};
+  for (int i = 0; i < 2; ++i) {
+    tu_poison(ids, tu_i32, L * 2);
+    moeblaze_arg_t r[4] = {tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tu_tensor(logits, tu_f32, 2, sl)),
+                           tu_arg(MOEBLAZE_ARG_TOPK_INDICES, tu_tensor(ids, tu_i32, 2, sk)),
+                           tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tu_tensor(gates, tu_f32, 2, sk)),
+                           tu_arg(MOEBLAZE_ARG_EXPERT_BIAS, bad_bias[i])};
+    assert_int_equal(moeblaze_route(h, r, 4, w, ws, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moeblaze_get_last_error_message(), "EXPERT_BIAS"));
+    for (int t = 0; t < L * 2; ++t) assert_int_equal(ids[t], INT32_MIN);  /* nothing written */
+  }
+  tu_free(w);
+  /* with caller routing */
+  ms_problem p;
+  ms_init(&p, h, L, E, 2, D, H, 1, 5);
+  moeblaze_arg_t a[16];
+  size_t n = ms_forward_args(&p, a);
+  for (size_t i = 0; i < n; ++i)  /* the logits become a bias-less caller routing... */
+    if (a[i].kind == MOEBLAZE_ARG_ROUTER_LOGITS) a[i] = tu_arg(MOEBLAZE_ARG_EXPERT_BIAS, tu_tensor(bias, tu_f32, 1, se));
+  float cw[L * 2];
+  for (int i = 0; i < L * 2; ++i) { p.ids[i] = i % 2 ? 1 : 0; cw[i] = 0.5f; }
+  a[n++] = tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tu_tensor(cw, tu_f32, 2, sk));
+  tu_poison(p.y, tu_f32, (size_t)(L * D));
+  assert_int_equal(moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, p.ws, p.ws_bytes, p.saved, p.saved_bytes, NULL),
+                   MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "EXPERT_BIAS"));
+  for (int64_t i = 0; i < L * D; ++i) assert_true(isnan(p.y[i]));
+  ms_free(&p);
+  moeblaze_destroy(h);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(routing_matches_reference),
+      cmocka_unit_test(bias_selects_but_does_not_gate),
+      cmocka_unit_test(route_scale_scales_y_and_gradients),
+      cmocka_unit_test(refusals),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
