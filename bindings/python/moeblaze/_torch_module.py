@@ -12,6 +12,12 @@ Parameters:
     engine: no copy per call.
 Initialised as ``nn.Linear`` does (uniform in +-1/sqrt(fan_in)).
 
+Routing options of current models (docs/routing.md; the CPU engine only so far):
+``num_expert_groups`` and ``topk_groups`` (group-limited top-k), ``route_scale``, and
+``expert_bias=True``, which adds a buffer ``expert_bias`` [E] (fp32) added to the scores for
+selection only, and a buffer ``tokens_per_expert`` [E] that forward accumulates the routed
+tokens into; :meth:`update_expert_bias` applies DeepSeek-V3's auxiliary-loss-free update from it.
+
 Shared expert: ``shared_expert_hidden=hs`` (0: none) adds a dense expert of width hs that every
 token goes through (DeepSeek-V2/V3, Qwen2-MoE, Llama-4), with the layer's activation:
 ``shared_w_gate_up`` [1, d, g hs] and ``shared_w_down`` [1, hs, d] (transposed for ``"out_in"``).
@@ -58,7 +64,7 @@ class MoELayer(torch.nn.Module):
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, top_k, activation="swiglu",
                  max_tokens=65536, dtype=None, device=None, weight_layout="in_out", ep_group=None,
-                 shared_expert_hidden=0, shared_expert_gate=False, **attrs):
+                 shared_expert_hidden=0, shared_expert_gate=False, expert_bias=False, **attrs):
         super().__init__()
         self.shared_expert_hidden = int(shared_expert_hidden)
         self.shared_expert_gate = bool(shared_expert_gate)
@@ -99,6 +105,11 @@ class MoELayer(torch.nn.Module):
             torch.empty((1, g * hs, d) if out_in else (1, d, g * hs), **kw)) if hs else None
         self.shared_w_down = torch.nn.Parameter(torch.empty((1, d, hs) if out_in else (1, hs, d), **kw)) if hs else None
         self.shared_gate_weight = torch.nn.Parameter(torch.empty(1, d, **kw)) if self.shared_expert_gate else None
+        # Not parameters: the bias is updated between steps from the loads (update_expert_bias).
+        self.has_expert_bias = bool(expert_bias)
+        if self.has_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32, device=device))
+            self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32, device=device))
         self.reset_parameters()
 
     def _spec_for(self, dtype):
@@ -175,10 +186,34 @@ class MoELayer(torch.nn.Module):
         spec = self._spec_for(dtype)
         if self.ep_group is not None and not torch.compiler.is_compiling():
             spec.handle(x.device)  # made collectively here, on the first eager call
-        y, aux, z = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up, w_down)[:3]
+        if self.has_expert_bias:
+            y, aux, z, _ids, _gates, counts = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up,
+                                                          w_down, self.expert_bias)[:6]
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts)
+        else:
+            y, aux, z = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up, w_down)[:3]
         if self.shared_expert_hidden:
             y = y + self._shared_expert(x2, s_gate_up, s_down, s_gate)
         return y.reshape(*lead, self.hidden_size), aux, z
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate=1e-3, group=None):
+        """DeepSeek-V3's auxiliary-loss-free balancing step, between optimizer steps: with n_e
+        the tokens routed to expert e since the last update (``tokens_per_expert``, summed over
+        ``group`` when given, e.g. the data-parallel group), ``expert_bias += rate *
+        sign(mean(n) - n)``, centred to keep its mean (as torchtitan does); then the counts
+        restart from zero. Returns the counts used."""
+        if not self.has_expert_bias:
+            raise ValueError("MoELayer: this layer has no expert bias (expert_bias=False)")
+        counts = self.tokens_per_expert.clone()
+        if group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(counts, group=group)
+        delta = rate * torch.sign(counts.mean() - counts)
+        self.expert_bias.add_(delta - delta.mean())
+        self.tokens_per_expert.zero_()
+        return counts
 
     def _shared_expert(self, x2, w_gate_up, w_down, gate_weight):
         """The shared expert's output: the one-expert layer with every token routed to it, its
@@ -370,6 +405,33 @@ class MoELayer(torch.nn.Module):
                                  "(shared_expert_gate=False)")
             self.shared_gate_weight.copy_(gate.weight)
         return self
+
+    @classmethod
+    def from_deepseek_v3(cls, block, max_tokens=65536, **attrs):
+        """From a DeepSeek-V3 MoE block (transformers' ``DeepseekV3MoE``): the router
+        ``block.gate`` (sigmoid scores, ``e_score_correction_bias`` as the expert bias,
+        ``n_group``/``topk_group`` as group-limited routing, ``routed_scaling_factor`` as the
+        route scale, ``norm_topk_prob``), the fused experts, and ``block.shared_experts`` as the
+        shared expert. Group-limited routing, the bias and the scale run on the CPU engine so
+        far."""
+        gate = block.gate
+        attrs.setdefault("score_function", "sigmoid")
+        attrs.setdefault("num_expert_groups", int(getattr(gate, "num_group", getattr(gate, "n_group", 1))))
+        attrs.setdefault("topk_groups", int(getattr(gate, "topk_group", 0)))
+        attrs.setdefault("route_scale", float(getattr(gate, "routed_scaling_factor", 1.0)))
+        bias = getattr(gate, "e_score_correction_bias", None)
+        attrs.setdefault("expert_bias", bias is not None)
+        shared = getattr(block, "shared_experts", None)
+        if shared is not None:
+            attrs.setdefault("shared_expert_hidden", int(shared.gate_proj.weight.shape[0]))
+        layer = cls._from_hf_block(block, ("gate_proj", "up_proj", "down_proj"),
+                                   bool(_find(block, "norm_topk_prob", True)), max_tokens, attrs)
+        if bias is not None and layer.has_expert_bias:
+            with torch.no_grad():
+                layer.expert_bias.copy_(bias)
+        if shared is not None:
+            layer.load_shared_expert(shared)
+        return layer
 
     @classmethod
     def from_mixtral(cls, block, max_tokens=65536, **attrs):

@@ -3,8 +3,8 @@ without a graph break and CUDA graphs can capture it (on a sync-free engine).
 
 Two operators:
 
-* ``moeblaze::moe_forward(layer, mode, x, router?, topk_ids?, topk_weights?, w_gate_up, w_down)
-  -> (y, aux_loss, z_loss, topk_indices, topk_weights, tokens_per_expert, saved)``
+* ``moeblaze::moe_forward(layer, mode, x, router?, topk_ids?, topk_weights?, w_gate_up, w_down,
+  expert_bias?) -> (y, aux_loss, z_loss, topk_indices, topk_weights, tokens_per_expert, saved)``
 * ``moeblaze::moe_backward(layer, mode, x, router?, topk_ids?, topk_weights?, w_gate_up, w_down,
   saved, dy, d_aux, d_z, needs) -> (dx, d_router, d_topk_weights, d_w_gate_up, d_w_down)``
 
@@ -337,15 +337,15 @@ def _check_mode(mode, router, topk_ids, topk_weights):
 @torch.library.custom_op("moeblaze::moe_forward", mutates_args=())
 def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.Tensor],
                 topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-                w_gate_up: torch.Tensor, w_down: torch.Tensor
+                w_gate_up: torch.Tensor, w_down: torch.Tensor, expert_bias: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor]:
     _check_mode(mode, router, topk_ids, topk_weights)
     _check_tensors(x, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
-                   w_gate_up=w_gate_up, w_down=w_down)
+                   w_gate_up=w_gate_up, w_down=w_down, expert_bias=expert_bias)
     spec = LayerSpec.get(layer)
     handle = spec.handle(x.device)
-    x, router = _rowmajor(x), _rowmajor(router)
+    x, router, expert_bias = _rowmajor(x), _rowmajor(router), _rowmajor(expert_bias)
     w_gate_up, w_down = _weight_layout(w_gate_up), _weight_layout(w_down)
     topk_ids, topk_weights = _rowmajor(topk_ids), _rowmajor(topk_weights)
     L, d = x.shape
@@ -356,6 +356,8 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
     args.add(ArgKind.W_GATE_UP, tensor_descriptor(w_gate_up))
     args.add(ArgKind.W_DOWN, tensor_descriptor(w_down))
     _routing_args(args, mode, router, topk_ids, topk_weights)
+    if expert_bias is not None:
+        args.add(ArgKind.EXPERT_BIAS, tensor_descriptor(expert_bias))
     y = torch.empty((L, d), dtype=x.dtype, device=dev)
     aux = torch.zeros((), dtype=torch.float32, device=dev)
     z = torch.zeros((), dtype=torch.float32, device=dev)
@@ -384,10 +386,10 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
 
 
 @moe_forward.register_fake
-def _moe_forward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down):
+def _moe_forward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, expert_bias=None):
     _check_mode(mode, router, topk_ids, topk_weights)
     _check_tensors(x, real=False, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
-                   w_gate_up=w_gate_up, w_down=w_down)
+                   w_gate_up=w_gate_up, w_down=w_down, expert_bias=expert_bias)
     spec = LayerSpec.get(layer)
     L, d = x.shape
     E, k = spec.num_experts, spec.top_k
@@ -482,7 +484,7 @@ def _moe_backward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up
 
 
 def _setup_context(ctx, inputs, output):
-    layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down = inputs
+    layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down = inputs[:8]
     _y, _aux, _z, ids, gates, counts, saved = output
     ctx.layer, ctx.mode = layer, mode
     # The graph holds the layer's spec until backward: a temporary functional MoE(...) may be
@@ -511,7 +513,7 @@ def _backward(ctx, dy, d_aux, d_z, _d_ids, _d_gates, _d_counts, _d_saved):
         d_z, needs)
     return (None, None, dx if needs[0] else None, d_router if needs[1] else None, None,
             d_weights if needs[2] else None, d_wgu if needs[3] else None,
-            d_wd if needs[4] else None)
+            d_wd if needs[4] else None, None)
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)

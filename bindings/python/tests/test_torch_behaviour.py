@@ -520,5 +520,66 @@ class TestSharedExpert(unittest.TestCase):
             MoELayer(16, 24, 4, 2, max_tokens=64).load_shared_expert(None)
 
 
+@unittest.skipIf(_torch() is None, "torch is not installed")
+class TestDeepSeekV3Routing(unittest.TestCase):
+    """Group-limited routing, the expert score bias and the route scale through MoELayer (CPU
+    engine), against transformers' DeepseekV3MoE; the auxiliary-loss-free bias update."""
+
+    def test_deepseek_v3_block(self):
+        torch = _torch()
+        try:
+            from transformers import DeepseekV3Config
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+        except ImportError:
+            self.skipTest("transformers with DeepSeek-V3 is not installed")
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        for n_group, topk_group, scale in ((4, 2, 2.5), (8, 3, 1.0), (1, 1, 1.5)):
+            cfg = DeepseekV3Config(hidden_size=16, moe_intermediate_size=12, n_routed_experts=16,
+                                   num_experts_per_tok=4, n_group=n_group, topk_group=topk_group,
+                                   routed_scaling_factor=scale, n_shared_experts=1, norm_topk_prob=True,
+                                   hidden_act="silu", num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=32)
+            block = DeepseekV3MoE(cfg).float()
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.normal_(0, 0.3)
+                block.gate.e_score_correction_bias.normal_(0, 0.05)
+            layer = MoELayer.from_deepseek_v3(block, max_tokens=64)
+            self.assertTrue(torch.equal(layer.expert_bias, block.gate.e_score_correction_bias))
+            x = torch.randn(3, 7, 16)
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            want = block(xa)
+            got = layer(xb)[0]
+            self.assertLess(_rel(got, want), 1e-5, "groups %d keep %d scale %g" % (n_group, topk_group, scale))
+            dy = torch.randn_like(want)
+            want.backward(dy)
+            got.backward(dy)
+            self.assertLess(_rel(xb.grad, xa.grad), 1e-5)
+            self.assertLess(_rel(layer.router_weight.grad, block.gate.weight.grad), 1e-5)
+            self.assertLess(_rel(layer.w_gate_up.grad.transpose(1, 2), block.experts.gate_up_proj.grad), 1e-5)
+            self.assertLess(_rel(layer.shared_w_down.grad[0].t(), block.shared_experts.down_proj.weight.grad), 1e-5)
+            self.assertEqual(float(layer.tokens_per_expert.sum()), 21 * 4)
+
+    def test_update_expert_bias(self):
+        torch = _torch()
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        layer = MoELayer(16, 24, 8, 2, max_tokens=64, expert_bias=True, score_function="sigmoid")
+        with torch.no_grad():
+            layer.router_weight[3] += 1.0  # expert 3 overloaded
+        layer(torch.randn(40, 16))
+        counts = layer.tokens_per_expert.clone()
+        self.assertEqual(float(counts.sum()), 80)
+        used = layer.update_expert_bias(rate=0.01)
+        self.assertTrue(torch.equal(used, counts))
+        delta = 0.01 * torch.sign(counts.mean() - counts)
+        self.assertTrue(torch.allclose(layer.expert_bias, delta - delta.mean()))
+        self.assertLess(float(layer.expert_bias[int(counts.argmax())]), 0)
+        self.assertEqual(float(layer.tokens_per_expert.abs().sum()), 0)
+        with self.assertRaises(ValueError):
+            MoELayer(16, 24, 8, 2, max_tokens=64).update_expert_bias()
+
+
 if __name__ == "__main__":
     unittest.main()
