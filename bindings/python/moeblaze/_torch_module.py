@@ -494,13 +494,16 @@ class MoELayer(torch.nn.Module):
         ``route_norm``, ``route_scale``) and the stacked experts, in either layout:
         ``moe.routed_experts.inner_experts`` with ``w1_EFD``, ``w2_EDF``, ``w3_EFD``
         (torchtitan 0.3) or ``moe.experts`` with ``w1``, ``w2``, ``w3`` (earlier releases).
-        Routing follows the router (softmax or sigmoid, renormalised when ``route_norm``).
+        Routing follows the router: softmax or sigmoid, renormalised when ``route_norm``, scaled
+        by ``route_scale``, group-limited when ``num_expert_groups`` is set (``num_limited_groups``
+        groups kept: the same rule as this library's), and a non-zero expert bias
+        (``expert_bias_E`` or ``expert_bias``) as the layer's ``expert_bias``. A zero bias (a
+        fresh model) is taken only with ``expert_bias=True``. The scale, the groups and the bias
+        run on the CPU engine so far.
 
-        Refused, with the reason (ValueError): ``route_scale != 1``, ``score_before_experts``
-        (torchtitan then multiplies the expert's input by the gate; this layer multiplies its
-        output, which differs for a gated MLP), group-limited routing (``num_expert_groups``),
-        and a non-zero expert bias (``expert_bias_E`` or ``expert_bias``: aux-loss-free balancing
-        is not part of this layer). Shared experts are not converted: keep
+        Refused, with the reason (ValueError): ``score_before_experts`` (torchtitan then
+        multiplies the expert's input by the gate; this layer multiplies its output, which
+        differs for a gated MLP). Shared experts are not converted: keep
         ``moe.shared_experts`` and add its output, or make the layer with
         ``shared_expert_hidden`` and copy them with ``load_shared_expert(moe.shared_experts,
         names=("w1", "w3", "w2"))``."""
@@ -515,25 +518,26 @@ class MoELayer(torch.nn.Module):
             w1, w2, w3 = ex.w1_EFD, ex.w2_EDF, ex.w3_EFD
         else:
             w1, w2, w3 = ex.w1, ex.w2, ex.w3
-        if float(getattr(r, "route_scale", 1.0)) != 1.0:
-            raise ValueError("from_torchtitan: route_scale = %g is not supported (1 only)" % r.route_scale)
         if getattr(moe, "score_before_experts", False):
             raise ValueError("from_torchtitan: score_before_experts=True scales the experts' input; "
                              "this layer scales their output (set it to False)")
+        if float(getattr(r, "route_scale", 1.0)) != 1.0:
+            attrs.setdefault("route_scale", float(r.route_scale))
         if getattr(r, "num_expert_groups", None) is not None:
-            raise ValueError("from_torchtitan: group-limited routing (num_expert_groups = %s) is not "
-                             "supported" % r.num_expert_groups)
-        for name in ("expert_bias_E", "expert_bias"):
-            bias = getattr(moe, name, None)
-            if bias is not None and bool((bias != 0).any()):
-                raise ValueError("from_torchtitan: a non-zero %s (aux-loss-free balancing) is not "
-                                 "supported" % name)
+            attrs.setdefault("num_expert_groups", int(r.num_expert_groups))
+            attrs.setdefault("topk_groups", int(r.num_limited_groups))
+        bias = next((b for b in (getattr(moe, n, None) for n in ("expert_bias_E", "expert_bias")) if b is not None),
+                    None)
+        attrs.setdefault("expert_bias", bias is not None and bool((bias != 0).any()))
         attrs.setdefault("score_function", str(r.score_func))
         attrs.setdefault("normalize_topk", 1 if r.route_norm else 0)
         E, h, d = w1.shape
         layer = cls(hidden_size=d, ffn_hidden_size=h, num_experts=E, top_k=int(r.top_k),
                     activation="swiglu", max_tokens=max_tokens, dtype=w1.dtype,
                     device=w1.device, **attrs)
+        if layer.has_expert_bias and bias is not None:
+            with torch.no_grad():
+                layer.expert_bias.copy_(bias)
         return layer.load_grouped_experts(r.gate, w1, w2, w3)
 
 

@@ -276,6 +276,22 @@ class TestTorchtitanLayouts(unittest.TestCase):
         (yr * dy).sum().backward()
         (ym * dy).sum().backward()
         self.assertLess(_rel(xm.grad, xr.grad), 3e-2)
+        # DeepSeek-V3-style routing: sigmoid scores, 4 groups of 2 with 2 kept, a scale, a bias.
+        router = TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=d, out_features=E),
+                                              top_k=k, score_func="sigmoid", route_norm=True, route_scale=2.0,
+                                              num_expert_groups=4, num_limited_groups=2)
+        torch.manual_seed(1)
+        moe = MoE.Config(num_experts=E, routed_experts=experts, router=router, load_balance_coeff=1e-3).build()
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.normal_(0, 0.1)
+            moe.expert_bias_E.normal_(0, 0.05)
+        layer = mt.MoELayer.from_torchtitan(moe)
+        self.assertTrue(layer.has_expert_bias)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yr = moe(x)
+        self.assertLess(_rel(layer(x)[0], yr), 3e-2)
 
     def _moe(self, new_layout, score_func="softmax", route_norm=True):
         torch = _torch()
@@ -345,20 +361,26 @@ class TestTorchtitanLayouts(unittest.TestCase):
                 layer = MoELayer.from_torchtitan(moe, max_tokens=64)
                 self.assertLess(_rel(layer(x)[0], moe(x)), 1e-5)
 
-    def test_refusals(self):
+    def test_refusals_and_routing_options(self):
         torch = _torch()
         from moeblaze.torch import MoELayer
         moe = self._moe(True)
+        moe.score_before_experts = True
+        with self.assertRaises(ValueError) as cm:
+            MoELayer.from_torchtitan(moe, max_tokens=64)
+        self.assertIn("score_before_experts", str(cm.exception))
+        # A non-zero bias, groups and a scale become the layer's (checked against the real
+        # torchtitan router in test_torchtitan_package).
+        moe = self._moe(True)
         with torch.no_grad():
             moe.expert_bias_E[2] = 0.5
-        with self.assertRaises(ValueError) as cm:
-            MoELayer.from_torchtitan(moe, max_tokens=64)
-        self.assertIn("expert_bias_E", str(cm.exception))
-        moe = self._moe(True)
-        moe.router.num_expert_groups = 2
-        with self.assertRaises(ValueError) as cm:
-            MoELayer.from_torchtitan(moe, max_tokens=64)
-        self.assertIn("num_expert_groups", str(cm.exception))
+        moe.router.num_expert_groups, moe.router.num_limited_groups, moe.router.route_scale = 3, 2, 2.0
+        layer = MoELayer.from_torchtitan(moe, max_tokens=64)
+        self.assertTrue(torch.equal(layer.expert_bias, moe.expert_bias_E))
+        self.assertEqual(layer.spec.attrs["num_expert_groups"], 3)
+        self.assertEqual(layer.spec.attrs["topk_groups"], 2)
+        self.assertEqual(layer.spec.attrs["route_scale"], 2.0)
+        self.assertFalse(MoELayer.from_torchtitan(self._moe(True), max_tokens=64).has_expert_bias)
 
 
 class _Group:
