@@ -817,6 +817,12 @@ typedef enum moeblaze_arg_kind {
   MOEBLAZE_ARG_TOPK_INDICES = 7,
   /** Top-k gate weights [L, k], F32 or ACTIVATION_DTYPE: input or optional output. @since 0.1 */
   MOEBLAZE_ARG_TOPK_WEIGHTS = 8,
+  /** Optional sequence lengths [B], I32 or I64, each >= 1, summing to the call's tokens: the
+   *  tokens form B consecutive sequences, and AUX_LOSS is DeepSeek-V3's sequence-wise balance
+   *  loss, averaged over them, instead of the batch-wise one (docs/routing.md). For the
+   *  library's routing; backward takes it again for the loss's gradient. The CPU engine only,
+   *  so far (CUDA engines: NOT_SUPPORTED). @since 0.2 */
+  MOEBLAZE_ARG_SEQUENCE_LENGTHS = 9,
   /** Output y [L, d], ACTIVATION_DTYPE. Required by forward. @since 0.1 */
   MOEBLAZE_ARG_OUTPUT = 32,
   /** Optional output, F32 scalar: AUX_LOSS_COEFF * E * sum_e f_e P_e. @since 0.1 */

@@ -65,6 +65,7 @@ static_assert(static_cast<int>(ArgKind::kGradTopkWeights) == MOEBLAZE_ARG_GRAD_T
 static_assert(static_cast<int>(ArgKind::kZLoss) == MOEBLAZE_ARG_Z_LOSS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kStatus) == MOEBLAZE_ARG_STATUS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kExpertBias) == MOEBLAZE_ARG_EXPERT_BIAS, "argument kinds");
+static_assert(static_cast<int>(ArgKind::kSequenceLengths) == MOEBLAZE_ARG_SEQUENCE_LENGTHS, "argument kinds");
 static_assert(static_cast<int>(Pass::kRoute) == MOEBLAZE_PASS_ROUTE, "passes");
 static_assert(static_cast<int>(Activation::kGeglu) == MOEBLAZE_ACTIVATION_GEGLU, "activations");
 static_assert(static_cast<int>(SavePolicy::kSaveAll) == MOEBLAZE_SAVE_ALL, "save policies");

@@ -1,5 +1,6 @@
 #include "core/args.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -14,6 +15,8 @@ namespace {
 // paging and 52-bit ARM64 stay below it. A view that would, wrapped or was given a wild
 // byte_offset.
 constexpr uint64_t kMaxAddress = uint64_t{1} << 57;
+// An expected extent that any length from 1 to the call's tokens meets (SEQUENCE_LENGTHS).
+constexpr int64_t kAnyLength = -2;
 
 enum Use : uint8_t { kNo = 0, kOptional = 1, kRequired = 2 };
 enum class Role : uint8_t { kInput, kOutput, kGradOutput };
@@ -40,6 +43,7 @@ const KindInfo kKinds[] = {
     // (frameworks pass the forward's arguments again) and not read.
     {ArgKind::kTopkIndices, "TOPK_INDICES", Role::kInput, TypeRule::kIndex, {kOptional, kOptional, kOptional, kRequired}},
     {ArgKind::kTopkWeights, "TOPK_WEIGHTS", Role::kInput, TypeRule::kRouter, {kOptional, kOptional, kOptional, kRequired}},
+    {ArgKind::kSequenceLengths, "SEQUENCE_LENGTHS", Role::kInput, TypeRule::kIndex, {kOptional, kOptional, kOptional, kOptional}},
     {ArgKind::kOutput, "OUTPUT", Role::kOutput, TypeRule::kAct, {kRequired, kRequired, kNo, kNo}},
     {ArgKind::kAuxLoss, "AUX_LOSS", Role::kOutput, TypeRule::kScalarF32, {kOptional, kOptional, kNo, kOptional}},
     {ArgKind::kTokensPerExpert, "TOKENS_PER_EXPERT", Role::kOutput, TypeRule::kIndex, {kOptional, kOptional, kNo, kOptional}},
@@ -73,6 +77,7 @@ View* slot(CallArgs& c, ArgKind k) {
     case ArgKind::kWDown: return &c.w_down;
     case ArgKind::kTopkIndices: return &c.topk_ids;
     case ArgKind::kTopkWeights: return &c.topk_weights;
+    case ArgKind::kSequenceLengths: return &c.sequence_lengths;
     case ArgKind::kOutput: return &c.y;
     case ArgKind::kAuxLoss: return &c.aux_loss;
     case ArgKind::kTokensPerExpert: return &c.tokens_per_expert;
@@ -105,6 +110,7 @@ int expected_shape(const LayerConfig& cfg, ArgKind k, int64_t L, int64_t* s) {
     case ArgKind::kTopkIndices: case ArgKind::kTopkWeights: case ArgKind::kGradTopkWeights:
       s[0] = L; s[1] = K; return 2;
     case ArgKind::kTokensPerExpert: case ArgKind::kExpertBias: s[0] = E; return 1;
+    case ArgKind::kSequenceLengths: s[0] = kAnyLength; return 1;
     case ArgKind::kAuxLoss: case ArgKind::kZLoss: case ArgKind::kGradAuxLoss: case ArgKind::kGradZLoss:
     case ArgKind::kStatus:
       return 0;
@@ -168,6 +174,12 @@ View make_view(const LayerConfig& cfg, const KindInfo& ki, const RawArg& a, int6
            t.shape ? "" : " with a NULL shape");
     }
     for (int i = 0; i < nd; ++i) {
+      if (want[i] == kAnyLength) {
+        if (t.shape[i] < 1 || t.shape[i] > std::max<int64_t>(L, 1))
+          fail(Status::kInvalidArgument, "%s has %lld entries; expected 1 to %lld (one per sequence of the call's tokens)",
+               ki.name, static_cast<long long>(t.shape[i]), static_cast<long long>(std::max<int64_t>(L, 1)));
+        want[i] = t.shape[i];
+      }
       if (t.shape[i] != want[i]) {
         char w[96], g[96];
         shape_str(w, sizeof w, nd, want);

@@ -45,11 +45,27 @@ void Layer::check_buffer(const char* what, const void* p, size_t have, size_t ne
 
 namespace {
 
-// The expert score bias runs on the CPU engine so far; refused before anything is enqueued.
-// Backward does not read it.
+// The expert score bias and sequence lengths run on the CPU engine so far; refused before
+// anything is enqueued (backward does not read the bias). The lengths are host memory there:
+// each at least 1, summing to the call's tokens.
 void check_engine_takes(const LayerConfig& cfg, const CallArgs& a, Pass pass) {
   if (a.expert_bias.present && pass != Pass::kBackward && cfg.device_type != kDeviceCpu)
     fail(Status::kNotSupported, "EXPERT_BIAS runs on the CPU engine only so far");
+  const View& n = a.sequence_lengths;
+  if (!n.present) return;
+  if (cfg.device_type != kDeviceCpu) fail(Status::kNotSupported, "SEQUENCE_LENGTHS runs on the CPU engine only so far");
+  int64_t sum = 0;
+  for (int64_t q = 0; q < n.shape[0]; ++q) {
+    const char* p = n.data + q * n.stride[0] * static_cast<int64_t>(n.elem());
+    const int64_t len = n.dtype == DType::kI64 ? *reinterpret_cast<const int64_t*>(p) : *reinterpret_cast<const int32_t*>(p);
+    if (len < 1 || len > a.num_tokens)
+      fail(Status::kInvalidArgument, "SEQUENCE_LENGTHS[%lld] = %lld; each must be from 1 to the call's %lld tokens",
+           static_cast<long long>(q), static_cast<long long>(len), static_cast<long long>(a.num_tokens));
+    sum += len;
+  }
+  if (sum != a.num_tokens)
+    fail(Status::kInvalidArgument, "SEQUENCE_LENGTHS sum to %lld but the call has %lld tokens", static_cast<long long>(sum),
+         static_cast<long long>(a.num_tokens));
 }
 
 }  // namespace
@@ -79,6 +95,7 @@ void Layer::forward(Pass pass, const RawArg* args, size_t n, void* ws, size_t ws
 void Layer::backward(const RawArg* args, size_t n, const void* saved, size_t saved_bytes, void* ws, size_t ws_bytes,
                      void* stream) const {
   CallArgs a = decode_args(cfg_, Pass::kBackward, args, n);
+  check_engine_takes(cfg_, a, Pass::kBackward);
   const size_t saved_need = saved_size(a.num_tokens), ws_need = workspace_size(Pass::kBackward, a.num_tokens);
   check_buffer("saved", saved, saved_bytes, saved_need);
   check_buffer("workspace", ws, ws_bytes, ws_need);

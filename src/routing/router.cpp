@@ -72,7 +72,91 @@ GroupCut group_cut(Value v, int64_t E, int64_t groups, int64_t keep, float* grou
   return cut;
 }
 
+// d logits of one token from d scores (its logits l, scores s): the score function's Jacobian.
+void scores_backward(const LayerConfig& cfg, const float* l, const float* s, const float* ds, int64_t E, float* dl) {
+  if (cfg.score_fn == ScoreFn::kSoftmax) {
+    // dl = s (ds - <s, ds>) cancels badly in fp32 when one score is near 1; shifting ds by
+    // its value at the top score first (softmax is shift-invariant in ds) keeps it exact.
+    int64_t top = 0;
+    for (int64_t e = 1; e < E; ++e) top = ranks_before(s[e], e, s[top], top) ? e : top;
+    const float shift = ds[top];
+    double dot = 0.0;  // an E-term reduction: fp64, as for the normaliser
+    for (int64_t e = 0; e < E; ++e) dot += static_cast<double>((ds[e] - shift) * s[e]);
+    const float dotf = static_cast<float>(dot);
+    for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * ((ds[e] - shift) - dotf);
+  } else {  // s (1 - s) as sigmoid(l) sigmoid(-l): no cancellation for saturated scores
+    for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (1.f / (1.f + std::exp(l[e])));
+  }
+}
+
+// n[e]: the picks of each expert among tokens [t0, t0 + T).
+void count_picks(const int32_t* ids, int64_t t0, int64_t T, int64_t k, int64_t E, float* n) {
+  for (int64_t e = 0; e < E; ++e) n[e] = 0.f;
+  for (int64_t i = t0 * k; i < (t0 + T) * k; ++i) n[ids[i]] += 1.f;
+}
+
+// The scores normalised to sum 1 (sigmoid; softmax scores are left as they are); returns the sum
+// they were divided by (1 for softmax).
+float normalised_scores(const LayerConfig& cfg, float* s, int64_t E) {
+  if (cfg.score_fn == ScoreFn::kSoftmax) return 1.f;
+  double sum = 0.0;
+  for (int64_t e = 0; e < E; ++e) sum += s[e];
+  const float S = static_cast<float>(sum);
+  for (int64_t e = 0; e < E; ++e) s[e] /= S;
+  return S;
+}
+
 }  // namespace
+
+float sequence_balance_loss(const LayerConfig& cfg, const float* logits, const int32_t* ids,
+                            const SequenceLengths& lengths, float* scratch) {
+  const int64_t B = lengths.count;
+  const int64_t E = cfg.num_experts, k = cfg.top_k;
+  float *s = scratch, *P = scratch + E, *n = scratch + 2 * E;
+  double total = 0.0;
+  int64_t t0 = 0;
+  for (int64_t q = 0; q < B; ++q) {
+    const int64_t T = lengths[q];
+    for (int64_t e = 0; e < E; ++e) P[e] = 0.f;
+    for (int64_t t = t0; t < t0 + T; ++t) {
+      scores_of(cfg, logits + t * E, E, s);
+      normalised_scores(cfg, s, E);
+      for (int64_t e = 0; e < E; ++e) P[e] += s[e];
+    }
+    count_picks(ids, t0, T, k, E, n);
+    double sq = 0.0;
+    for (int64_t e = 0; e < E; ++e) sq += static_cast<double>(n[e]) * static_cast<double>(P[e]);
+    total += sq * static_cast<double>(E) / (static_cast<double>(k) * static_cast<double>(T) * static_cast<double>(T));
+    t0 += T;
+  }
+  return static_cast<float>(cfg.aux_loss_coeff * total / static_cast<double>(B));
+}
+
+void sequence_balance_backward(const LayerConfig& cfg, const float* logits, const int32_t* ids, int64_t t0, int64_t T,
+                               int64_t B, float grad_aux, float* dlogits, float* scratch) {
+  const int64_t E = cfg.num_experts, k = cfg.top_k;
+  float *s = scratch, *ds = scratch + E, *dl = scratch + 2 * E, *n = scratch + 3 * E;
+  count_picks(ids, t0, T, k, E, n);
+  // d loss / d s'_te = c n_e, c = coeff * grad_aux * E / (B k T^2); through s' = s / S (sigmoid):
+  // ds_f = (c n_f - sum_e c n_e s'_e) / S.
+  const double c = cfg.aux_loss_coeff * grad_aux * static_cast<double>(E) /
+                   (static_cast<double>(B) * static_cast<double>(k) * static_cast<double>(T) * static_cast<double>(T));
+  for (int64_t t = t0; t < t0 + T; ++t) {
+    const float* l = logits + t * E;
+    scores_of(cfg, l, E, s);
+    if (cfg.score_fn == ScoreFn::kSoftmax) {
+      for (int64_t e = 0; e < E; ++e) ds[e] = static_cast<float>(c * n[e]);
+    } else {
+      double S = 0.0, dot = 0.0;
+      for (int64_t e = 0; e < E; ++e) S += s[e];
+      for (int64_t e = 0; e < E; ++e) dot += static_cast<double>(n[e]) * (s[e] / S);
+      for (int64_t e = 0; e < E; ++e) ds[e] = static_cast<float>(c * (n[e] - dot) / S);
+    }
+    scores_backward(cfg, l, s, ds, E, dl);
+    float* row = dlogits + t * E;
+    for (int64_t e = 0; e < E; ++e) row[e] += dl[e];
+  }
+}
 
 void route_tokens(const LayerConfig& cfg, const float* logits, const float* bias, int64_t t0, int64_t t1,
                   int32_t* ids, float* gates, float* score_sum, float* lse_sq_sum, float* s) {
@@ -160,22 +244,10 @@ void router_backward(const LayerConfig& cfg, int64_t L, const float* logits, con
     } else {
       for (int64_t j = 0; j < k; ++j) ds[id[j]] += dg[j];
     }
-    if (cfg.aux_loss_coeff > 0.0)  // d aux / d s_te = coeff * E * f_e / L, f_e = count_e / (L k)
+    if (cfg.aux_loss_coeff > 0.0 && offsets)  // d aux / d s_te = coeff * E * f_e / L, f_e = count_e / (L k)
       for (int64_t e = 0; e < E; ++e) ds[e] += aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]);
     float* dl = dlogits + t * E;
-    if (cfg.score_fn == ScoreFn::kSoftmax) {
-      // dl = s (ds - <s, ds>) cancels badly in fp32 when one score is near 1; shifting ds by
-      // its value at the top score first (softmax is shift-invariant in ds) keeps it exact.
-      int64_t top = 0;
-      for (int64_t e = 1; e < E; ++e) top = ranks_before(s[e], e, s[top], top) ? e : top;
-      const float shift = ds[top];
-      double dot = 0.0;  // an E-term reduction: fp64, as for the normaliser
-      for (int64_t e = 0; e < E; ++e) dot += static_cast<double>((ds[e] - shift) * s[e]);
-      const float dotf = static_cast<float>(dot);
-      for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * ((ds[e] - shift) - dotf);
-    } else {  // s (1 - s) as sigmoid(l) sigmoid(-l): no cancellation for saturated scores
-      for (int64_t e = 0; e < E; ++e) dl[e] = ds[e] * s[e] * (1.f / (1.f + std::exp(l[e])));
-    }
+    scores_backward(cfg, l, s, ds, E, dl);
     if (cfg.z_loss_coeff > 0.0)  // d lse / d l_e = softmax_e, whatever the score function
       for (int64_t e = 0; e < E; ++e) dl[e] += z_scale * lse * std::exp(l[e] - lse);
   }

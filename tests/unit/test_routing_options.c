@@ -4,9 +4,11 @@
  *    renormalisation, groups of 1 to 4 experts, with and without a bias, scales 1 and 2.5;
  *  - a bias that moves the selection leaves the gates to the unbiased scores;
  *  - the route scale multiplies y and the router's gradient exactly as it multiplies the gates;
+ *  - the sequence-wise balance loss (SEQUENCE_LENGTHS) against its definition in fp64, and its
+ *    gradient against central differences;
  *  - the refusals: groups that do not divide E, TOPK_GROUPS above the group count or holding
- *    fewer than k experts, a bias of the wrong shape or dtype, a bias with caller routing; a
- *    refused call writes nothing. */
+ *    fewer than k experts, a bias of the wrong shape or dtype, a bias with caller routing,
+ *    sequence lengths that do not sum to the tokens; a refused call writes nothing. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -24,7 +26,7 @@ enum { E = 16, L = 48, D = 8, H = 12, MAXK = 8 };
 
 typedef struct opts {
   int64_t k, groups, keep, score_fn, normalize;
-  double scale;
+  double scale, aux;
 } opts;
 
 static moeblaze_status_t make(const opts* o, moeblaze_handle_t* h) {
@@ -42,6 +44,7 @@ static moeblaze_status_t make(const opts* o, moeblaze_handle_t* h) {
   if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, tu_f32);
   if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, tu_f32);
   if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_ROUTE_SCALE, o->scale);
+  if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_AUX_LOSS_COEFF, o->aux);
   *h = NULL;
   if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_create(h, cfg);
   moeblaze_config_destroy(cfg);
@@ -124,7 +127,7 @@ static void routing_matches_reference(void** state) {
       for (int with_bias = 0; with_bias < 2; ++with_bias)
         for (int k = 2; k <= 4; k += 2) {
           const opts o = {k, group_sets[gs][0], group_sets[gs][1], fn ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX,
-                          (cases % 2), cases % 3 == 1 ? 2.5 : 1.0};
+                          (cases % 2), cases % 3 == 1 ? 2.5 : 1.0, 0};
           moeblaze_handle_t h = NULL;
           assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
           float logits[L * E], bias[E], gates[L * MAXK];
@@ -156,7 +159,7 @@ static void routing_matches_reference(void** state) {
 /* A bias that moves the selection onto expert 3 leaves its gate to the unbiased score. */
 static void bias_selects_but_does_not_gate(void** state) {
   (void)state;
-  const opts o = {2, 1, 0, MOEBLAZE_SCORE_SIGMOID, 0, 1.0};
+  const opts o = {2, 1, 0, MOEBLAZE_SCORE_SIGMOID, 0, 1.0, 0};
   moeblaze_handle_t h = NULL;
   assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
   float logits[L * E], bias[E] = {0}, gates[L * 2];
@@ -178,7 +181,7 @@ static void bias_selects_but_does_not_gate(void** state) {
 static void route_scale_scales_y_and_gradients(void** state) {
   (void)state;
   const double c = 2.5;
-  opts o = {2, 4, 2, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0};
+  opts o = {2, 4, 2, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0};
   moeblaze_handle_t h1 = NULL, hc = NULL;
   assert_int_equal(make(&o, &h1), MOEBLAZE_STATUS_SUCCESS);
   o.scale = c;
@@ -205,19 +208,120 @@ static void route_scale_scales_y_and_gradients(void** state) {
   moeblaze_destroy(hc);
 }
 
+/* ---- the sequence-wise balance loss ---- */
+enum { NSEQ = 3 };
+static const int64_t kLengths[NSEQ] = {10, 25, 13};  /* sum L */
+
+/* Forward routed from logits: AUX_LOSS with the lengths (or without: batch-wise). */
+static float seq_aux(moeblaze_handle_t h, ms_problem* p, int with_lengths, moeblaze_status_t* st) {
+  moeblaze_arg_t a[16];
+  size_t n = ms_forward_args(p, a);
+  float aux = NAN;
+  const int64_t sn[1] = {NSEQ};
+  a[n++] = tu_arg(MOEBLAZE_ARG_AUX_LOSS, tu_tensor(&aux, tu_f32, 0, NULL));
+  if (with_lengths) a[n++] = tu_arg(MOEBLAZE_ARG_SEQUENCE_LENGTHS, tu_tensor((void*)kLengths, tu_i64, 1, sn));
+  *st = moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, a, n, p->ws, p->ws_bytes, p->saved, p->saved_bytes, NULL);
+  return aux;
+}
+
+/* The definition: alpha / B * sum_q E / (k T_q) * sum_e n_qe * mean_t s'_te, in fp64. */
+static double seq_aux_reference(const opts* o, const float* logits, const int32_t* ids) {
+  double total = 0;
+  int64_t t0 = 0;
+  for (int q = 0; q < NSEQ; ++q) {
+    double P[E] = {0}, cnt[E] = {0};
+    for (int64_t t = t0; t < t0 + kLengths[q]; ++t) {
+      double s[E], m = -INFINITY, sum = 0, ssum = 0;
+      for (int e = 0; e < E; ++e) m = fmax(m, logits[t * E + e]);
+      for (int e = 0; e < E; ++e) sum += exp(logits[t * E + e] - m);
+      for (int e = 0; e < E; ++e) {
+        s[e] = o->score_fn == MOEBLAZE_SCORE_SIGMOID ? 1 / (1 + exp(-(double)logits[t * E + e])) : exp(logits[t * E + e] - m) / sum;
+        ssum += s[e];
+      }
+      for (int e = 0; e < E; ++e) P[e] += o->score_fn == MOEBLAZE_SCORE_SIGMOID ? s[e] / ssum : s[e];
+      for (int j = 0; j < o->k; ++j) cnt[ids[t * o->k + j]] += 1;
+    }
+    double sq = 0;
+    for (int e = 0; e < E; ++e) sq += cnt[e] * P[e] / (double)kLengths[q];
+    total += sq * E / ((double)o->k * (double)kLengths[q]);
+    t0 += kLengths[q];
+  }
+  return o->aux * total / NSEQ;
+}
+
+static void sequence_balance_loss(void** state) {
+  (void)state;
+  for (int fn = 0; fn < 2; ++fn) {
+    const opts o = {2, 1, 0, fn ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0.01};
+    moeblaze_handle_t h = NULL;
+    assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
+    ms_problem p;
+    ms_init(&p, h, L, E, 2, D, H, 1, 31 + (uint64_t)fn);
+    moeblaze_status_t st;
+    const float aux = seq_aux(h, &p, 1, &st);
+    if (st != MOEBLAZE_STATUS_SUCCESS) fail_msg("forward: %s", moeblaze_get_last_error_message());
+    const double want = seq_aux_reference(&o, p.logits, p.ids);
+    print_message("%s: sequence-wise balance loss %.6g, reference %.6g\n", fn ? "sigmoid" : "softmax", aux, want);
+    assert_true(fabs(aux - want) <= 1e-5 * fabs(want));
+    const float batch = seq_aux(h, &p, 0, &st);
+    assert_true(fabs(batch - aux) > 1e-7);  /* the lengths change the loss */
+
+    /* Its gradient: backward with dy = 0, GRAD_AUX_LOSS = 1 and the lengths gives d aux / d logits;
+     * against central differences of the forward's AUX_LOSS where the picks do not change. */
+    moeblaze_arg_t f[16];
+    size_t nf = ms_forward_args(&p, f);
+    float aux_t = 0, one = 1.f;
+    const int64_t sn[1] = {NSEQ};
+    f[nf++] = tu_arg(MOEBLAZE_ARG_AUX_LOSS, tu_tensor(&aux_t, tu_f32, 0, NULL));
+    f[nf++] = tu_arg(MOEBLAZE_ARG_SEQUENCE_LENGTHS, tu_tensor((void*)kLengths, tu_i64, 1, sn));
+    assert_int_equal(moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, f, nf, p.ws, p.ws_bytes, p.saved, p.saved_bytes, NULL),
+                     MOEBLAZE_STATUS_SUCCESS);
+    memset(p.dy, 0, sizeof(float) * L * D);
+    moeblaze_arg_t b[16];
+    size_t nb = ms_backward_args(&p, b);
+    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_AUX_LOSS, tu_tensor(&one, tu_f32, 0, NULL));
+    b[nb++] = tu_arg(MOEBLAZE_ARG_SEQUENCE_LENGTHS, tu_tensor((void*)kLengths, tu_i64, 1, sn));
+    assert_int_equal(moeblaze_backward(h, b, nb, p.saved, p.saved_bytes, p.ws, p.ws_bytes, NULL), MOEBLAZE_STATUS_SUCCESS);
+    int32_t ids0[L * 2];
+    memcpy(ids0, p.ids, sizeof ids0);
+    double num = 0, den = 0;
+    int checked = 0;
+    for (int i = 0; i < L * E; i += 7) {
+      const float keep = p.logits[i], eps = 1e-2f;
+      p.logits[i] = keep + eps;
+      const float up = seq_aux(h, &p, 1, &st);
+      const int same_up = memcmp(ids0, p.ids, sizeof ids0) == 0;
+      p.logits[i] = keep - eps;
+      const float down = seq_aux(h, &p, 1, &st);
+      const int same_down = memcmp(ids0, p.ids, sizeof ids0) == 0;
+      p.logits[i] = keep;
+      if (!same_up || !same_down) continue;  /* a pick moved: the loss jumps there */
+      const double fd = ((double)up - (double)down) / (2.0 * eps);
+      num += pow(p.dlogits[i] - fd, 2);
+      den += fd * fd;
+      ++checked;
+    }
+    const double err = sqrt(num / den);
+    print_message("  d aux / d logits against central differences at %d logits: relative L2 error %.2g\n", checked, err);
+    assert_true(checked > 50 && err < 2e-2);
+    ms_free(&p);
+    moeblaze_destroy(h);
+  }
+}
+
 static void refusals(void** state) {
   (void)state;
   moeblaze_handle_t h = (moeblaze_handle_t)1;
-  const opts bad[] = {{2, 3, 0, 0, 0, 1.0},   /* 3 groups do not divide 16 experts */
-                      {2, 4, 5, 0, 0, 1.0},   /* 5 of 4 groups */
-                      {4, 8, 1, 0, 0, 1.0}};  /* one group of 2 experts for top-4 */
+  const opts bad[] = {{2, 3, 0, 0, 0, 1.0, 0},   /* 3 groups do not divide 16 experts */
+                      {2, 4, 5, 0, 0, 1.0, 0},   /* 5 of 4 groups */
+                      {4, 8, 1, 0, 0, 1.0, 0}};  /* one group of 2 experts for top-4 */
   const char* names[] = {"num_expert_groups", "topk_groups", "topk_groups"};
   for (int i = 0; i < 3; ++i) {
     assert_int_equal(make(&bad[i], &h), MOEBLAZE_STATUS_INVALID_ARGUMENT);
     assert_null(h);
     assert_non_null(strstr(moeblaze_get_last_error_message(), names[i]));
   }
-  const opts o = {2, 4, 2, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0};
+  const opts o = {2, 4, 2, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0.01};
   assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
   float logits[L * E], bias[E + 1], gates[L * 2];
   int32_t ids[L * 2];
@@ -255,6 +359,24 @@ static void refusals(void** state) {
                    MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(moeblaze_get_last_error_message(), "EXPERT_BIAS"));
   for (int64_t i = 0; i < L * D; ++i) assert_true(isnan(p.y[i]));
+  /* sequence lengths that do not sum to the tokens, a zero length, more sequences than tokens */
+  const int64_t short_sum[2] = {10, 20}, zero[3] = {48, 0, 0}, many[L + 1] = {0};
+  const int64_t n2[1] = {2}, n3[1] = {3}, nmany[1] = {L + 1};
+  const moeblaze_tensor_t bad_lengths[] = {tu_tensor((void*)short_sum, tu_i64, 1, n2), tu_tensor((void*)zero, tu_i64, 1, n3),
+                                           tu_tensor((void*)many, tu_i64, 1, nmany)};
+  for (int i = 0; i < 3; ++i) {
+    moeblaze_arg_t g[16];
+    size_t ng = ms_forward_args(&p, g);
+    float aux = 12345.f;
+    g[ng++] = tu_arg(MOEBLAZE_ARG_AUX_LOSS, tu_tensor(&aux, tu_f32, 0, NULL));
+    g[ng++] = tu_arg(MOEBLAZE_ARG_SEQUENCE_LENGTHS, bad_lengths[i]);
+    tu_poison(p.y, tu_f32, (size_t)(L * D));
+    assert_int_equal(moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, g, ng, p.ws, p.ws_bytes, p.saved, p.saved_bytes,
+                                      NULL),
+                     MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moeblaze_get_last_error_message(), "SEQUENCE_LENGTHS"));
+    assert_true(aux == 12345.f && isnan(p.y[0]));
+  }
   ms_free(&p);
   moeblaze_destroy(h);
 }
@@ -264,6 +386,7 @@ int main(void) {
       cmocka_unit_test(routing_matches_reference),
       cmocka_unit_test(bias_selects_but_does_not_gate),
       cmocka_unit_test(route_scale_scales_y_and_gradients),
+      cmocka_unit_test(sequence_balance_loss),
       cmocka_unit_test(refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

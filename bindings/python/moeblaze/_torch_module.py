@@ -64,8 +64,10 @@ class MoELayer(torch.nn.Module):
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, top_k, activation="swiglu",
                  max_tokens=65536, dtype=None, device=None, weight_layout="in_out", ep_group=None,
-                 shared_expert_hidden=0, shared_expert_gate=False, expert_bias=False, **attrs):
+                 shared_expert_hidden=0, shared_expert_gate=False, expert_bias=False,
+                 balance_per_sequence=False, **attrs):
         super().__init__()
+        self.balance_per_sequence = bool(balance_per_sequence)
         self.shared_expert_hidden = int(shared_expert_hidden)
         self.shared_expert_gate = bool(shared_expert_gate)
         if self.shared_expert_hidden < 0:
@@ -161,10 +163,16 @@ class MoELayer(torch.nn.Module):
                 bound = 1.0 / math.sqrt(fan_in)
                 w.uniform_(-bound, bound)
 
-    def forward(self, x):
+    def forward(self, x, sequence_lengths=None):
+        """``x`` [..., d] -> ``(y, aux_loss, z_loss)``. ``sequence_lengths`` (int tensor [B] on x's
+        device, summing to the tokens) makes the balance loss DeepSeek-V3's sequence-wise form
+        over those consecutive sequences; with ``balance_per_sequence=True`` a ``[batch, seq, d]``
+        input gives ``[seq] * batch`` (docs/routing.md; the CPU engine only so far)."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError("MoELayer: x has %d features, the layer %d" % (x.shape[-1], self.hidden_size))
         lead = x.shape[:-1]
+        if sequence_lengths is None and self.balance_per_sequence and x.dim() >= 3:
+            sequence_lengths = torch.full((math.prod(lead[:-1]),), lead[-1], dtype=torch.int64, device=x.device)
         x2 = x.reshape(-1, self.hidden_size)
         w_gate_up, w_down = self.expert_weights()
         s_gate_up, s_down = self.shared_expert_weights()
@@ -186,13 +194,12 @@ class MoELayer(torch.nn.Module):
         spec = self._spec_for(dtype)
         if self.ep_group is not None and not torch.compiler.is_compiling():
             spec.handle(x.device)  # made collectively here, on the first eager call
+        bias = self.expert_bias if self.has_expert_bias else None
+        y, aux, z, _ids, _gates, counts = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up,
+                                                      w_down, bias, sequence_lengths)[:6]
         if self.has_expert_bias:
-            y, aux, z, _ids, _gates, counts = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up,
-                                                          w_down, self.expert_bias)[:6]
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
-        else:
-            y, aux, z = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up, w_down)[:3]
         if self.shared_expert_hidden:
             y = y + self._shared_expert(x2, s_gate_up, s_down, s_gate)
         return y.reshape(*lead, self.hidden_size), aux, z

@@ -4,9 +4,11 @@ without a graph break and CUDA graphs can capture it (on a sync-free engine).
 Two operators:
 
 * ``moeblaze::moe_forward(layer, mode, x, router?, topk_ids?, topk_weights?, w_gate_up, w_down,
-  expert_bias?) -> (y, aux_loss, z_loss, topk_indices, topk_weights, tokens_per_expert, saved)``
+  expert_bias?, sequence_lengths?) -> (y, aux_loss, z_loss, topk_indices, topk_weights,
+  tokens_per_expert, saved)``
 * ``moeblaze::moe_backward(layer, mode, x, router?, topk_ids?, topk_weights?, w_gate_up, w_down,
-  saved, dy, d_aux, d_z, needs) -> (dx, d_router, d_topk_weights, d_w_gate_up, d_w_down)``
+  saved, dy, d_aux, d_z, needs, sequence_lengths?) -> (dx, d_router, d_topk_weights, d_w_gate_up,
+  d_w_down)``
 
 ``layer`` is the integer id of a :class:`LayerSpec` (the configuration; a handle per device is
 made on first use inside the operators, so tracing never runs library code). ``saved`` is the
@@ -337,12 +339,13 @@ def _check_mode(mode, router, topk_ids, topk_weights):
 @torch.library.custom_op("moeblaze::moe_forward", mutates_args=())
 def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.Tensor],
                 topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-                w_gate_up: torch.Tensor, w_down: torch.Tensor, expert_bias: Optional[torch.Tensor] = None
+                w_gate_up: torch.Tensor, w_down: torch.Tensor, expert_bias: Optional[torch.Tensor] = None,
+                sequence_lengths: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor]:
     _check_mode(mode, router, topk_ids, topk_weights)
     _check_tensors(x, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
-                   w_gate_up=w_gate_up, w_down=w_down, expert_bias=expert_bias)
+                   w_gate_up=w_gate_up, w_down=w_down, expert_bias=expert_bias, sequence_lengths=sequence_lengths)
     spec = LayerSpec.get(layer)
     handle = spec.handle(x.device)
     x, router, expert_bias = _rowmajor(x), _rowmajor(router), _rowmajor(expert_bias)
@@ -358,6 +361,8 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
     _routing_args(args, mode, router, topk_ids, topk_weights)
     if expert_bias is not None:
         args.add(ArgKind.EXPERT_BIAS, tensor_descriptor(expert_bias))
+    if sequence_lengths is not None:
+        args.add(ArgKind.SEQUENCE_LENGTHS, tensor_descriptor(_rowmajor(sequence_lengths)))
     y = torch.empty((L, d), dtype=x.dtype, device=dev)
     aux = torch.zeros((), dtype=torch.float32, device=dev)
     z = torch.zeros((), dtype=torch.float32, device=dev)
@@ -386,10 +391,11 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
 
 
 @moe_forward.register_fake
-def _moe_forward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, expert_bias=None):
+def _moe_forward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, expert_bias=None,
+                      sequence_lengths=None):
     _check_mode(mode, router, topk_ids, topk_weights)
     _check_tensors(x, real=False, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
-                   w_gate_up=w_gate_up, w_down=w_down, expert_bias=expert_bias)
+                   w_gate_up=w_gate_up, w_down=w_down, expert_bias=expert_bias, sequence_lengths=sequence_lengths)
     spec = LayerSpec.get(layer)
     L, d = x.shape
     E, k = spec.num_experts, spec.top_k
@@ -411,7 +417,8 @@ def _moe_forward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up,
 def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.Tensor],
                  topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                  w_gate_up: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor,
-                 dy: torch.Tensor, d_aux: torch.Tensor, d_z: torch.Tensor, needs: List[bool]
+                 dy: torch.Tensor, d_aux: torch.Tensor, d_z: torch.Tensor, needs: List[bool],
+                 sequence_lengths: Optional[torch.Tensor] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """needs = (dx, d_router, d_topk_weights, d_w_gate_up, d_w_down); a gradient not needed is
     an empty tensor."""
@@ -437,6 +444,8 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
     args.add(ArgKind.W_DOWN, tensor_descriptor(w_down))
     _routing_args(args, mode, router, topk_ids, topk_weights)
     args.add(ArgKind.GRAD_OUTPUT, tensor_descriptor(dy))
+    if sequence_lengths is not None:
+        args.add(ArgKind.SEQUENCE_LENGTHS, tensor_descriptor(_rowmajor(sequence_lengths)))
     if mode != ROUTE_CALLER:  # the library takes absent loss gradients as 1: always pass them
         args.add(ArgKind.GRAD_AUX_LOSS, tensor_descriptor(d_aux.to(torch.float32).reshape(())))
         args.add(ArgKind.GRAD_Z_LOSS, tensor_descriptor(d_z.to(torch.float32).reshape(())))
@@ -469,7 +478,7 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
 
 @moe_backward.register_fake
 def _moe_backward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, saved,
-                       dy, d_aux, d_z, needs):
+                       dy, d_aux, d_z, needs, sequence_lengths=None):
     _check_mode(mode, router, topk_ids, topk_weights)
     _check_tensors(x, real=False, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
                    w_gate_up=w_gate_up, w_down=w_down, saved=saved, dy=dy)
@@ -485,6 +494,7 @@ def _moe_backward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up
 
 def _setup_context(ctx, inputs, output):
     layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down = inputs[:8]
+    ctx.sequence_lengths = inputs[9] if len(inputs) > 9 else None
     _y, _aux, _z, ids, gates, counts, saved = output
     ctx.layer, ctx.mode = layer, mode
     # The graph holds the layer's spec until backward: a temporary functional MoE(...) may be
@@ -510,10 +520,10 @@ def _backward(ctx, dy, d_aux, d_z, _d_ids, _d_gates, _d_counts, _d_saved):
              bool(need[5]) and mode == ROUTE_CALLER, bool(need[6]), bool(need[7])]
     dx, d_router, d_weights, d_wgu, d_wd = moe_backward(
         ctx.layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, saved, dy, d_aux,
-        d_z, needs)
+        d_z, needs, ctx.sequence_lengths)
     return (None, None, dx if needs[0] else None, d_router if needs[1] else None, None,
             d_weights if needs[2] else None, d_wgu if needs[3] else None,
-            d_wd if needs[4] else None, None)
+            d_wd if needs[4] else None, None, None)
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)

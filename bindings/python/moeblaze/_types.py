@@ -259,6 +259,7 @@ class ArgKind(_IntConstants):
     W_DOWN = 6
     TOPK_INDICES = 7
     TOPK_WEIGHTS = 8
+    SEQUENCE_LENGTHS = 9
     OUTPUT = 32
     AUX_LOSS = 33
     TOKENS_PER_EXPERT = 34

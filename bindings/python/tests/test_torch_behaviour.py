@@ -603,5 +603,47 @@ class TestDeepSeekV3Routing(unittest.TestCase):
             MoELayer(16, 24, 8, 2, max_tokens=64).update_expert_bias()
 
 
+@unittest.skipIf(_torch() is None, "torch is not installed")
+class TestSequenceBalanceLoss(unittest.TestCase):
+    """balance_per_sequence / sequence_lengths: DeepSeek-V3's sequence-wise balance loss and its
+    router gradient against the formula written in PyTorch (CPU engine)."""
+
+    def test_against_pytorch(self):
+        torch = _torch()
+        import torch.nn.functional as F
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        E, k, d, alpha = 8, 2, 16, 0.01
+        for score in ("softmax", "sigmoid"):
+            layer = MoELayer(d, 24, E, k, max_tokens=128, aux_loss_coeff=alpha, score_function=score,
+                             normalize_topk=1, balance_per_sequence=True)
+            x = torch.randn(3, 20, d)
+            aux = layer(x)[1]
+            aux.backward()
+            got = layer.router_weight.grad.clone()
+            # The formula: per sequence, alpha E / (k T) sum_e n_e P_e, P_e the mean normalised score.
+            w = layer.router_weight.detach().clone().requires_grad_()
+            logits = x.reshape(-1, d) @ w.t()
+            s = F.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+            ids = logits.topk(k, -1).indices
+            sn = s if score == "softmax" else s / s.sum(-1, keepdim=True)
+            loss = 0
+            for q in range(3):
+                rows = slice(20 * q, 20 * (q + 1))
+                n = torch.zeros(E).index_add_(0, ids[rows].reshape(-1), torch.ones(20 * k))
+                loss = loss + alpha * E / (k * 20) * (n * sn[rows].mean(0)).sum()
+            loss = loss / 3
+            loss.backward()
+            self.assertLess(abs(aux.item() - loss.item()) / loss.item(), 1e-5, score)
+            self.assertLess(_rel(got, w.grad), 1e-4, score)
+            # Explicit lengths: the same loss for [20, 20, 20]; another split gives another one.
+            same = layer(x, sequence_lengths=torch.tensor([20, 20, 20]))[1]
+            other = layer(x, sequence_lengths=torch.tensor([30, 30]))[1]
+            self.assertEqual(float(same), float(aux))
+            self.assertNotEqual(float(other), float(aux))
+            with self.assertRaises(Exception):
+                layer(x, sequence_lengths=torch.tensor([20, 20]))  # sums to 40 of 60 tokens
+
+
 if __name__ == "__main__":
     unittest.main()

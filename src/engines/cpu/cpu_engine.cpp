@@ -78,6 +78,14 @@ class CpuEngine final : public Engine {
       fn(e, p0, std::min<int64_t>(kTileRows, plan.expert_token_offsets[e + 1] - p0), worker);
     });
   }
+  static routing::SequenceLengths lengths_of(const CallArgs& a) {
+    routing::SequenceLengths n;
+    n.data = a.sequence_lengths.data;
+    n.stride_bytes = a.sequence_lengths.stride[0] * static_cast<int64_t>(a.sequence_lengths.elem());
+    n.count = a.sequence_lengths.shape[0];
+    n.i64 = a.sequence_lengths.dtype == DType::kI64;
+    return n;
+  }
   float* scratch(const Work& w, int worker) const { return w.per_worker + w.worker_floats * static_cast<size_t>(worker); }
 
   LayerConfig cfg_;
@@ -190,6 +198,9 @@ void CpuEngine::write_router_outputs(const CallArgs& a, const RoutingPlan& plan,
       for (int64_t t = 0; t < L; ++t) store_row(a.topk_weights.row(t), a.topk_weights.dtype, k, plan.gates + t * k, false);
     routing::RouterLosses losses = routing::finish_losses(cfg_, L, w.chunk_scores, w.chunk_lse,
                                                           ceil_div(L, routing::kLossChunk), plan.expert_token_offsets);
+    if (a.sequence_lengths.present && a.aux_loss.present)  // the sequence-wise form instead
+      losses.aux = routing::sequence_balance_loss(cfg_, w.logits, plan.token_expert_indices, lengths_of(a),
+                                                  scratch(w, 0));
     if (a.aux_loss.present) *reinterpret_cast<float*>(a.aux_loss.data) = losses.aux;
     if (a.z_loss.present) *reinterpret_cast<float*>(a.z_loss.data) = losses.z;
   }
@@ -390,10 +401,21 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
     compute_logits(a, w.logits, w);
     const float gaux = a.grad_aux.present ? *reinterpret_cast<const float*>(a.grad_aux.data) : 1.f;
     const float gz = a.grad_z.present ? *reinterpret_cast<const float*>(a.grad_z.data) : 1.f;
+    const bool by_sequence = a.sequence_lengths.present;
     pool_.parallel_for(ceil_div(L, kTokenBlock), [&](int64_t b, int worker) {
-      routing::router_backward(cfg_, L, w.logits, plan.token_expert_indices, w.dg_tok, gaux, gz, plan.expert_token_offsets,
-                               b * kTokenBlock, std::min(L, (b + 1) * kTokenBlock), w.dlogits, scratch(w, worker));
+      routing::router_backward(cfg_, L, w.logits, plan.token_expert_indices, w.dg_tok, gaux, gz,
+                               by_sequence ? nullptr : plan.expert_token_offsets, b * kTokenBlock,
+                               std::min(L, (b + 1) * kTokenBlock), w.dlogits, scratch(w, worker));
     });
+    if (by_sequence && cfg_.aux_loss_coeff > 0.0) {  // the balance loss's share, sequence by sequence
+      const routing::SequenceLengths n = lengths_of(a);
+      int64_t t0 = 0;
+      for (int64_t q = 0; q < n.count; ++q) {
+        routing::sequence_balance_backward(cfg_, w.logits, plan.token_expert_indices, t0, n[q], n.count, gaux, w.dlogits,
+                                           scratch(w, 0));
+        t0 += n[q];
+      }
+    }
     if (a.d_logits.present)
       for (int64_t t = 0; t < L; ++t) store_row(a.d_logits.row(t), a.d_logits.dtype, E, w.dlogits + t * E, a.d_logits.accumulate);
     if (a.d_router_weight.present) {  // dW_g = dlogits^T x, one task per block of experts
