@@ -190,6 +190,18 @@ def add_model_args(ap):
     ap.add_argument("--text", default="/usr/share/common-licenses/*")
 
 
+def prepare(args):
+    """The text as token ids, the vocabulary, the expert width and the head count (shared with
+    moe_lm_ep.py)."""
+    text = load_text(args.text)
+    vocab = sorted(set(text))
+    code = {c: i for i, c in enumerate(vocab)}
+    data = torch.tensor([code[c] for c in text], dtype=torch.long)
+    h = args.ffn or max(8, (2 * args.d // args.top_k) // 8 * 8)
+    heads = args.heads if args.d % args.heads == 0 else 1
+    return data, vocab, h, heads
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -200,13 +212,7 @@ def main():
                     help="torch.compile the MoEBlaze model (fullgraph; CUDA graphs on the GPU)")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    h = args.ffn or max(8, (2 * args.d // args.top_k) // 8 * 8)
-
-    text = load_text(args.text)
-    vocab = sorted(set(text))
-    code = {c: i for i, c in enumerate(vocab)}
-    data = torch.tensor([code[c] for c in text], dtype=torch.long)
-    heads = args.heads if args.d % args.heads == 0 else 1
+    data, vocab, h, heads = prepare(args)
 
     def build(kind, dtype=dtype):
         torch.manual_seed(args.seed)  # the same attention/embedding weights for every run

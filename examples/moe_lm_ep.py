@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_lm import DTYPES, LM, NOISE_FACTOR, TOLERANCE, add_model_args, load_text, smooth, train  # noqa: E402
+from moe_lm import DTYPES, LM, NOISE_FACTOR, TOLERANCE, add_model_args, prepare, smooth, train  # noqa: E402
 
 try:
     from moeblaze.torch import MoELayer
@@ -43,12 +43,7 @@ def main():
     if args.batch % P or args.experts % P:
         sys.exit("the batch (%d) and the experts (%d) must divide over %d ranks" % (args.batch, args.experts, P))
     dtype = DTYPES[args.dtype]
-    h = args.ffn or max(8, (2 * args.d // args.top_k) // 8 * 8)
-    text = load_text(args.text)
-    vocab = sorted(set(text))
-    code = {c: i for i, c in enumerate(vocab)}
-    data = torch.tensor([code[c] for c in text], dtype=torch.long)
-    heads = args.heads if args.d % args.heads == 0 else 1
+    data, vocab, h, heads = prepare(args)
 
     def build(dtype, group=None):
         torch.manual_seed(args.seed)  # the same initial weights on every rank and for every run

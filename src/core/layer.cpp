@@ -56,8 +56,7 @@ void check_engine_takes(const LayerConfig& cfg, const CallArgs& a, Pass pass) {
   if (cfg.device_type != kDeviceCpu) fail(Status::kNotSupported, "SEQUENCE_LENGTHS runs on the CPU engine only so far");
   int64_t sum = 0;
   for (int64_t q = 0; q < n.shape[0]; ++q) {
-    const char* p = n.data + q * n.stride[0] * static_cast<int64_t>(n.elem());
-    const int64_t len = n.dtype == DType::kI64 ? *reinterpret_cast<const int64_t*>(p) : *reinterpret_cast<const int32_t*>(p);
+    const int64_t len = n.index(q);
     if (len < 1 || len > a.num_tokens)
       fail(Status::kInvalidArgument, "SEQUENCE_LENGTHS[%lld] = %lld; each must be from 1 to the call's %lld tokens",
            static_cast<long long>(q), static_cast<long long>(len), static_cast<long long>(a.num_tokens));

@@ -43,6 +43,11 @@ struct View {
     v.span_bytes = n > 0 ? static_cast<size_t>(((n - 1) * stride[0] + shape[1]) * static_cast<int64_t>(elem())) : 0;
     return v;
   }
+  // Element i of a 1-D index view (i32 or i64), on the host.
+  int64_t index(int64_t i) const {
+    const char* p = data + i * stride[0] * static_cast<int64_t>(elem());
+    return dtype == DType::kI64 ? *reinterpret_cast<const int64_t*>(p) : *reinterpret_cast<const int32_t*>(p);
+  }
 };
 
 }  // namespace v0

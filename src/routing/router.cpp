@@ -95,32 +95,30 @@ void count_picks(const int32_t* ids, int64_t t0, int64_t T, int64_t k, int64_t E
   for (int64_t i = t0 * k; i < (t0 + T) * k; ++i) n[ids[i]] += 1.f;
 }
 
-// The scores normalised to sum 1 (sigmoid; softmax scores are left as they are); returns the sum
-// they were divided by (1 for softmax).
-float normalised_scores(const LayerConfig& cfg, float* s, int64_t E) {
-  if (cfg.score_fn == ScoreFn::kSoftmax) return 1.f;
+// The scores normalised to sum 1 (sigmoid; softmax scores already do and are left as they are).
+void normalise_scores(const LayerConfig& cfg, float* s, int64_t E) {
+  if (cfg.score_fn == ScoreFn::kSoftmax) return;
   double sum = 0.0;
   for (int64_t e = 0; e < E; ++e) sum += s[e];
   const float S = static_cast<float>(sum);
   for (int64_t e = 0; e < E; ++e) s[e] /= S;
-  return S;
 }
 
 }  // namespace
 
-float sequence_balance_loss(const LayerConfig& cfg, const float* logits, const int32_t* ids,
-                            const SequenceLengths& lengths, float* scratch) {
-  const int64_t B = lengths.count;
+float sequence_balance_loss(const LayerConfig& cfg, const float* logits, const int32_t* ids, const View& lengths,
+                            float* scratch) {
+  const int64_t B = lengths.shape[0];
   const int64_t E = cfg.num_experts, k = cfg.top_k;
   float *s = scratch, *P = scratch + E, *n = scratch + 2 * E;
   double total = 0.0;
   int64_t t0 = 0;
   for (int64_t q = 0; q < B; ++q) {
-    const int64_t T = lengths[q];
+    const int64_t T = lengths.index(q);
     for (int64_t e = 0; e < E; ++e) P[e] = 0.f;
     for (int64_t t = t0; t < t0 + T; ++t) {
       scores_of(cfg, logits + t * E, E, s);
-      normalised_scores(cfg, s, E);
+      normalise_scores(cfg, s, E);
       for (int64_t e = 0; e < E; ++e) P[e] += s[e];
     }
     count_picks(ids, t0, T, k, E, n);
@@ -188,11 +186,8 @@ void route_tokens(const LayerConfig& cfg, const float* logits, const float* bias
     }
     float norm = 0.f;
     for (int64_t j = 0; j < k; ++j) norm += s[id[j]];
-    const float scale = static_cast<float>(cfg.route_scale);
-    for (int64_t j = 0; j < k; ++j) {
-      const float g = cfg.normalize_topk ? s[id[j]] / norm : s[id[j]];
-      gates[t * k + j] = cfg.route_scale == 1.0 ? g : g * scale;
-    }
+    const float scale = static_cast<float>(cfg.route_scale);  // 1 leaves the gates' bits as they are
+    for (int64_t j = 0; j < k; ++j) gates[t * k + j] = (cfg.normalize_topk ? s[id[j]] / norm : s[id[j]]) * scale;
   }
 }
 
@@ -228,21 +223,16 @@ void router_backward(const LayerConfig& cfg, int64_t L, const float* logits, con
     const float lse = scores_of(cfg, l, E, s);
     for (int64_t e = 0; e < E; ++e) ds[e] = 0.f;
     const int32_t* id = ids + t * k;
-    // The gates are scale * (renormalised) scores: the scale first (none when it is 1).
+    // The gates are scale * (renormalised) scores: d gates times the scale first.
     const float* dg = dgates + t * k;
-    float* dgs = nullptr;
-    if (cfg.route_scale != 1.0) {
-      dgs = dlogits + t * E;  // k <= E floats of this token's row, written in full below
-      for (int64_t j = 0; j < k; ++j) dgs[j] = dg[j] * static_cast<float>(cfg.route_scale);
-      dg = dgs;
-    }
+    const float scale = static_cast<float>(cfg.route_scale);
     if (cfg.normalize_topk) {
       float norm = 0.f, dot = 0.f;
       for (int64_t j = 0; j < k; ++j) norm += s[id[j]];
-      for (int64_t j = 0; j < k; ++j) dot += dg[j] * (s[id[j]] / norm);
-      for (int64_t j = 0; j < k; ++j) ds[id[j]] += (dg[j] - dot) / norm;
+      for (int64_t j = 0; j < k; ++j) dot += dg[j] * scale * (s[id[j]] / norm);
+      for (int64_t j = 0; j < k; ++j) ds[id[j]] += (dg[j] * scale - dot) / norm;
     } else {
-      for (int64_t j = 0; j < k; ++j) ds[id[j]] += dg[j];
+      for (int64_t j = 0; j < k; ++j) ds[id[j]] += dg[j] * scale;
     }
     if (cfg.aux_loss_coeff > 0.0 && offsets)  // d aux / d s_te = coeff * E * f_e / L, f_e = count_e / (L k)
       for (int64_t e = 0; e < E; ++e) ds[e] += aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]);

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/config.hpp"
+#include "core/view.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -29,23 +30,13 @@ struct RouterLosses {
 RouterLosses finish_losses(const LayerConfig& cfg, int64_t num_tokens, const float* chunk_score_sums,
                            const float* chunk_lse_sq, int64_t num_chunks, const int32_t* expert_offsets);
 
-// DeepSeek-V3's sequence-wise balance loss (docs/routing.md) over B sequences of lengths[q]
-// consecutive tokens (summing to the call's tokens): AUX_LOSS_COEFF / B * sum_q E / (k T_q) *
+// DeepSeek-V3's sequence-wise balance loss (docs/routing.md) over the B sequences of `lengths`
+// (the caller's SEQUENCE_LENGTHS: lengths.index(q) consecutive tokens each) (summing to the call's tokens): AUX_LOSS_COEFF / B * sum_q E / (k T_q) *
 // sum_e n_qe P_qe, n_qe the picks of expert e in sequence q and P_qe the mean over it of the
 // scores normalised to sum 1 per token (sigmoid; softmax scores already do). In fp64, sequences
 // in order. scratch: 3E floats.
-// The caller's SEQUENCE_LENGTHS (i32 or i64, any row stride), read in place.
-struct SequenceLengths {
-  const char* data = nullptr;
-  int64_t stride_bytes = 0, count = 0;
-  bool i64 = false;
-  int64_t operator[](int64_t q) const {
-    const char* p = data + q * stride_bytes;
-    return i64 ? *reinterpret_cast<const int64_t*>(p) : *reinterpret_cast<const int32_t*>(p);
-  }
-};
-float sequence_balance_loss(const LayerConfig& cfg, const float* logits, const int32_t* ids,
-                            const SequenceLengths& lengths, float* scratch);
+float sequence_balance_loss(const LayerConfig& cfg, const float* logits, const int32_t* ids, const View& lengths,
+                            float* scratch);
 // Adds grad_aux times its gradient to the rows of sequence q (tokens [t0, t0 + T)) of dlogits.
 // scratch: 4E floats.
 void sequence_balance_backward(const LayerConfig& cfg, const float* logits, const int32_t* ids, int64_t t0, int64_t T,

@@ -78,14 +78,6 @@ class CpuEngine final : public Engine {
       fn(e, p0, std::min<int64_t>(kTileRows, plan.expert_token_offsets[e + 1] - p0), worker);
     });
   }
-  static routing::SequenceLengths lengths_of(const CallArgs& a) {
-    routing::SequenceLengths n;
-    n.data = a.sequence_lengths.data;
-    n.stride_bytes = a.sequence_lengths.stride[0] * static_cast<int64_t>(a.sequence_lengths.elem());
-    n.count = a.sequence_lengths.shape[0];
-    n.i64 = a.sequence_lengths.dtype == DType::kI64;
-    return n;
-  }
   float* scratch(const Work& w, int worker) const { return w.per_worker + w.worker_floats * static_cast<size_t>(worker); }
 
   LayerConfig cfg_;
@@ -199,7 +191,7 @@ void CpuEngine::write_router_outputs(const CallArgs& a, const RoutingPlan& plan,
     routing::RouterLosses losses = routing::finish_losses(cfg_, L, w.chunk_scores, w.chunk_lse,
                                                           ceil_div(L, routing::kLossChunk), plan.expert_token_offsets);
     if (a.sequence_lengths.present && a.aux_loss.present)  // the sequence-wise form instead
-      losses.aux = routing::sequence_balance_loss(cfg_, w.logits, plan.token_expert_indices, lengths_of(a),
+      losses.aux = routing::sequence_balance_loss(cfg_, w.logits, plan.token_expert_indices, a.sequence_lengths,
                                                   scratch(w, 0));
     if (a.aux_loss.present) *reinterpret_cast<float*>(a.aux_loss.data) = losses.aux;
     if (a.z_loss.present) *reinterpret_cast<float*>(a.z_loss.data) = losses.z;
@@ -408,12 +400,12 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
                                std::min(L, (b + 1) * kTokenBlock), w.dlogits, scratch(w, worker));
     });
     if (by_sequence && cfg_.aux_loss_coeff > 0.0) {  // the balance loss's share, sequence by sequence
-      const routing::SequenceLengths n = lengths_of(a);
+      const View& n = a.sequence_lengths;
       int64_t t0 = 0;
-      for (int64_t q = 0; q < n.count; ++q) {
-        routing::sequence_balance_backward(cfg_, w.logits, plan.token_expert_indices, t0, n[q], n.count, gaux, w.dlogits,
-                                           scratch(w, 0));
-        t0 += n[q];
+      for (int64_t q = 0; q < n.shape[0]; ++q) {
+        routing::sequence_balance_backward(cfg_, w.logits, plan.token_expert_indices, t0, n.index(q), n.shape[0], gaux,
+                                           w.dlogits, scratch(w, 0));
+        t0 += n.index(q);
       }
     }
     if (a.d_logits.present)
