@@ -2,7 +2,11 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|eptorch|epbench|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|eptorch|epbench|routing|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
+# routing: the routing options on both CUDA engines against the CPU engine
+# (tests/gpu/test_gpu_routing_options.c; ROUTING_SANITIZE="memcheck racecheck" runs its quick
+# subset under those tools too), then what each option costs (perf/routing_options_cost.py, ROUTING_COST_ARGS;
+# "skip" runs none); not part of "all" (the tests mode runs the test through ctest).
 # ep: the expert-parallel layer on every GPU of the machine (at least 2) against the single-GPU
 # layer (tests/ep/test_ep_gpu.cpp, tests/ep/test_ep_processes.cpp); EP_SANITIZE="memcheck racecheck"
 # runs the one-process-per-rank test on two GPUs under those tools too;
@@ -45,7 +49,7 @@ want() {
   for w in "${what[@]}"; do
     [ "$w" = "$1" ] && return 0
     [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && [ "$1" != sidebyside ] \
-      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != epbench ] && [ "$1" != eptorch ] && return 0
+      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != routing ] && [ "$1" != epbench ] && [ "$1" != eptorch ] && return 0
   done
   return 1
 }
@@ -161,6 +165,24 @@ if want epbench; then
     cat "$OUT/ep-torch-$p.md"; grep -E 'Error|error' "$OUT/ep-torch-$p.err" | tail -3
     summary+=("ep torch baselines, $p ranks: rc=$rc (table above)")
   done
+fi
+if want routing; then
+  timeout 600 build-gpu/tests/gpu/test_gpu_routing_options > "$OUT/routing-options.log" 2>&1
+  rc=$?
+  grep -E '^\[ *(PASSED|FAILED|  OK|RUN) *\]|aux|Error|error|relative' "$OUT/routing-options.log" | tail -30
+  summary+=("test_gpu_routing_options: rc=$rc; $(grep -E '^\[ *(PASSED|FAILED) *\]' "$OUT/routing-options.log" | tr '\n' ' ')")
+  for tool in ${ROUTING_SANITIZE:-}; do
+    ROUTING_TEST_QUICK=1 timeout 400 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
+      build-gpu/tests/gpu/test_gpu_routing_options > "$OUT/routing-options-$tool.log" 2>&1
+    summary+=("test_gpu_routing_options under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/routing-options-$tool.log" | tail -1)")
+  done
+  if [ "${ROUTING_COST_ARGS:-}" != skip ]; then
+    MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \
+      timeout 400 python3 perf/routing_options_cost.py ${ROUTING_COST_ARGS:-} > "$OUT/routing-cost.md" 2> "$OUT/routing-cost.err"
+    rc=$?
+    cat "$OUT/routing-cost.md"; tail -5 "$OUT/routing-cost.err"
+    summary+=("routing options cost: rc=$rc (table above)")
+  fi
 fi
 if want tests; then
   ctest --test-dir build-gpu -L gpu -V --timeout 900 > "$OUT/tests.log" 2>&1

@@ -74,11 +74,6 @@ struct LayerConfig {
   // Routing options beyond softmax/sigmoid top-k (docs/routing.md).
   int64_t num_expert_groups = 1, topk_groups = 0;  // 0: no group limit
   double route_scale = 1.0;
-  // True when routing needs more than the plain top-k (groups, a scale); an expert bias is a
-  // call argument and is checked per call.
-  bool extended_routing() const {
-    return (topk_groups > 0 && topk_groups < num_expert_groups) || route_scale != 1.0;
-  }
   // Internal, never an attribute: caller ids may be -1, an empty slot that routes nothing (no
   // expert row, nothing added to y, a zero gate gradient). The expert-parallel layer's local
   // experts run on received rows that feed 1..k of them.

@@ -45,15 +45,16 @@ void Layer::check_buffer(const char* what, const void* p, size_t have, size_t ne
 
 namespace {
 
-// The expert score bias and sequence lengths run on the CPU engine so far; refused before
-// anything is enqueued (backward does not read the bias). The lengths are host memory there:
-// each at least 1, summing to the call's tokens.
-void check_engine_takes(const LayerConfig& cfg, const CallArgs& a, Pass pass) {
-  if (a.expert_bias.present && pass != Pass::kBackward && cfg.device_type != kDeviceCpu)
-    fail(Status::kNotSupported, "EXPERT_BIAS runs on the CPU engine only so far");
+// SEQUENCE_LENGTHS: at most one sequence per token (and at least one for a call with tokens),
+// each at least 1, summing to the call's tokens. The lengths are host memory on the CPU engine,
+// checked here; on a GPU they are device memory, checked on the device (the call's status).
+void check_sequence_lengths(const LayerConfig& cfg, const CallArgs& a) {
   const View& n = a.sequence_lengths;
   if (!n.present) return;
-  if (cfg.device_type != kDeviceCpu) fail(Status::kNotSupported, "SEQUENCE_LENGTHS runs on the CPU engine only so far");
+  if (n.shape[0] > a.num_tokens || (n.shape[0] == 0 && a.num_tokens > 0))
+    fail(Status::kInvalidArgument, "SEQUENCE_LENGTHS holds %lld sequences for a call of %lld tokens",
+         static_cast<long long>(n.shape[0]), static_cast<long long>(a.num_tokens));
+  if (cfg.device_type != kDeviceCpu) return;
   int64_t sum = 0;
   for (int64_t q = 0; q < n.shape[0]; ++q) {
     const int64_t len = n.index(q);
@@ -71,7 +72,7 @@ void check_engine_takes(const LayerConfig& cfg, const CallArgs& a, Pass pass) {
 
 CallArgs Layer::check(Pass pass, const RawArg* args, size_t num_args) const {
   CallArgs a = decode_args(cfg_, pass, args, num_args);
-  check_engine_takes(cfg_, a, pass);
+  check_sequence_lengths(cfg_, a);
   return a;
 }
 
@@ -80,7 +81,7 @@ void Layer::forward(Pass pass, const RawArg* args, size_t n, void* ws, size_t ws
   if (pass != Pass::kForwardTraining && pass != Pass::kForwardInference)
     fail(Status::kInvalidArgument, "moeblaze_forward takes FORWARD_TRAINING or FORWARD_INFERENCE, not %s", pass_name(pass));
   CallArgs a = decode_args(cfg_, pass, args, n);
-  check_engine_takes(cfg_, a, pass);
+  check_sequence_lengths(cfg_, a);
   const size_t ws_need = workspace_size(pass, a.num_tokens);
   check_buffer("workspace", ws, ws_bytes, ws_need);
   const bool training = pass == Pass::kForwardTraining;
@@ -94,7 +95,7 @@ void Layer::forward(Pass pass, const RawArg* args, size_t n, void* ws, size_t ws
 void Layer::backward(const RawArg* args, size_t n, const void* saved, size_t saved_bytes, void* ws, size_t ws_bytes,
                      void* stream) const {
   CallArgs a = decode_args(cfg_, Pass::kBackward, args, n);
-  check_engine_takes(cfg_, a, Pass::kBackward);
+  check_sequence_lengths(cfg_, a);
   const size_t saved_need = saved_size(a.num_tokens), ws_need = workspace_size(Pass::kBackward, a.num_tokens);
   check_buffer("saved", saved, saved_bytes, saved_need);
   check_buffer("workspace", ws, ws_bytes, ws_need);
@@ -105,7 +106,7 @@ void Layer::backward(const RawArg* args, size_t n, const void* saved, size_t sav
 
 void Layer::route(const RawArg* args, size_t n, void* ws, size_t ws_bytes, void* stream) const {
   CallArgs a = decode_args(cfg_, Pass::kRoute, args, n);
-  check_engine_takes(cfg_, a, Pass::kRoute);
+  check_sequence_lengths(cfg_, a);
   const size_t ws_need = workspace_size(Pass::kRoute, a.num_tokens);
   check_buffer("workspace", ws, ws_bytes, ws_need);
   const CallBuffer buffers[] = {{"workspace", ws, ws_need, true}};

@@ -13,7 +13,9 @@ RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, int64_t window, vo
   w.gemm_ws = gemm_ws;
   w.logits = c.take<float>(static_cast<size_t>(L * E));
   w.error_flag = c.take<int32_t>(1);
+  w.seq_starts = c.take<int64_t>(static_cast<size_t>(L + 1));
   if (pass != Pass::kBackward) {
+    w.seq_terms = c.take<double>(static_cast<size_t>(L));
     w.lse = c.take<float>(static_cast<size_t>(L));
     w.loss_scratch = c.take<float>(routing::router_loss_scratch_floats(L, E));
     w.plan_scratch = c.take<char>(routing::plan_scratch_bytes_cuda(L, E));
@@ -70,18 +72,42 @@ void CudaRouter::route_and_plan(const CallArgs& a, RoutingPlan& plan, const Rout
                                  plan.gates, w.error_flag, s);
   } else {
     logits(a, w, s);
-    routing::route_tokens_cuda(cfg_, w.logits, L, plan.token_expert_indices, plan.gates, w.lse, s);
+    const float* bias = a.expert_bias.present ? reinterpret_cast<const float*>(a.expert_bias.data) : nullptr;
+    routing::route_tokens_cuda(cfg_, w.logits, L, bias, plan.token_expert_indices, plan.gates, w.lse, s);
   }
+  sequence_starts(a, w, s);
   routing::build_plan_cuda(plan, L, k, E, w.plan_scratch, s);
+}
+
+void CudaRouter::sequence_starts(const CallArgs& a, const RouterWork& w, cudaStream_t s) const {
+  if (a.sequence_lengths.present)
+    routing::sequence_starts_cuda(a.sequence_lengths, a.num_tokens, w.seq_starts, w.error_flag, s);
+}
+
+routing::SequenceBalance CudaRouter::sequences(const CallArgs& a, const RoutingPlan& plan, const RouterWork& w,
+                                               int64_t t0) const {
+  routing::SequenceBalance sb;
+  if (!a.sequence_lengths.present || a.mode == RoutingMode::kCallerTopK) return sb;
+  sb.starts = w.seq_starts;
+  sb.count = a.sequence_lengths.shape[0];
+  sb.expert_tokens = plan.expert_token_indices;
+  sb.offsets = plan.expert_token_offsets;
+  sb.picks = a.num_tokens * cfg_.top_k;
+  sb.t0 = t0;
+  return sb;
 }
 
 void CudaRouter::write_outputs(const CallArgs& a, const RoutingPlan& plan, const RouterWork& w, cudaStream_t s) const {
   const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k;
   if (a.mode != RoutingMode::kCallerTopK) {
     routing::write_topk_cuda(plan.token_expert_indices, plan.gates, L, k, a.topk_ids, a.topk_weights, s);
+    float* aux = a.aux_loss.present ? reinterpret_cast<float*>(a.aux_loss.data) : nullptr;
+    const routing::SequenceBalance sb = sequences(a, plan, w, 0);
     routing::router_losses_cuda(cfg_, w.logits, w.lse, L, plan.expert_token_offsets, w.loss_scratch,
-                                a.aux_loss.present ? reinterpret_cast<float*>(a.aux_loss.data) : nullptr,
+                                sb.count > 0 ? nullptr : aux,
                                 a.z_loss.present ? reinterpret_cast<float*>(a.z_loss.data) : nullptr, s);
+    if (sb.count > 0)
+      routing::sequence_balance_loss_cuda(cfg_, w.logits, w.lse, L, sb, w.seq_terms, w.error_flag, aux, s);
   }
   routing::write_tokens_per_expert_cuda(plan.expert_token_offsets, E, a.tokens_per_expert, s);
 }
@@ -97,6 +123,7 @@ bool CudaRouter::backward(const CallArgs& a, const Needs& needs, const RoutingPl
 void CudaRouter::backward_begin(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const {
   if (!needs.router_grad) return;
   logits(a, w, s);
+  sequence_starts(a, w, s);
   if (a.mode != RoutingMode::kRouterWeight || !needs.router_adds_dx) return;
   const int64_t E = cfg_.num_experts, d = cfg_.hidden;
   if (!tensor_core_backward()) {
@@ -120,7 +147,7 @@ bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const Ro
   routing::router_backward_cuda(cfg_, w.logits + t0 * E, rows, L, plan.token_expert_indices + t0 * k, dg_tok,
                                 a.grad_aux.present ? reinterpret_cast<const float*>(a.grad_aux.data) : nullptr,
                                 a.grad_z.present ? reinterpret_cast<const float*>(a.grad_z.data) : nullptr,
-                                plan.expert_token_offsets, dlogits, s);
+                                plan.expert_token_offsets, sequences(a, plan, w, t0), dlogits, s);
   if (a.mode != RoutingMode::kRouterWeight) return false;
   // dW_g = dlogits^T x (summed over the windows in order), dx += dlogits W_g.
   if (!a.d_router_weight.present && !needs.router_adds_dx) return false;

@@ -12,6 +12,7 @@
 #include "core/memory_layout.hpp"
 #include "core/needs.hpp"
 #include "gemm/cublaslt.hpp"
+#include "routing/router_cuda.hpp"
 #include "util/align.hpp"
 
 namespace moeblaze {
@@ -21,6 +22,8 @@ inline namespace v0 {
 struct RouterWork {
   float* logits = nullptr;        // [L, E] fp32
   int32_t* error_flag = nullptr;  // [1] routing::kCallerIdsInvalid | routing::kPlanInvalid
+  int64_t* seq_starts = nullptr;  // [L + 1]  SEQUENCE_LENGTHS' token starts
+  double* seq_terms = nullptr;    // [L]       forward, route: the sequence-wise loss's per-token terms
   float* lse = nullptr;           // [L]       forward, route
   float* loss_scratch = nullptr;  //           forward, route
   void* plan_scratch = nullptr;   //           forward, route
@@ -51,6 +54,11 @@ class CudaRouter {
   // Zeroes the error flag, routes (or imports and checks the caller's ids) into plan's ids and
   // gates, and builds the plan.
   void route_and_plan(const CallArgs& a, RoutingPlan& plan, const RouterWork& w, cudaStream_t s) const;
+  // SEQUENCE_LENGTHS (when given) into w.seq_starts, checked on the device: a bad one sets
+  // routing::kSequenceLengthsInvalid in the error flag, which the caller has zeroed.
+  // route_and_plan and backward_begin call it; an engine that reads the flag at a host sync
+  // before the router backward calls it first.
+  void sequence_starts(const CallArgs& a, const RouterWork& w, cudaStream_t s) const;
   // TOPK_INDICES / TOPK_WEIGHTS / AUX_LOSS / Z_LOSS when routed, and TOKENS_PER_EXPERT.
   void write_outputs(const CallArgs& a, const RoutingPlan& plan, const RouterWork& w, cudaStream_t s) const;
   // The router backward from the gate gradients dg_tok [L k] (token order): d logits, dW_g,
@@ -66,6 +74,8 @@ class CudaRouter {
 
  private:
   void logits(const CallArgs& a, const RouterWork& w, cudaStream_t s) const;
+  // The sequence-wise loss's device view (count 0 without SEQUENCE_LENGTHS); t0: a window's start.
+  routing::SequenceBalance sequences(const CallArgs& a, const RoutingPlan& plan, const RouterWork& w, int64_t t0) const;
   // The backward's router GEMMs run on tensor cores (bf16 x and W_g).
   bool tensor_core_backward() const;
   void gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,

@@ -8,6 +8,7 @@
 #include "core/engine.hpp"
 #include "cuda/device.hpp"
 #include "gemm/sm90/heuristics.hpp"
+#include "routing/selection.hpp"
 #include "util/error.hpp"
 
 namespace moeblaze {
@@ -28,10 +29,12 @@ namespace {
 
 const char* cpu_refuses(const LayerConfig&, const cuda::DeviceInfo*) { return nullptr; }
 
-// Group-limited routing and the route scale run on the CPU engine so far.
+// The CUDA router takes up to routing::kMaxExpertGroupsCuda expert groups in a group limit.
 const char* routing_refused(const LayerConfig& cfg) {
-  return cfg.extended_routing() ? "group-limited routing (TOPK_GROUPS) and ROUTE_SCALE run on the CPU engine only so far"
-                                : nullptr;
+  const bool limited = cfg.topk_groups > 0 && cfg.topk_groups < cfg.num_expert_groups;
+  return limited && cfg.num_expert_groups > routing::kMaxExpertGroupsCuda
+             ? "group-limited routing (TOPK_GROUPS) on a GPU takes at most 256 expert groups (NUM_EXPERT_GROUPS)"
+             : nullptr;
 }
 
 const char* fused_refuses(const LayerConfig& cfg, const cuda::DeviceInfo* info) {

@@ -16,6 +16,8 @@ namespace routing {
 constexpr int32_t kCallerIdsInvalid = 1;  // caller TOPK_INDICES out of range or repeated
 constexpr int32_t kPlanInvalid = 2;       // a saved routing plan failed validate_plan's rules
 constexpr int32_t kSavedHeaderInvalid = 4;  // a saved buffer's header is not this handle's forward's
+// (8, 16 and 32 are the expert-parallel layer's: src/ep/send_plan.hpp, src/engines/ep/ep_engine.cpp.)
+constexpr int32_t kSequenceLengthsInvalid = 64;  // SEQUENCE_LENGTHS: a length outside [1, L], or a sum other than L
 
 // Sets kPlanInvalid in *flag if `plan` breaks any rule of validate_plan. Reads only the plan's
 // [L*k] and [E+1] arrays, whatever they hold. With empty_slots (LayerConfig::empty_slots) a slot

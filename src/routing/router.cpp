@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "routing/score_order.hpp"
+#include "routing/selection.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -127,7 +128,7 @@ float sequence_balance_loss(const LayerConfig& cfg, const float* logits, const i
     total += sq * static_cast<double>(E) / (static_cast<double>(k) * static_cast<double>(T) * static_cast<double>(T));
     t0 += T;
   }
-  return static_cast<float>(cfg.aux_loss_coeff * total / static_cast<double>(B));
+  return B > 0 ? static_cast<float>(cfg.aux_loss_coeff * total / static_cast<double>(B)) : 0.f;
 }
 
 void sequence_balance_backward(const LayerConfig& cfg, const float* logits, const int32_t* ids, int64_t t0, int64_t T,
@@ -156,32 +157,48 @@ void sequence_balance_backward(const LayerConfig& cfg, const float* logits, cons
   }
 }
 
+void selection_scores(const LayerConfig& cfg, const float* l, int64_t E, float* v) {
+  if (cfg.score_fn == ScoreFn::kSigmoid) {
+    for (int64_t e = 0; e < E; ++e) v[e] = sigmoid_selection(l[e]);
+    return;
+  }
+  float m = -INFINITY;
+  for (int64_t e = 0; e < E; ++e) m = max_skipping_nan(m, l[e]);
+  for (int64_t e = 0; e < E; ++e) v[e] = exp_portable(l[e] - m);
+  const double S = fixed_order_sum(E, [&](int64_t e) { return v[e]; });
+  for (int64_t e = 0; e < E; ++e) v[e] = softmax_selection(v[e], S);
+}
+
 void route_tokens(const LayerConfig& cfg, const float* logits, const float* bias, int64_t t0, int64_t t1,
                   int32_t* ids, float* gates, float* score_sum, float* lse_sq_sum, float* s) {
   const int64_t E = cfg.num_experts, k = cfg.top_k, groups = cfg.num_expert_groups;
   const bool limited = cfg.topk_groups > 0 && cfg.topk_groups < groups;
-  float* group_score = s + E;
+  float* sel = s + E;              // selection scores (routing/selection.hpp), with a bias or groups
+  float* group_score = s + 2 * E;  // [groups]
   for (int64_t t = t0; t < t1; ++t) {
     const float* l = logits + t * E;
     const float lse = scores_of(cfg, l, E, s);
     *lse_sq_sum += lse * lse;
     for (int64_t e = 0; e < E; ++e) score_sum[e] += s[e];
     int32_t* id = ids + t * k;
-    // Selection values: the biased scores with a bias; without one, the rank value (the logit)
-    // for top-k, and the scores for group sums.
-    auto biased = [&](int64_t e) { return s[e] + bias[e]; };
-    auto score = [&](int64_t e) { return s[e]; };
+    if (bias || limited) {
+      selection_scores(cfg, l, E, sel);
+      if (bias)
+        for (int64_t e = 0; e < E; ++e) sel[e] += bias[e];
+    }
+    // Selection values: the biased selection scores with a bias; without one, the rank value
+    // (the logit) for top-k, and the selection scores for group sums.
+    auto value = [&](int64_t e) { return sel[e]; };
     auto rank = [&](int64_t e) { return rank_value(l[e], s[e]); };
     if (limited) {
-      const GroupCut cut = bias ? group_cut(biased, E, groups, cfg.topk_groups, group_score)
-                                : group_cut(score, E, groups, cfg.topk_groups, group_score);
+      const GroupCut cut = group_cut(value, E, groups, cfg.topk_groups, group_score);
       const int64_t size = E / groups;
       auto open = [&](int64_t e) { return cut.open(group_score[e / size], e / size); };
-      if (bias) top_k(biased, open, E, k, id);
+      if (bias) top_k(value, open, E, k, id);
       else top_k(rank, open, E, k, id);
     } else {
       auto all = [](int64_t) { return true; };
-      if (bias) top_k(biased, all, E, k, id);
+      if (bias) top_k(value, all, E, k, id);
       else top_k(rank, all, E, k, id);
     }
     float norm = 0.f;

@@ -18,7 +18,7 @@ constexpr int64_t kLossChunk = 256;
 // Routes tokens [t0, t1): writes ids[t*k + j] and gates[t*k + j], and adds this token range's
 // scores into score_sum[E] and logsumexp^2 into *lse_sq_sum (both fp32, token order).
 // bias: the expert score bias [E] for selection (docs/routing.md), or nullptr. Group-limited
-// routing and the route scale follow cfg. scratch: 2E floats.
+// routing and the route scale follow cfg. scratch: 3E floats.
 void route_tokens(const LayerConfig& cfg, const float* logits, const float* bias, int64_t t0, int64_t t1,
                   int32_t* ids, float* gates, float* score_sum, float* lse_sq_sum, float* scratch);
 

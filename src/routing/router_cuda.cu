@@ -10,6 +10,7 @@
 #include "routing/plan_check_cuda.hpp"
 #include "routing/router_cuda.hpp"
 #include "routing/score_order.hpp"
+#include "routing/selection.hpp"
 #include "routing/token_group.cuh"
 #include "util/align.hpp"
 #include "util/dtype.hpp"
@@ -42,24 +43,86 @@ __global__ void split_bf16_pair_kernel(const float* src, int64_t rows, int64_t c
   out[row * 2 * cols + cols + col] = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
-// One token per group of lanes (routing/token_group.cuh). Pick j is the group's best expert
-// (by rank_value: the logit, or a NaN score) among those ranked after pick j - 1 (the CPU
-// engine's top_k): no taken-list, no shared memory,
-// and every lane of the group agrees on each pick. With the scores in registers (kPer > 0) each
-// lane sorts its experts' rank keys once and a pick is one integer maximum over the group
-// (SortedCandidates: the same order as ranks_before; measured in perf/NOTES.md); the pick's score
-// comes from its lane, bit for bit. The group's lane 0 writes the raw scores as gates, then
-// rescales its own writes when normalising.
-template <int kPer>
-__global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* logits, int64_t L, int64_t E, int64_t k,
-                                    int width, int32_t* ids, float* gates, float* lse_out) {
-  const TokenGroup g = token_group(L, width, kWarpsPerBlock);
-  if (!__any_sync(0xffffffffu, g.live)) return;  // the whole warp past the last token
-  const float* row = logits + (g.live ? g.token : 0) * E;  // a dead group's lanes read nothing
-  const auto logit = lane_values<kPer>(g, E, [=](int, int64_t e) { return g.live ? row[e] : 0.f; });
-  const float lse = group_lse<kPer>(g, E, logit);
-  const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
-  const int64_t t = g.token;
+// The selection values of the routing options (routing/selection.hpp): each lane's experts'
+// selection scores, plus the bias when there is one. The same bits as the CPU engine's.
+template <int kPer, class Logit>
+__device__ __forceinline__ auto selection_values(const TokenGroup& g, ScoreFn fn, const float* bias, int64_t E,
+                                                 const Logit& logit) {
+  float m = -INFINITY;
+  double S = 0.0;
+  if (fn == ScoreFn::kSoftmax) {
+    for_each_expert<kPer>(g, E, [&](int i, int64_t e) { m = max_skipping_nan(m, logit(i, e)); });
+    m = group_max(m, g.width);
+    for_each_expert<kPer>(g, E, [&](int i, int64_t e) { S += static_cast<double>(exp_portable(logit(i, e) - m)); });
+    S = group_sum(S, g.width);
+  }
+  return lane_values<kPer>(g, E, [=](int i, int64_t e) {
+    const float v = fn == ScoreFn::kSoftmax ? softmax_selection(exp_portable(logit(i, e) - m), S)
+                                            : sigmoid_selection(logit(i, e));
+    return bias ? v + bias[e] : v;
+  });
+}
+
+// Group-limited routing's cut (routing/router.cpp, group_cut): each group's score, the sum of
+// its two best values, goes to smem as a rank key (key[q] for group q); returns the key of the
+// worst open group, so expert e is open when key[e / size] >= the returned key. The top two of
+// a group come from an xor butterfly over rank keys (a strict order, so every lane agrees); the
+// cut from the same sorted-candidate pops as the top-k, over at most kGroupSlots groups per lane.
+template <int kPer, class Value>
+__device__ __forceinline__ uint64_t group_cut(const TokenGroup& g, int64_t E, int64_t groups, int64_t keep,
+                                              const Value& value, uint64_t* key) {
+  const int64_t size = E / groups;
+  int lane_group[kPer > 0 ? kPer : 1];  // 32-bit division, once per expert (E <= 65536)
+  for_each_expert<kPer>(g, E, [&](int i, int64_t e) { lane_group[i] = static_cast<int>(e) / static_cast<int>(size); });
+  for (int64_t q = 0; q < groups; ++q) {
+    uint64_t k1 = 0, k2 = 0;
+    auto offer = [&](uint64_t c) {
+      if (c > k1) {
+        k2 = k1;
+        k1 = c;
+      } else if (c > k2) {
+        k2 = c;
+      }
+    };
+    if constexpr (kPer > 0) {
+      for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
+        if (lane_group[i] == q) offer(rank_key(value(i, e), e));
+      });
+    } else {  // only this lane's experts of group q: e = sub (mod width) in [q size, (q + 1) size)
+      const int64_t first = q * size + ((g.sub - q * size) % g.width + g.width) % g.width;
+      for (int64_t e = first; e < (q + 1) * size; e += g.width) offer(rank_key(value(0, e), e));
+    }
+    for (int o = g.width / 2; o > 0; o >>= 1) {
+      const uint64_t o1 = __shfl_xor_sync(0xffffffffu, k1, o), o2 = __shfl_xor_sync(0xffffffffu, k2, o);
+      const uint64_t n2 = k1 > o1 ? (k2 > o1 ? k2 : o1) : (k1 > o2 ? k1 : o2);
+      k1 = k1 > o1 ? k1 : o1;
+      k2 = n2;
+    }
+    const float sum = size >= 2 ? rank_key_value(k1) + rank_key_value(k2) : rank_key_value(k1);
+    if (g.sub == 0) key[q] = rank_key(sum, q);
+  }
+  __syncwarp();
+  SortedCandidates<kGroupSlots> cand;
+#pragma unroll
+  for (int i = 0; i < kGroupSlots; ++i) {
+    const int64_t q = g.sub + static_cast<int64_t>(i) * g.width;
+    cand.key[i] = q < groups ? key[q] : 0;
+    cand.score[i] = 0.f;
+  }
+  cand.sort();
+  uint64_t cut = 0;
+  for (int64_t j = 0; j < keep; ++j) cut = cand.pop_key(g.width);
+  return cut;
+}
+
+// The token's top k among the allowed experts under rank(i, e) (a strict order with the ids),
+// and the gates from score_of, normalised when asked and times the route scale; writes ids,
+// gates and lse_out[t] (routing/router.cpp, route_tokens).
+template <int kPer, class Score, class Rank, class Allowed>
+__device__ __forceinline__ void pick_top_k(const TokenGroup& g, ScoreFn fn, int64_t E, int64_t k, const float* row,
+                                           float lse, const Score& score_of, const Rank& rank, const Allowed& allowed,
+                                           int64_t t, int32_t* ids, float* gates, bool normalize, float scale,
+                                           float* lse_out) {
   // Pick j is kept by lane j % width of the group (k <= 64 and k <= E, so at most two picks per
   // lane), and the group writes its k ids and gates at the end as k consecutive stores, with no
   // re-read of the gates to normalise them.
@@ -84,7 +147,7 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
     for (int i = 0; i < kPer; ++i) {
       const int64_t e = g.sub + static_cast<int64_t>(i) * g.width;
       cand.score[i] = e < E ? score_of(i, e) : 0.f;
-      cand.key[i] = e < E ? rank_key(rank_value(logit(i, e), cand.score[i]), e) : 0;
+      cand.key[i] = e < E && allowed(e) ? rank_key(rank(i, e), e) : 0;
     }
     cand.sort();
     const int base = (threadIdx.x % 32) & ~(g.width - 1);  // the group's first lane
@@ -94,13 +157,14 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
       emit(j, best_i, best);
     }
   } else {
-    float prev = 0.f;  // the previous pick's rank_value
+    float prev = 0.f;  // the previous pick's rank value
     int prev_i = -1;
     for (int j = 0; j < static_cast<int>(k); ++j) {
-      float best = 0.f;  // rank_value
+      float best = 0.f;
       int best_i = -1;
       for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
-        const float r = rank_value(logit(i, e), score_of(i, e));
+        if (!allowed(e)) return;
+        const float r = rank(i, e);
         if (j > 0 && !ranks_before(prev, prev_i, r, e)) return;
         if (ranks_before(r, e, best, best_i)) {
           best = r;
@@ -119,10 +183,49 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, const float* log
     const int j = g.sub + second * g.width;
     if (j < k) {
       ids[t * k + j] = kept_id[second];
-      gates[t * k + j] = normalize ? kept_gate[second] / norm : kept_gate[second];
+      gates[t * k + j] = (normalize ? kept_gate[second] / norm : kept_gate[second]) * scale;
     }
   }
   if (g.sub == 0) lse_out[t] = lse;
+}
+
+// One token per group of lanes (routing/token_group.cuh). Pick j is the group's best expert
+// (by rank_value: the logit, or a NaN score) among those ranked after pick j - 1 (the CPU
+// engine's top_k): no taken-list, no shared memory,
+// and every lane of the group agrees on each pick. With the scores in registers (kPer > 0) each
+// lane sorts its experts' rank keys once and a pick is one integer maximum over the group
+// (SortedCandidates: the same order as ranks_before; measured in perf/NOTES.md); the pick's score
+// comes from its lane, bit for bit. The group's lane 0 writes the raw scores as gates, then
+// rescales its own writes when normalising. kOptions: an expert bias (experts ranked by biased
+// selection values) or a group limit (experts of closed groups never picked).
+template <int kPer, bool kOptions>
+__global__ void route_tokens_kernel(ScoreFn fn, bool normalize, RouteOptions opt, const float* logits, int64_t L,
+                                    int64_t E, int64_t k, int width, int32_t* ids, float* gates, float* lse_out) {
+  extern __shared__ uint64_t route_group_keys[];  // a group limit: [tokens per block][groups]
+  const TokenGroup g = token_group(L, width, kWarpsPerBlock);
+  if (!__any_sync(0xffffffffu, g.live)) return;  // the whole warp past the last token
+  const float* row = logits + (g.live ? g.token : 0) * E;  // a dead group's lanes read nothing
+  const auto logit = lane_values<kPer>(g, E, [=](int, int64_t e) { return g.live ? row[e] : 0.f; });
+  const float lse = group_lse<kPer>(g, E, logit);
+  const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
+  const int64_t t = g.token;
+  // Without options the value ranked is rank_value (the logit); with a bias, the biased
+  // selection value; closed groups' experts are left out.
+  auto rank_of = [&](int i, int64_t e) { return rank_value(logit(i, e), score_of(i, e)); };
+  auto open = [](int64_t) { return true; };
+  if constexpr (kOptions) {
+    const auto value = selection_values<kPer>(g, fn, opt.bias, E, logit);
+    uint64_t cut = 0;
+    const bool limited = opt.keep > 0 && opt.keep < opt.groups;
+    uint64_t* key = route_group_keys + (threadIdx.x / width) * (limited ? opt.groups : 0);
+    if (limited) cut = group_cut<kPer>(g, E, opt.groups, opt.keep, value, key);
+    const int size = static_cast<int>(E / opt.groups);
+    auto open_group = [=](int64_t e) { return !limited || key[static_cast<int>(e) / size] >= cut; };
+    auto biased = [&](int i, int64_t e) { return opt.bias ? value(i, e) : rank_value(logit(i, e), score_of(i, e)); };
+    pick_top_k<kPer>(g, fn, E, k, row, lse, score_of, biased, open_group, t, ids, gates, normalize, opt.scale, lse_out);
+  } else {
+    pick_top_k<kPer>(g, fn, E, k, row, lse, score_of, rank_of, open, t, ids, gates, normalize, opt.scale, lse_out);
+  }
 }
 
 // partial[c * E + e] = sum of scores of expert e over token chunk c; partial_lse[c] = sum lse^2.
@@ -184,19 +287,170 @@ __global__ void loss_finish_kernel(double aux_coeff, double z_coeff, int64_t L, 
   }
 }
 
+// ---- the sequence-wise balance loss (routing/router.cpp, sequence_balance_loss) ----
+
+// The sequence holding token t: the last q with starts[q] <= t.
+__device__ __forceinline__ int64_t sequence_of(const SequenceBalance& sb, int64_t t) {
+  int64_t lo = 0, hi = sb.count - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (sb.starts[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// The first position of expert e's range whose token is >= t (tokens ascend within a range).
+__device__ __forceinline__ int64_t first_token_at(const int32_t* tokens, int64_t lo, int64_t hi, int64_t t) {
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (tokens[mid] < t) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// n_qe: expert e's picks among tokens [a, b), from the plan by two binary searches. The range
+// is clamped to [0, L k], so a saved plan's bytes never send a read out of bounds.
+__device__ __forceinline__ int64_t picks_in(const SequenceBalance& sb, int64_t e, int64_t a, int64_t b) {
+  const int64_t lo = min(max(static_cast<int64_t>(sb.offsets[e]), int64_t{0}), sb.picks);
+  const int64_t hi = min(max(static_cast<int64_t>(sb.offsets[e + 1]), lo), sb.picks);
+  return first_token_at(sb.expert_tokens, lo, hi, b) - first_token_at(sb.expert_tokens, lo, hi, a);
+}
+
+// A block's tokens mostly lie in one sequence: the picks of the sequence holding the block's
+// first token are counted once into shared memory (for E <= kSharedCountsMax), and a token of
+// that sequence reads them there instead of searching the plan per expert.
+constexpr int64_t kSharedCountsMax = 4096;
+struct BlockCounts {
+  const int32_t* count = nullptr;  // [E] in shared memory, or null
+  int64_t a = -1;                  // the sequence's first token
+  __device__ __forceinline__ int64_t picks(const SequenceBalance& sb, int64_t e, int64_t qa, int64_t qb) const {
+    return count && qa == a ? count[e] : picks_in(sb, e, qa, qb);
+  }
+};
+// Every thread of the block calls it, before any returns (it synchronises the block).
+__device__ __forceinline__ BlockCounts block_counts(const SequenceBalance& sb, int64_t first, int64_t E, int32_t* smem) {
+  BlockCounts c;
+  if (sb.count == 0 || E > kSharedCountsMax) return c;
+  const int64_t q = sequence_of(sb, first), a = sb.starts[q], b = sb.starts[q + 1];
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) smem[e] = static_cast<int32_t>(picks_in(sb, e, a, b));
+  __syncthreads();
+  c.count = smem;
+  c.a = a;
+  return c;
+}
+size_t block_counts_bytes(const SequenceBalance& sb, int64_t E) {
+  return sb.count > 0 && E <= kSharedCountsMax ? sizeof(int32_t) * static_cast<size_t>(E) : 0;
+}
+
+// starts[0..B] from the lengths: one block, a chunk of lengths per thread, then a block scan of
+// the chunk sums. A length outside [1, L] (clamped there, so starts stay increasing) or a sum
+// other than L sets kSequenceLengthsInvalid.
+constexpr int kStartsThreads = 1024;
+__global__ void sequence_starts_kernel(const char* len, bool i64, int64_t stride, int64_t B, int64_t L, int64_t* starts,
+                                       int32_t* flag) {
+  __shared__ int64_t scan[kStartsThreads];
+  const int64_t per = (B + kStartsThreads - 1) / kStartsThreads;
+  const int64_t q0 = min(B, threadIdx.x * per), q1 = min(B, q0 + per);
+  auto length = [&](int64_t q) {
+    return i64 ? reinterpret_cast<const int64_t*>(len)[q * stride] : reinterpret_cast<const int32_t*>(len)[q * stride];
+  };
+  bool bad = false;
+  int64_t sum = 0;
+  for (int64_t q = q0; q < q1; ++q) {
+    const int64_t v = length(q);
+    bad |= v < 1 || v > L;
+    sum += min(max(v, int64_t{1}), max(L, int64_t{1}));
+  }
+  scan[threadIdx.x] = sum;
+  __syncthreads();
+  for (int o = 1; o < kStartsThreads; o *= 2) {
+    const int64_t add = threadIdx.x >= o ? scan[threadIdx.x - o] : 0;
+    __syncthreads();
+    scan[threadIdx.x] += add;
+    __syncthreads();
+  }
+  int64_t at = scan[threadIdx.x] - sum;
+  for (int64_t q = q0; q < q1; ++q) {
+    starts[q] = at;
+    at += min(max(length(q), int64_t{1}), max(L, int64_t{1}));
+  }
+  if (threadIdx.x == kStartsThreads - 1) {
+    starts[B] = scan[threadIdx.x];
+    bad |= scan[threadIdx.x] != L;
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(flag, kSequenceLengthsInvalid);
+}
+
+// terms[t] = E / (k T_q^2) sum_e n_qe s'_te for token t of sequence q (s' = s, or s / S_t for
+// sigmoid), one token per group of lanes; the loss is coeff / B times their sum.
+template <int kPer>
+__global__ void sequence_terms_kernel(ScoreFn fn, const float* logits, const float* lse, int64_t L, int64_t E,
+                                      int64_t k, int width, SequenceBalance sb, double* terms) {
+  extern __shared__ int32_t terms_counts[];
+  const BlockCounts counts =
+      block_counts(sb, static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock * (32 / width), E, terms_counts);
+  const TokenGroup g = token_group(L, width, kWarpsPerBlock);
+  if (!__any_sync(0xffffffffu, g.live)) return;
+  const int64_t t = g.live ? g.token : 0;
+  const float* row = logits + t * E;
+  const float lt = lse[t];
+  const auto score_of = lane_values<kPer>(g, E, [=](int, int64_t e) { return score(fn, row[e], lt); });
+  double S = 0.0;
+  if (fn == ScoreFn::kSigmoid) {
+    for_each_expert<kPer>(g, E, [&](int i, int64_t e) { S += static_cast<double>(score_of(i, e)); });
+    S = group_sum(S, g.width);
+  }
+  const float Sf = static_cast<float>(S);
+  const int64_t q = sequence_of(sb, t), a = sb.starts[q], b = sb.starts[q + 1];
+  double acc = 0.0;
+  for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
+    const float s = fn == ScoreFn::kSigmoid ? score_of(i, e) / Sf : score_of(i, e);
+    acc += static_cast<double>(counts.picks(sb, e, a, b)) * static_cast<double>(s);
+  });
+  acc = group_sum(acc, g.width);
+  const double T = static_cast<double>(b - a);
+  if (g.live && g.sub == 0) terms[t] = acc * static_cast<double>(E) / (static_cast<double>(k) * T * T);
+}
+
+// *aux_out = coeff / B * sum_t terms[t], summed in a fixed order (a strided pass per thread,
+// then a tree); NaN when the lengths were flagged.
+constexpr int kTermThreads = 1024;
+__global__ void sequence_loss_finish_kernel(double coeff, int64_t B, int64_t L, const double* terms, const int32_t* flag,
+                                            float* aux_out) {
+  __shared__ double red[kTermThreads];
+  double acc = 0.0;
+  for (int64_t t = threadIdx.x; t < L; t += kTermThreads) acc += terms[t];
+  red[threadIdx.x] = acc;
+  __syncthreads();
+  for (int o = kTermThreads / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0)
+    *aux_out = (*flag & kSequenceLengthsInvalid) ? NAN
+               : B > 0                              ? static_cast<float>(coeff * red[0] / static_cast<double>(B))
+                                                    : 0.f;
+}
+
 // One token per group of lanes (routing/token_group.cuh). The group's lanes load the token's k
 // picks side by side into shared memory (pick ids, their scores, then the gradient each pick
 // passes on); lane 0 sums them in pick order, as the CPU engine does.
 template <int kPer>
-__global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coeff, float z_coeff, const float* logits,
-                                       int64_t rows, int64_t L, int64_t E, int64_t k, int width, const int32_t* ids,
-                                       const float* dgates, const float* grad_aux, const float* grad_z,
-                                       const int32_t* offsets, float* dlogits) {
-  extern __shared__ float picks_smem[];  // [tokens per block][k] ids, then [tokens per block][k] values
+__global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coeff, float z_coeff, float scale,
+                                       const float* logits, int64_t rows, int64_t L, int64_t E, int64_t k, int width,
+                                       const int32_t* ids, const float* dgates, const float* grad_aux,
+                                       const float* grad_z, const int32_t* offsets, SequenceBalance sb,
+                                       float* dlogits) {
+  // [tokens per block][k] ids, then [tokens per block][k] values, then BlockCounts' [E]
+  extern __shared__ float picks_smem[];
+  const int tokens_per_block = kWarpsPerBlock * (32 / width);
+  const BlockCounts counts = block_counts(sb, sb.t0 + static_cast<int64_t>(blockIdx.x) * tokens_per_block, E,
+                                          reinterpret_cast<int32_t*>(picks_smem + 2 * tokens_per_block * k));
   const TokenGroup g = token_group(rows, width, kWarpsPerBlock);
   if (!__any_sync(0xffffffffu, g.live)) return;
   const int64_t t = g.token;
-  const int tokens_per_block = kWarpsPerBlock * (32 / width);
   const int slot = static_cast<int>(threadIdx.x / width);  // the group's token within the block
   int* sel = reinterpret_cast<int*>(picks_smem) + slot * k;
   float* dsel = picks_smem + tokens_per_block * k + slot * k;
@@ -216,19 +470,48 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
       dsel[j] = score(fn, row[id], lse);
     }
   __syncwarp();
-  if (g.live && g.sub == 0) {
+  if (g.live && g.sub == 0) {  // the gates are scale * (renormalised) scores: d gates times the scale first
     float norm = 0.f, dot = 0.f;
     for (int64_t j = 0; j < k; ++j) norm += dsel[j];
-    for (int64_t j = 0; j < k; ++j) dot += dgates[t * k + j] * (dsel[j] / norm);
-    for (int64_t j = 0; j < k; ++j) dsel[j] = normalize ? (dgates[t * k + j] - dot) / norm : dgates[t * k + j];
+    for (int64_t j = 0; j < k; ++j) dot += dgates[t * k + j] * scale * (dsel[j] / norm);
+    for (int64_t j = 0; j < k; ++j)
+      dsel[j] = normalize ? (dgates[t * k + j] * scale - dot) / norm : dgates[t * k + j] * scale;
   }
   __syncwarp();
+  // The sequence-wise balance loss (sb.count > 0) in place of the batch-wise one: d aux / d s_te
+  // = c n_qe for token t of sequence q, through s' = s / S_t for sigmoid (routing/router.cpp,
+  // sequence_balance_backward).
+  const bool by_sequence = sb.count > 0 && aux_coeff > 0.f;
+  double seq_c = 0.0, seq_S = 1.0, seq_dot = 0.0;
+  int64_t qa = 0, qb = 0;
+  if (by_sequence) {
+    const int64_t q = sequence_of(sb, sb.t0 + t);
+    qa = sb.starts[q];
+    qb = sb.starts[q + 1];
+    const double T = static_cast<double>(qb - qa);
+    seq_c = static_cast<double>(aux_coeff) * gaux * static_cast<double>(E) / (static_cast<double>(sb.count) * k * T * T);
+    if (fn == ScoreFn::kSigmoid) {
+      double S = 0.0;
+      for_each_expert<kPer>(g, E, [&](int i, int64_t e) { S += static_cast<double>(score_of(i, e)); });
+      seq_S = group_sum(S, g.width);
+      for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
+        seq_dot += static_cast<double>(counts.picks(sb, e, qa, qb)) * (score_of(i, e) / seq_S);
+      });
+      seq_dot = group_sum(seq_dot, g.width);
+    }
+  }
+  auto seq_ds = [&](int64_t e) {
+    const double n = static_cast<double>(counts.picks(sb, e, qa, qb));
+    return static_cast<float>(fn == ScoreFn::kSoftmax ? seq_c * n : seq_c * (n - seq_dot) / seq_S);
+  };
   // ds_e = selected contribution + aux term. Softmax: dl = s (ds' - <s, ds'>) with ds shifted
   // by its value at the top score (shift-invariant, and no fp32 cancellation when that score
   // is near 1); the top score is found under the ranking rule of routing/score_order.hpp.
   auto ds_of = [&](int64_t e) {
     if (!g.live) return 0.f;  // a dead group's picks were never loaded
-    float ds = aux_coeff > 0.f ? aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]) : 0.f;
+    float ds = by_sequence          ? seq_ds(e)
+               : aux_coeff > 0.f ? aux_scale * static_cast<float>(offsets[e + 1] - offsets[e])
+                                 : 0.f;
     for (int64_t j = 0; j < k; ++j) ds += sel[j] == e ? dsel[j] : 0.f;
     return ds;
   };
@@ -342,17 +625,25 @@ void split_bf16_pair_cuda(const float* src, int64_t rows, int64_t cols, void* ou
   MOEBLAZE_CUDA_LAUNCH_CHECK("split_bf16_pair");
 }
 
-void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, int32_t* ids, float* gates, float* lse,
-                       cudaStream_t s) {
+void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, const float* bias, int32_t* ids,
+                       float* gates, float* lse, cudaStream_t s) {
   if (L == 0) return;
   const int64_t E = cfg.num_experts;
-  const int width = token_group_width(E);
-  const unsigned blocks = blocks_for(L, kWarpsPerBlock * (32 / width));
+  const int width = token_group_width(E), tokens_per_block = kWarpsPerBlock * (32 / width);
+  const unsigned blocks = blocks_for(L, tokens_per_block);
+  const RouteOptions opt{bias, cfg.num_expert_groups, cfg.topk_groups, static_cast<float>(cfg.route_scale)};
+  const bool limited = opt.keep > 0 && opt.keep < opt.groups;
+  const bool options = bias || limited;
+  const size_t smem = limited ? sizeof(uint64_t) * static_cast<size_t>(tokens_per_block * opt.groups) : 0;
   auto launch = [&](auto kernel) {
-    kernel<<<blocks, 32 * kWarpsPerBlock, 0, s>>>(cfg.score_fn, cfg.normalize_topk, logits, L, E, cfg.top_k, width, ids,
-                                                  gates, lse);
+    kernel<<<blocks, 32 * kWarpsPerBlock, smem, s>>>(cfg.score_fn, cfg.normalize_topk, opt, logits, L, E, cfg.top_k,
+                                                     width, ids, gates, lse);
   };
-  with_experts_per_lane(experts_per_lane(E, width), [&](auto per) { launch(route_tokens_kernel<decltype(per)::value>); });
+  with_experts_per_lane(experts_per_lane(E, width), [&](auto per) {
+    constexpr int kPer = decltype(per)::value;
+    if (options) launch(route_tokens_kernel<kPer, true>);
+    else launch(route_tokens_kernel<kPer, false>);
+  });
   MOEBLAZE_CUDA_LAUNCH_CHECK("route_tokens");
 }
 
@@ -378,18 +669,43 @@ void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float
 
 void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t rows, int64_t L, const int32_t* ids,
                           const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
-                          float* dlogits, cudaStream_t s) {
+                          const SequenceBalance& sb, float* dlogits, cudaStream_t s) {
   if (rows == 0) return;
   const int64_t E = cfg.num_experts, k = cfg.top_k;
   const int width = token_group_width(E), tokens_per_block = kWarpsPerBlock * (32 / width);
-  const size_t smem = 2 * sizeof(float) * static_cast<size_t>(tokens_per_block * k);  // <= 4 KB (k <= min(E, 64))
+  const size_t smem = 2 * sizeof(float) * static_cast<size_t>(tokens_per_block * k)  // <= 4 KB (k <= min(E, 64))
+                      + block_counts_bytes(sb, E);                                     // <= 16 KB
   auto launch = [&](auto kernel) {
     kernel<<<blocks_for(rows, tokens_per_block), 32 * kWarpsPerBlock, smem, s>>>(
         cfg.score_fn, cfg.normalize_topk, static_cast<float>(cfg.aux_loss_coeff), static_cast<float>(cfg.z_loss_coeff),
-        logits, rows, L, E, k, width, ids, dgates, grad_aux, grad_z, offsets, dlogits);
+        static_cast<float>(cfg.route_scale), logits, rows, L, E, k, width, ids, dgates, grad_aux, grad_z, offsets, sb,
+        dlogits);
   };
   with_experts_per_lane(experts_per_lane(E, width), [&](auto per) { launch(router_backward_kernel<decltype(per)::value>); });
   MOEBLAZE_CUDA_LAUNCH_CHECK("router_backward");
+}
+
+void sequence_starts_cuda(const View& lengths, int64_t L, int64_t* starts, int32_t* flag, cudaStream_t s) {
+  sequence_starts_kernel<<<1, kStartsThreads, 0, s>>>(lengths.data, lengths.dtype == DType::kI64, lengths.stride[0],
+                                                      lengths.shape[0], L, starts, flag);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("sequence_starts");
+}
+
+void sequence_balance_loss_cuda(const LayerConfig& cfg, const float* logits, const float* lse, int64_t L,
+                                const SequenceBalance& sb, double* terms, const int32_t* flag, float* aux_out,
+                                cudaStream_t s) {
+  if (!aux_out) return;
+  const int64_t E = cfg.num_experts;
+  const int width = token_group_width(E), tokens_per_block = kWarpsPerBlock * (32 / width);
+  if (L > 0)
+    with_experts_per_lane(experts_per_lane(E, width), [&](auto per) {
+      sequence_terms_kernel<decltype(per)::value><<<blocks_for(L, tokens_per_block), 32 * kWarpsPerBlock,
+                                                    block_counts_bytes(sb, E), s>>>(
+          cfg.score_fn, logits, lse, L, E, cfg.top_k, width, sb, terms);
+    });
+  MOEBLAZE_CUDA_LAUNCH_CHECK("sequence_terms");
+  sequence_loss_finish_kernel<<<1, kTermThreads, 0, s>>>(cfg.aux_loss_coeff, sb.count, L, terms, flag, aux_out);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("sequence_loss_finish");
 }
 
 void import_routing_cuda(const View& ids, const View& w, int64_t L, int64_t k, int64_t E, bool empty_slots,

@@ -23,10 +23,18 @@ void logits_to_f32_cuda(const View& logits, int64_t L, int64_t E, float* out, cu
 // (K doubled) sums hi + lo to about 16 significant bits instead of bf16's 8.
 void split_bf16_pair_cuda(const float* src, int64_t rows, int64_t cols, void* out, cudaStream_t s);
 
+// The routing options a top-k kernel applies (docs/routing.md).
+struct RouteOptions {
+  const float* bias;  // [E] expert score bias (selection only), or null
+  int64_t groups;     // expert groups (NUM_EXPERT_GROUPS)
+  int64_t keep;       // open groups (TOPK_GROUPS; 0 or groups: no limit)
+  float scale;        // ROUTE_SCALE, times the gates
+};
 // Per token: scores, top-k (ties to the lower id), gates; writes ids/gates (token order) and
-// lse[t]. One warp per token.
-void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, int32_t* ids, float* gates,
-                       float* lse, cudaStream_t s);
+// lse[t]. One warp per token. bias: EXPERT_BIAS [E] fp32, or null; groups and the route scale
+// from cfg. The picks are the CPU engine's, bit for bit (routing/selection.hpp).
+void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, const float* bias, int32_t* ids,
+                       float* gates, float* lse, cudaStream_t s);
 
 constexpr int64_t kLossChunkCuda = 256;
 // Scratch floats for router_losses_cuda: ceil(L / 256) * (E + 1).
@@ -35,13 +43,34 @@ size_t router_loss_scratch_floats(int64_t L, int64_t E);
 void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float* lse, int64_t L,
                         const int32_t* offsets, float* scratch, float* aux_out, float* z_out, cudaStream_t s);
 
+// The sequence-wise balance loss on the device (docs/routing.md, SEQUENCE_LENGTHS): the
+// sequences' token starts, and the plan's per-expert token lists, from which each sequence's
+// picks of an expert come by binary search (no [B, E] table, whatever B).
+struct SequenceBalance {
+  const int64_t* starts = nullptr;         // [count + 1]
+  int64_t count = 0;                       // B; 0: the batch-wise loss
+  const int32_t* expert_tokens = nullptr;  // plan.expert_token_indices
+  const int32_t* offsets = nullptr;        // plan.expert_token_offsets
+  int64_t picks = 0;                       // L k
+  int64_t t0 = 0;                          // backward: the window's first token
+};
+// starts [B + 1] from SEQUENCE_LENGTHS (i32/i64 [B], 1 <= B <= L checked by the caller); a length
+// outside [1, L] or a sum other than L sets routing::kSequenceLengthsInvalid in *flag.
+void sequence_starts_cuda(const View& lengths, int64_t L, int64_t* starts, int32_t* flag, cudaStream_t s);
+// AUX_LOSS as the sequence-wise loss (fp32 device scalar; NaN when the lengths were flagged),
+// deterministic. terms: [L] doubles of scratch.
+void sequence_balance_loss_cuda(const LayerConfig& cfg, const float* logits, const float* lse, int64_t L,
+                                const SequenceBalance& sb, double* terms, const int32_t* flag, float* aux_out,
+                                cudaStream_t s);
+
 // d logits [rows, E] fp32 from dgates (token order), aux/z gradient scalars (device pointers, or
 // null for 1.0) and the expert offsets, for `rows` consecutive tokens of a call of L tokens
 // (the losses are means over the call: a window of its tokens passes its own rows and the
 // call's L; logits, ids, dgates and dlogits point at the window's first token). One warp per token.
+// sb.count > 0: the sequence-wise balance loss's gradient in place of the batch-wise one's.
 void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t rows, int64_t L, const int32_t* ids,
                           const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
-                          float* dlogits, cudaStream_t s);
+                          const SequenceBalance& sb, float* dlogits, cudaStream_t s);
 
 // Caller routing: ids (i32/i64 strided) -> int32 token_expert_indices, gates -> fp32. Bad ids
 // (out of range or repeated within a token) set *error_flag to 1 and are replaced by a safe id

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "routing/score_order.hpp"
+#include "routing/selection.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -25,11 +26,7 @@ struct TokenGroup {
 };
 
 // Lanes per token for E experts.
-inline int token_group_width(int64_t E) {
-  int w = 1;
-  while (w < 32 && w < E) w *= 2;
-  return w;
-}
+inline int token_group_width(int64_t E) { return selection_lanes(E); }
 
 // Experts cached per lane: 1, 2, 4 or 8, or 0 (E > 32 * kMaxExpertsPerLane: read on each use).
 inline int experts_per_lane(int64_t E, int width) {
@@ -125,15 +122,23 @@ struct SortedCandidates {
   __device__ __forceinline__ uint64_t pop(int width, int base, float& s) {
     const uint64_t best = group_max_key(key[0], width);
     s = __shfl_sync(0xffffffffu, score[0], base + rank_key_id(best) % width);
-    if (key[0] == best) {
-#pragma unroll
-      for (int i = 0; i + 1 < kPer; ++i) {
-        key[i] = key[i + 1];
-        score[i] = score[i + 1];
-      }
-      key[kPer - 1] = 0;
-    }
+    drop(best);
     return best;
+  }
+  // The same without the score.
+  __device__ __forceinline__ uint64_t pop_key(int width) {
+    const uint64_t best = group_max_key(key[0], width);
+    drop(best);
+    return best;
+  }
+  __device__ __forceinline__ void drop(uint64_t best) {
+    if (key[0] != best) return;
+#pragma unroll
+    for (int i = 0; i + 1 < kPer; ++i) {
+      key[i] = key[i + 1];
+      score[i] = score[i + 1];
+    }
+    key[kPer - 1] = 0;
   }
 };
 

@@ -20,6 +20,7 @@
 #include "cuda/saved_header_cuda.hpp"
 #include "gemm/cublaslt.hpp"
 #include "experts/expert_cuda.hpp"
+#include "cuda/async_status.hpp"
 #include "engines/cuda_router.hpp"
 #include "routing/plan_check_cuda.hpp"
 #include "routing/router_cuda.hpp"
@@ -163,6 +164,13 @@ HostState CublasLtEngine::sync_host(const RoutingPlan& plan, const CublasLtWork&
   return h;
 }
 
+// The device's verdict on SEQUENCE_LENGTHS, read at the engine's sync before any output is written.
+void check_sequence_flag(int32_t error_flag) {
+  if (error_flag & routing::kSequenceLengthsInvalid)
+    fail(Status::kInvalidArgument,
+         "SEQUENCE_LENGTHS holds a length outside [1, tokens] or does not sum to the call's tokens; nothing was written");
+}
+
 // Calls fn(e, first position, rows) for every expert with tokens.
 template <class F>
 void for_each_expert(const std::vector<int32_t>& off, int64_t E, F&& fn) {
@@ -210,7 +218,7 @@ void CublasLtEngine::route(const CallArgs& a, void* ws, void* stream) const {
   CublasLtWork w = carve(Pass::kRoute, a.num_tokens, ws);
   router_->route_and_plan(a, w.plan, w.router, s);
   router_->write_outputs(a, w.plan, w.router, s);
-  report_ok(a, s);
+  cuda::write_status(w.router.error_flag, a.status, s);  // SEQUENCE_LENGTHS, checked on the device
 }
 
 void CublasLtEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const {
@@ -236,6 +244,7 @@ void CublasLtEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved
   if (host.error_flag & routing::kCallerIdsInvalid)
     fail(Status::kInvalidArgument, "TOPK_INDICES holds an expert id outside [0, %lld) or repeated within a token; nothing was written",
          static_cast<long long>(E));
+  check_sequence_flag(host.error_flag);
   router_->write_outputs(a, plan, w.router, s);
 
   char* pre = static_cast<char*>(sv.preact ? sv.preact : w.pre);
@@ -270,7 +279,9 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
   // that follows an index in it is enqueued.
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.router.error_flag, 0, sizeof(int32_t), s));
   routing::validate_plan_cuda(plan, L, k, E, cfg_.empty_slots, w.router.error_flag, s);
+  router_->sequence_starts(a, w.router, s);
   const HostState host = sync_host(plan, w, sv.header, s);
+  check_sequence_flag(host.error_flag);
   check_saved_header(host.header, cfg_, L);
   if (host.error_flag & routing::kPlanInvalid)
     fail(Status::kInvalidArgument,

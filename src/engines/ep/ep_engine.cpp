@@ -57,6 +57,11 @@ LayerConfig local_config(const LayerConfig& g, int32_t P, int64_t R) {
   l.max_tokens = R;
   l.window_tokens = 0;
   l.aux_loss_coeff = l.z_loss_coeff = 0.0;
+  // Routing (groups, scale) is the EP router's, on the global configuration; the local
+  // experts take the gates it made.
+  l.num_expert_groups = 1;
+  l.topk_groups = 0;
+  l.route_scale = 1.0;
   l.empty_slots = true;
   l.ep_ranks = 1;
   return l;
