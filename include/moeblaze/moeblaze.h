@@ -387,7 +387,8 @@ typedef enum moeblaze_attr {
   /** i64 0..65536, default 0 (no limit): group-limited routing as DeepSeek-V3's. A token picks its
    *  experts only from its TOPK_GROUPS best groups, a group's score being the sum of its two best
    *  selection scores. Create requires TOPK_GROUPS <= NUM_EXPERT_GROUPS and
-   *  TOPK_GROUPS * (NUM_EXPERTS / NUM_EXPERT_GROUPS) >= TOP_K. @since 0.2 */
+   *  TOPK_GROUPS * (NUM_EXPERTS / NUM_EXPERT_GROUPS) >= TOP_K; a CUDA layer with a group limit
+   *  takes at most 256 groups (more: NOT_SUPPORTED). @since 0.2 */
   MOEBLAZE_ATTR_TOPK_GROUPS = 26,
   /** f64 >= 0, default 1: multiplies the gates after any renormalisation (DeepSeek-V3's
    *  routed_scaling_factor). @since 0.2 */
@@ -807,7 +808,8 @@ typedef enum moeblaze_arg_kind {
   /** Optional expert score bias b [E], F32 (aux-loss-free balancing as DeepSeek-V3's): added to
    *  the scores to rank the experts, never to the gates, which come from the unbiased scores.
    *  For the library's routing only (refused with caller routing); backward accepts it and does
-   *  not read it. The CPU engine only, so far (CUDA engines: NOT_SUPPORTED). @since 0.2 */
+   *  not read it. Every engine picks the same experts with it, bit for bit (docs/routing.md).
+   *  @since 0.2 */
   MOEBLAZE_ARG_EXPERT_BIAS = 4,
   /** Expert up weights [E, d, g*h] (gate columns first, then up), WEIGHT_DTYPE. @since 0.1 */
   MOEBLAZE_ARG_W_GATE_UP = 5,
@@ -820,8 +822,12 @@ typedef enum moeblaze_arg_kind {
   /** Optional sequence lengths [B], I32 or I64, each >= 1, summing to the call's tokens: the
    *  tokens form B consecutive sequences, and AUX_LOSS is DeepSeek-V3's sequence-wise balance
    *  loss, averaged over them, instead of the batch-wise one (docs/routing.md). For the
-   *  library's routing; backward takes it again for the loss's gradient. The CPU engine only,
-   *  so far (CUDA engines: NOT_SUPPORTED). @since 0.2 */
+   *  library's routing; backward takes it again for the loss's gradient. B > L (or B = 0 with
+   *  tokens) is refused at once. On the CPU the lengths are checked before anything is written;
+   *  on a GPU they are device memory, checked on the device: the cuBLASLt engine then fails
+   *  the call with INVALID_ARGUMENT before writing an output, the fused engine (which never
+   *  syncs) reports INVALID_ARGUMENT through #MOEBLAZE_ARG_STATUS and fills its outputs and
+   *  AUX_LOSS with NaN. @since 0.2 */
   MOEBLAZE_ARG_SEQUENCE_LENGTHS = 9,
   /** Output y [L, d], ACTIVATION_DTYPE. Required by forward. @since 0.1 */
   MOEBLAZE_ARG_OUTPUT = 32,

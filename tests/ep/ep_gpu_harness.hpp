@@ -52,6 +52,11 @@ struct Case {
   bool f16 = false;      // fp16 activations and weights, else bf16
   int64_t engine = MOEBLAZE_ENGINE_AUTO;
   int64_t save_policy = MOEBLAZE_SAVE_PREACT;
+  // Routing options (docs/routing.md), routed by the EP router on every rank's own tokens.
+  int64_t groups = 1, keep = 0;  // NUM_EXPERT_GROUPS, TOPK_GROUPS
+  double route_scale = 1.0;
+  bool sigmoid = false;          // SCORE_FUNCTION
+  bool bias = false;             // an EXPERT_BIAS [E]
 };
 
 inline int64_t gated(const Case& c) {
@@ -65,6 +70,7 @@ struct Host {
   std::vector<uint16_t> x, dy, wgu, wd, wg;  // x, dy [L, d]; wgu [E, d, g h]; wd [E, h, d]; wg [E, d]
   std::vector<int32_t> ids;                   // [L, k]
   std::vector<float> gates;                   // [L, k]
+  std::vector<float> bias;                    // [E] expert score bias (Case::bias)
 };
 
 inline std::vector<uint16_t> random16(const Case& c, tu_rng* r, size_t n, double scale) {
@@ -127,7 +133,7 @@ struct Layer {
   moeblaze_handle_t h = nullptr;
   const Case* c = nullptr;
   int64_t L = 0, Eh = 0, gh = 0;
-  void *x, *dy, *wgu, *wd, *wg, *ids, *gates, *y, *dx, *dwgu, *dwd, *dwg, *dgates, *ws_f, *ws_b, *saved, *status;
+  void *x, *dy, *wgu, *wd, *wg, *ids, *gates, *bias, *y, *dx, *dwgu, *dwd, *dwg, *dgates, *ws_f, *ws_b, *saved, *status;
   void *y_inf, *ws_i, *route_ids, *route_gates, *ws_r;
   size_t ws_f_bytes = 0, ws_b_bytes = 0, saved_bytes = 0, ws_i_bytes = 0, ws_r_bytes = 0;
 
@@ -142,6 +148,7 @@ struct Layer {
     wg = to_device(in.wg.data(), in.wg.size() * 2);
     ids = to_device(in.ids.data(), in.ids.size() * 4);
     gates = to_device(in.gates.data(), in.gates.size() * 4);
+    bias = to_device(in.bias.data(), in.bias.size() * 4);
     y = poisoned(static_cast<size_t>(L * d * 2));
     dx = poisoned(static_cast<size_t>(L * d * 2));
     dwgu = poisoned(static_cast<size_t>(Eh * d * gh * 2));
@@ -182,6 +189,7 @@ struct Layer {
       f.push_back(arg(MOEBLAZE_ARG_TOPK_WEIGHTS, gates, kF32, sh, L, k));
     } else {
       f.push_back(arg(MOEBLAZE_ARG_ROUTER_WEIGHT, wg, t, sh, E, d));
+      if (c->bias) f.push_back(arg(MOEBLAZE_ARG_EXPERT_BIAS, bias, kF32, sh, E));
     }
     if (fwd_status) {
       *fwd_status = moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, f.data(), f.size(), ws_f, ws_f_bytes, saved,
@@ -222,6 +230,7 @@ struct Layer {
                                      arg(MOEBLAZE_ARG_OUTPUT, y_inf, t, sh, L, d),
                                      arg(MOEBLAZE_ARG_ROUTER_WEIGHT, wg, t, sh, E, d),
                                      arg(MOEBLAZE_ARG_STATUS, static_cast<int32_t*>(status) + 2, kI32, sh, -1)};
+    if (c->bias) f.push_back(arg(MOEBLAZE_ARG_EXPERT_BIAS, bias, kF32, sh, E));
     MB(moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_INFERENCE, f.data(), f.size(), ws_i, ws_i_bytes, nullptr, 0, s));
     Shapes sr;
     std::vector<moeblaze_arg_t> r = {arg(MOEBLAZE_ARG_INPUT, x, t, sr, L, d),
@@ -229,6 +238,7 @@ struct Layer {
                                      arg(MOEBLAZE_ARG_TOPK_INDICES, route_ids, kI32, sr, L, k),
                                      arg(MOEBLAZE_ARG_TOPK_WEIGHTS, route_gates, kF32, sr, L, k),
                                      arg(MOEBLAZE_ARG_STATUS, static_cast<int32_t*>(status) + 3, kI32, sr, -1)};
+    if (c->bias) r.push_back(arg(MOEBLAZE_ARG_EXPERT_BIAS, bias, kF32, sr, E));
     MB(moeblaze_route(h, r.data(), r.size(), ws_r, ws_r_bytes, s));
   }
   Run results() const {
@@ -249,7 +259,7 @@ struct Layer {
     r->status = to_host<int32_t>(status, 4);
   }
   void release() {
-    for (void* p : {x, dy, wgu, wd, wg, ids, gates, y, dx, dwgu, dwd, dwg, dgates, ws_f, ws_b, saved, status, y_inf, ws_i,
+    for (void* p : {x, dy, wgu, wd, wg, ids, gates, bias, y, dx, dwgu, dwd, dwg, dgates, ws_f, ws_b, saved, status, y_inf, ws_i,
                     route_ids, route_gates, ws_r})
       cudaFree(p);
     moeblaze_destroy(h);
@@ -273,6 +283,10 @@ inline moeblaze_config_t config(const Case& c, int64_t max_tokens, int device, i
   MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SAVE_POLICY, c.save_policy));
   MB(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, storage(c)));
   MB(moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, storage(c)));
+  MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERT_GROUPS, c.groups));
+  MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOPK_GROUPS, c.keep));
+  MB(moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_ROUTE_SCALE, c.route_scale));
+  MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SCORE_FUNCTION, c.sigmoid ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX));
   return cfg;
 }
 
@@ -334,6 +348,8 @@ inline Problem make_problem(const Case& cs, int P, uint64_t seed) {
   all.wgu = random16(cs, &rng, static_cast<size_t>(E * d * gh), 1.0 / std::sqrt(static_cast<double>(d)));
   all.wd = random16(cs, &rng, static_cast<size_t>(E * cs.h * d), 1.0 / std::sqrt(static_cast<double>(cs.h)));
   all.wg = random16(cs, &rng, static_cast<size_t>(E * d), 1.0 / std::sqrt(static_cast<double>(d)));
+  all.bias.resize(static_cast<size_t>(E));
+  for (auto& b : all.bias) b = static_cast<float>(0.05 * tu_rng_normal(&rng));
   all.ids.resize(static_cast<size_t>(total * k));
   all.gates.resize(static_cast<size_t>(total * k));
   for (int64_t t = 0; t < total; ++t) {

@@ -105,6 +105,9 @@ int main() {
       // GELU (not gated) on the cuBLASLt engine, bf16, caller routing skewed onto rank 0.
       {"gelu-cublaslt-ids", 2LL * P, 2, 128, 128, MOEBLAZE_ACTIVATION_GELU, true, {77, 300, 12, 0, 190, 5, 64, 33}, 0,
        false, MOEBLAZE_ENGINE_CUDA_CUBLASLT},
+      // DeepSeek-V3's routing: sigmoid, an expert bias, 2 of 4 expert groups, route scale 2.5.
+      {"deepseek-routing", 8LL * P, 4, 128, 64, MOEBLAZE_ACTIVATION_SWIGLU, false, {250, 99, 300, 0, 64, 128, 17, 200},
+       0, false, MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 4, 2, 2.5, true, true},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) run_case(cases[i], P, comms.data(), seed + i);
   refusals(cases[0], P, comms.data());

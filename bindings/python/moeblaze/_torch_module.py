@@ -12,7 +12,7 @@ Parameters:
     engine: no copy per call.
 Initialised as ``nn.Linear`` does (uniform in +-1/sqrt(fan_in)).
 
-Routing options of current models (docs/routing.md; the CPU engine only so far):
+Routing options of current models (docs/routing.md; every engine):
 ``num_expert_groups`` and ``topk_groups`` (group-limited top-k), ``route_scale``, and
 ``expert_bias=True``, which adds a buffer ``expert_bias`` [E] (fp32) added to the scores for
 selection only, and a buffer ``tokens_per_expert`` [E] that forward accumulates the routed
@@ -167,7 +167,7 @@ class MoELayer(torch.nn.Module):
         """``x`` [..., d] -> ``(y, aux_loss, z_loss)``. ``sequence_lengths`` (int tensor [B] on x's
         device, summing to the tokens) makes the balance loss DeepSeek-V3's sequence-wise form
         over those consecutive sequences; with ``balance_per_sequence=True`` a ``[batch, seq, d]``
-        input gives ``[seq] * batch`` (docs/routing.md; the CPU engine only so far)."""
+        input gives ``[seq] * batch`` (docs/routing.md)."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError("MoELayer: x has %d features, the layer %d" % (x.shape[-1], self.hidden_size))
         lead = x.shape[:-1]
@@ -505,8 +505,7 @@ class MoELayer(torch.nn.Module):
         by ``route_scale``, group-limited when ``num_expert_groups`` is set (``num_limited_groups``
         groups kept: the same rule as this library's), and a non-zero expert bias
         (``expert_bias_E`` or ``expert_bias``) as the layer's ``expert_bias``. A zero bias (a
-        fresh model) is taken only with ``expert_bias=True``. The scale, the groups and the bias
-        run on the CPU engine so far.
+        fresh model) is taken only with ``expert_bias=True``.
 
         Refused, with the reason (ValueError): ``score_before_experts`` (torchtitan then
         multiplies the expert's input by the gate; this layer multiplies its output, which

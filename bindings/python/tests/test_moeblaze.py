@@ -1441,10 +1441,24 @@ class TestTorchCuda(unittest.TestCase):
         finally:
             moe.close()
 
-    def _fused_layer(self, torch, MoELayer, layout):
+    def test_routing_options_fused_and_compiled(self):
+        """DeepSeek-V3's routing (sigmoid, an expert bias, 2 of 4 expert groups, route scale 2.5,
+        the sequence-wise balance loss) on the fused engine: against the CPU engine, and under
+        torch.compile's CUDA graphs."""
+        torch = self.torch
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        self._fused_layer(torch, MoELayer, "in_out", score_function="sigmoid", normalize_topk=1,
+                          num_expert_groups=4, topk_groups=2, route_scale=2.5, expert_bias=True,
+                          aux_loss_coeff=0.01, balance_per_sequence=True)
+
+    def _fused_layer(self, torch, MoELayer, layout, **options):
         kw = dict(hidden_size=256, ffn_hidden_size=128, num_experts=16, top_k=4, max_tokens=512,
-                  weight_layout=layout)
+                  weight_layout=layout, **options)
         layer = MoELayer(dtype=torch.bfloat16, device="cuda", engine=moeblaze.Engine.CUDA_FUSED, **kw)
+        if options.get("expert_bias"):
+            with torch.no_grad():
+                layer.expert_bias.normal_(0.0, 0.05)
         cpu = MoELayer(dtype=torch.float32, device="cpu", **kw)
         cpu.load_state_dict({k: v.float().cpu() for k, v in layer.state_dict().items()})
         x = torch.randn(2, 100, 256, device="cuda").to(torch.bfloat16)
