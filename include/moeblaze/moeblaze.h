@@ -287,6 +287,18 @@ typedef enum moeblaze_score_fn {
   MOEBLAZE_SCORE__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_score_fn_t;
 
+/** @brief Normalisation of the batch-wise balance loss (value of #MOEBLAZE_ATTR_AUX_LOSS_FORM;
+ *  docs/routing.md compares the libraries' definitions). @since 0.2 */
+typedef enum moeblaze_aux_loss_form {
+  /** AUX_LOSS_COEFF * E * sum_e f_e P_e, f_e the fraction of the L k picks that went to e:
+   *  Switch Transformer's and Megatron-Core's form. */
+  MOEBLAZE_AUX_LOSS_SWITCH = 0,
+  /** k times the Switch form, as transformers' load_balancing_loss_func (Mixtral, Qwen-MoE)
+   *  computes it for the same coefficient. */
+  MOEBLAZE_AUX_LOSS_HUGGING_FACE = 1,
+  MOEBLAZE_AUX_LOSS__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
+} moeblaze_aux_loss_form_t;
+
 /** @brief What forward keeps for backward (value of #MOEBLAZE_ATTR_SAVE_POLICY). */
 typedef enum moeblaze_save_policy {
   /** Save the up-projection outputs A and B (or H); backward recomputes the activation. */
@@ -393,11 +405,16 @@ typedef enum moeblaze_attr {
   /** f64 >= 0, default 1: multiplies the gates after any renormalisation (DeepSeek-V3's
    *  routed_scaling_factor). @since 0.2 */
   MOEBLAZE_ATTR_ROUTE_SCALE = 27,
+  /** i64 ::moeblaze_aux_loss_form_t, default SWITCH: how the batch-wise balance loss (AUX_LOSS)
+   *  is normalised. A call with #MOEBLAZE_ARG_SEQUENCE_LENGTHS takes DeepSeek-V3's sequence-wise
+   *  form instead, which has no Hugging Face variant: with HUGGING_FACE it is refused.
+   *  @since 0.2 */
+  MOEBLAZE_ATTR_AUX_LOSS_FORM = 28,
   MOEBLAZE_ATTR__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_attr_t;
 
 /** @brief Number of attributes known to this header (attributes are 0..MOEBLAZE_ATTR_COUNT-1). */
-#define MOEBLAZE_ATTR_COUNT 28
+#define MOEBLAZE_ATTR_COUNT 29
 
 /** @brief How an expert-parallel layer moves rows (value of #MOEBLAZE_ATTR_EP_TRANSPORT). */
 typedef enum moeblaze_ep_transport {

@@ -40,6 +40,7 @@ const AttrInfo kAttrTable[kAttrCount] = {
     {"num_expert_groups", ValueType::kI64, false, 1, 65536, 1, 0.0, DType::kInvalid, 2},
     {"topk_groups", ValueType::kI64, false, 0, 65536, 0, 0.0, DType::kInvalid, 2},
     {"route_scale", ValueType::kF64, false, 0, 0, 0, 1.0, DType::kInvalid, 2},
+    {"aux_loss_form", ValueType::kI64, false, 0, 1, 0, 0.0, DType::kInvalid, 2},
 };
 
 const AttrInfo& checked(int32_t attr, ValueType want) {
@@ -132,6 +133,7 @@ LayerConfig LayerConfig::from_values(const ConfigValues& v) {
   c.num_expert_groups = I(Attr::kNumExpertGroups);
   c.topk_groups = I(Attr::kTopkGroups);
   c.route_scale = v.f64[static_cast<int>(Attr::kRouteScale)];
+  c.aux_loss_form = static_cast<int32_t>(I(Attr::kAuxLossForm));
 
   if (c.top_k > c.num_experts)
     fail(Status::kInvalidArgument, "top_k = %lld exceeds num_experts = %lld", static_cast<long long>(c.top_k),
@@ -181,6 +183,7 @@ ConfigValues LayerConfig::to_values() const {
   S(Attr::kEpRank, ep_rank_of);
   S(Attr::kNumExpertGroups, num_expert_groups);
   S(Attr::kTopkGroups, topk_groups);
+  S(Attr::kAuxLossForm, aux_loss_form);
   v.f64[static_cast<int>(Attr::kRouteScale)] = route_scale;
   v.f64[static_cast<int>(Attr::kAuxLossCoeff)] = aux_loss_coeff;
   v.f64[static_cast<int>(Attr::kZLossCoeff)] = z_loss_coeff;

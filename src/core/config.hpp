@@ -16,9 +16,9 @@ enum class Attr : int32_t {
   kActivationDtype = 10, kWeightDtype = 11, kAccumDtype = 12, kSavePolicy = 13,
   kDeterministic = 14, kDeviceType = 15, kDeviceId = 16, kEngine = 17, kNumThreads = 18,
   kWindowTokens = 19, kEpMaxRecvTokens = 20, kEpTransport = 21, kEpCommSms = 22, kEpSize = 23, kEpRank = 24,
-  kNumExpertGroups = 25, kTopkGroups = 26, kRouteScale = 27,
+  kNumExpertGroups = 25, kTopkGroups = 26, kRouteScale = 27, kAuxLossForm = 28,
 };
-constexpr int kAttrCount = 28;
+constexpr int kAttrCount = 29;
 
 enum class Activation : int32_t { kRelu = 0, kGelu = 1, kSilu = 2, kSwiglu = 3, kGeglu = 4 };
 enum class ScoreFn : int32_t { kSoftmax = 0, kSigmoid = 1 };
@@ -74,6 +74,10 @@ struct LayerConfig {
   // Routing options beyond softmax/sigmoid top-k (docs/routing.md).
   int64_t num_expert_groups = 1, topk_groups = 0;  // 0: no group limit
   double route_scale = 1.0;
+  int32_t aux_loss_form = 0;  // moeblaze_aux_loss_form_t
+  // The batch-wise balance loss's coefficient in the Switch form: k times AUX_LOSS_COEFF for
+  // the Hugging Face form (docs/routing.md).
+  double balance_coeff() const { return aux_loss_coeff * (aux_loss_form == 1 ? static_cast<double>(top_k) : 1.0); }
   // Internal, never an attribute: caller ids may be -1, an empty slot that routes nothing (no
   // expert row, nothing added to y, a zero gate gradient). The expert-parallel layer's local
   // experts run on received rows that feed 1..k of them.

@@ -51,6 +51,9 @@ namespace {
 void check_sequence_lengths(const LayerConfig& cfg, const CallArgs& a) {
   const View& n = a.sequence_lengths;
   if (!n.present) return;
+  if (cfg.aux_loss_form != 0)
+    fail(Status::kInvalidArgument, "SEQUENCE_LENGTHS gives DeepSeek-V3's sequence-wise balance loss, which has no "
+                                   "Hugging Face form: set AUX_LOSS_FORM to SWITCH or pass no SEQUENCE_LENGTHS");
   if (n.shape[0] > a.num_tokens || (n.shape[0] == 0 && a.num_tokens > 0))
     fail(Status::kInvalidArgument, "SEQUENCE_LENGTHS holds %lld sequences for a call of %lld tokens",
          static_cast<long long>(n.shape[0]), static_cast<long long>(a.num_tokens));

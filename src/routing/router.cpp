@@ -221,7 +221,7 @@ RouterLosses finish_losses(const LayerConfig& cfg, int64_t L, const float* chunk
     aux += f * (p / static_cast<double>(L));
   }
   for (int64_t c = 0; c < num_chunks; ++c) z += chunk_lse_sq[c];
-  r.aux = static_cast<float>(cfg.aux_loss_coeff * static_cast<double>(E) * aux);
+  r.aux = static_cast<float>(cfg.balance_coeff() * static_cast<double>(E) * aux);
   r.z = static_cast<float>(cfg.z_loss_coeff * z / static_cast<double>(L));
   return r;
 }
@@ -232,7 +232,7 @@ void router_backward(const LayerConfig& cfg, int64_t L, const float* logits, con
   const int64_t E = cfg.num_experts, k = cfg.top_k;
   float* s = scratch;
   float* ds = scratch + E;
-  const float aux_scale = static_cast<float>(cfg.aux_loss_coeff) * grad_aux * static_cast<float>(E) /
+  const float aux_scale = static_cast<float>(cfg.balance_coeff()) * grad_aux * static_cast<float>(E) /
                           (static_cast<float>(L) * static_cast<float>(L * k));
   const float z_scale = static_cast<float>(cfg.z_loss_coeff) * grad_z * 2.f / static_cast<float>(L);
   for (int64_t t = t0; t < t1; ++t) {

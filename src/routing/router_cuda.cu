@@ -662,7 +662,7 @@ void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float
     loss_partials_kernel<<<grid, kLossExperts * kLossRows, 0, s>>>(cfg.score_fn, logits, lse, L, E, partial, partial_lse);
     MOEBLAZE_CUDA_LAUNCH_CHECK("loss_partials");
   }
-  loss_finish_kernel<<<1, 256, 0, s>>>(cfg.aux_loss_coeff, cfg.z_loss_coeff, L, E, cfg.top_k, chunks, partial,
+  loss_finish_kernel<<<1, 256, 0, s>>>(cfg.balance_coeff(), cfg.z_loss_coeff, L, E, cfg.top_k, chunks, partial,
                                        partial_lse, offsets, aux_out, z_out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("loss_finish");
 }
@@ -677,7 +677,9 @@ void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t r
                       + block_counts_bytes(sb, E);                                     // <= 16 KB
   auto launch = [&](auto kernel) {
     kernel<<<blocks_for(rows, tokens_per_block), 32 * kWarpsPerBlock, smem, s>>>(
-        cfg.score_fn, cfg.normalize_topk, static_cast<float>(cfg.aux_loss_coeff), static_cast<float>(cfg.z_loss_coeff),
+        // the sequence-wise loss takes the Switch form only (the layer refuses the other), where
+        // balance_coeff() is AUX_LOSS_COEFF
+        cfg.score_fn, cfg.normalize_topk, static_cast<float>(cfg.balance_coeff()), static_cast<float>(cfg.z_loss_coeff),
         static_cast<float>(cfg.route_scale), logits, rows, L, E, k, width, ids, dgates, grad_aux, grad_z, offsets, sb,
         dlogits);
   };

@@ -2,6 +2,7 @@
  * random inputs with every GPU output poisoned first: the expert score bias, group-limited
  * top-k, the route scale and the sequence-wise balance loss, for softmax and sigmoid scores,
  * E from 8 to 384 (every lane layout of the router kernels), groups of one to 32 experts.
+ *  - AUX_LOSS_FORM = HUGGING_FACE against the CPU engine;
  *  - the picked ids equal the CPU engine's bit for bit, including logits quantised to force
  *    ties and rows of NaN and infinities; the gates, AUX_LOSS, y, dx, d logits and the expert
  *    gradients agree within the dtype's tolerance; two GPU runs give the same bits;
@@ -42,6 +43,7 @@ typedef struct rcase {
   int seqs;      /* SEQUENCE_LENGTHS: this many sequences of random lengths (0: none) */
   int ties;      /* logits rounded to multiples of 1/4, and a bias of a few values: exact ties */
   int specials;  /* a few NaN and infinite logits, an all-NaN row */
+  int64_t form;  /* AUX_LOSS_FORM */
 } rcase;
 
 enum { D = 64, H = 32, GUARD = 64 };
@@ -219,7 +221,8 @@ static moeblaze_status_t create(const rcase* c, int cuda, moeblaze_handle_t* h) 
       {MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, H}, {MOEBLAZE_ATTR_MAX_TOKENS, c->L},
       {MOEBLAZE_ATTR_ACTIVATION, MOEBLAZE_ACTIVATION_SWIGLU}, {MOEBLAZE_ATTR_SCORE_FUNCTION, c->score_fn},
       {MOEBLAZE_ATTR_NORMALIZE_TOPK, c->normalize}, {MOEBLAZE_ATTR_NUM_EXPERT_GROUPS, c->groups},
-      {MOEBLAZE_ATTR_TOPK_GROUPS, c->keep}, {MOEBLAZE_ATTR_ENGINE, cuda ? g_engine : MOEBLAZE_ENGINE_CPU}};
+      {MOEBLAZE_ATTR_TOPK_GROUPS, c->keep}, {MOEBLAZE_ATTR_ENGINE, cuda ? g_engine : MOEBLAZE_ENGINE_CPU},
+      {MOEBLAZE_ATTR_AUX_LOSS_FORM, c->form}};
   for (size_t i = 0; i < sizeof i64s / sizeof i64s[0] && !s; ++i) s = moeblaze_config_set_i64(cfg, i64s[i].a, i64s[i].v);
   if (!s) s = moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, tu_bf16);
   if (!s) s = moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, tu_bf16);
@@ -399,6 +402,9 @@ static void options_match_cpu(void** state) {
       if (variant == 4) c.keep = 0, c.bias = 0, c.scale = 1.0;  /* one sequence, plain routing */
       check_case(&c, &r);
     }
+  rcase hf = base(128, 8, 1, 0, S);  /* the Hugging Face form of the batch-wise balance loss */
+  hf.form = MOEBLAZE_AUX_LOSS_HUGGING_FACE;
+  check_case(&hf, &r);
   rcase nan_rows = base(64, 4, 8, 2, S);  /* NaN and infinities: the picks still agree */
   nan_rows.bias = nan_rows.specials = 1;
   check_case(&nan_rows, &r);

@@ -27,6 +27,7 @@ enum { E = 16, L = 48, D = 8, H = 12, MAXK = 8 };
 typedef struct opts {
   int64_t k, groups, keep, score_fn, normalize;
   double scale, aux;
+  int64_t form;  /* AUX_LOSS_FORM */
 } opts;
 
 static moeblaze_status_t make(const opts* o, moeblaze_handle_t* h) {
@@ -38,7 +39,8 @@ static moeblaze_status_t make(const opts* o, moeblaze_handle_t* h) {
       {MOEBLAZE_ATTR_FFN_HIDDEN_SIZE, H}, {MOEBLAZE_ATTR_MAX_TOKENS, 64},
       {MOEBLAZE_ATTR_ACTIVATION, MOEBLAZE_ACTIVATION_SWIGLU}, {MOEBLAZE_ATTR_SCORE_FUNCTION, o->score_fn},
       {MOEBLAZE_ATTR_NORMALIZE_TOPK, o->normalize}, {MOEBLAZE_ATTR_DEVICE_TYPE, MOEBLAZE_DEVICE_CPU},
-      {MOEBLAZE_ATTR_NUM_EXPERT_GROUPS, o->groups}, {MOEBLAZE_ATTR_TOPK_GROUPS, o->keep}};
+      {MOEBLAZE_ATTR_NUM_EXPERT_GROUPS, o->groups}, {MOEBLAZE_ATTR_TOPK_GROUPS, o->keep},
+      {MOEBLAZE_ATTR_AUX_LOSS_FORM, o->form}};
   for (size_t i = 0; i < sizeof i64s / sizeof i64s[0] && s == MOEBLAZE_STATUS_SUCCESS; ++i)
     s = moeblaze_config_set_i64(cfg, i64s[i].a, i64s[i].v);
   if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, tu_f32);
@@ -127,7 +129,7 @@ static void routing_matches_reference(void** state) {
       for (int with_bias = 0; with_bias < 2; ++with_bias)
         for (int k = 2; k <= 4; k += 2) {
           const opts o = {k, group_sets[gs][0], group_sets[gs][1], fn ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX,
-                          (cases % 2), cases % 3 == 1 ? 2.5 : 1.0, 0};
+                          (cases % 2), cases % 3 == 1 ? 2.5 : 1.0, 0, 0};
           moeblaze_handle_t h = NULL;
           assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
           float logits[L * E], bias[E], gates[L * MAXK];
@@ -159,7 +161,7 @@ static void routing_matches_reference(void** state) {
 /* A bias that moves the selection onto expert 3 leaves its gate to the unbiased score. */
 static void bias_selects_but_does_not_gate(void** state) {
   (void)state;
-  const opts o = {2, 1, 0, MOEBLAZE_SCORE_SIGMOID, 0, 1.0, 0};
+  const opts o = {2, 1, 0, MOEBLAZE_SCORE_SIGMOID, 0, 1.0, 0, 0};
   moeblaze_handle_t h = NULL;
   assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
   float logits[L * E], bias[E] = {0}, gates[L * 2];
@@ -181,7 +183,7 @@ static void bias_selects_but_does_not_gate(void** state) {
 static void route_scale_scales_y_and_gradients(void** state) {
   (void)state;
   const double c = 2.5;
-  opts o = {2, 4, 2, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0};
+  opts o = {2, 4, 2, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0, 0};
   moeblaze_handle_t h1 = NULL, hc = NULL;
   assert_int_equal(make(&o, &h1), MOEBLAZE_STATUS_SUCCESS);
   o.scale = c;
@@ -252,7 +254,7 @@ static double seq_aux_reference(const opts* o, const float* logits, const int32_
 static void sequence_balance_loss(void** state) {
   (void)state;
   for (int fn = 0; fn < 2; ++fn) {
-    const opts o = {2, 1, 0, fn ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0.01};
+    const opts o = {2, 1, 0, fn ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0.01, 0};
     moeblaze_handle_t h = NULL;
     assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
     ms_problem p;
@@ -309,19 +311,67 @@ static void sequence_balance_loss(void** state) {
   }
 }
 
+/* AUX_LOSS_FORM = HUGGING_FACE: k times the Switch form's loss and d logits (dy = 0, so d logits
+ * is the balance loss's alone), the same picks; refused with SEQUENCE_LENGTHS. */
+static void hugging_face_form(void** state) {
+  (void)state;
+  const int64_t k = 3;
+  opts o = {k, 1, 0, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0.01, MOEBLAZE_AUX_LOSS_SWITCH};
+  moeblaze_handle_t hs = NULL, hf = NULL;
+  assert_int_equal(make(&o, &hs), MOEBLAZE_STATUS_SUCCESS);
+  o.form = MOEBLAZE_AUX_LOSS_HUGGING_FACE;
+  assert_int_equal(make(&o, &hf), MOEBLAZE_STATUS_SUCCESS);
+  int64_t form = -1;
+  assert_int_equal(moeblaze_handle_get_i64(hf, MOEBLAZE_ATTR_AUX_LOSS_FORM, &form), MOEBLAZE_STATUS_SUCCESS);
+  assert_int_equal(form, MOEBLAZE_AUX_LOSS_HUGGING_FACE);
+  float aux[2];
+  ms_problem p[2];
+  moeblaze_handle_t hh[2] = {hs, hf};
+  for (int i = 0; i < 2; ++i) {
+    ms_init(&p[i], hh[i], L, E, k, D, H, 1, 77);
+    moeblaze_status_t st;
+    aux[i] = seq_aux(hh[i], &p[i], 0, &st);
+    assert_int_equal(st, MOEBLAZE_STATUS_SUCCESS);
+    memset(p[i].dy, 0, sizeof(float) * L * D);
+    float one = 1.f;
+    moeblaze_arg_t b[16];
+    size_t nb = ms_backward_args(&p[i], b);
+    b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_AUX_LOSS, tu_tensor(&one, tu_f32, 0, NULL));
+    assert_int_equal(moeblaze_backward(hh[i], b, nb, p[i].saved, p[i].saved_bytes, p[i].ws, p[i].ws_bytes, NULL),
+                     MOEBLAZE_STATUS_SUCCESS);
+  }
+  assert_memory_equal(p[0].ids, p[1].ids, sizeof(int32_t) * L * k);
+  print_message("balance loss: Switch form %.6g, Hugging Face form %.6g (k = %lld)\n", aux[0], aux[1], (long long)k);
+  assert_true(aux[0] > 0 && fabs(aux[1] - (double)k * aux[0]) <= 1e-6 * aux[1]);
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < L * E; ++i) {
+    num += pow(p[1].dlogits[i] - (double)k * p[0].dlogits[i], 2);
+    den += pow((double)k * p[0].dlogits[i], 2);
+  }
+  assert_true(den > 0 && sqrt(num / den) < 1e-6);
+  moeblaze_status_t st;
+  const float refused = seq_aux(hf, &p[1], 1, &st);
+  (void)refused;
+  assert_int_equal(st, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "SEQUENCE_LENGTHS"));
+  for (int i = 0; i < 2; ++i) ms_free(&p[i]);
+  moeblaze_destroy(hs);
+  moeblaze_destroy(hf);
+}
+
 static void refusals(void** state) {
   (void)state;
   moeblaze_handle_t h = (moeblaze_handle_t)1;
-  const opts bad[] = {{2, 3, 0, 0, 0, 1.0, 0},   /* 3 groups do not divide 16 experts */
-                      {2, 4, 5, 0, 0, 1.0, 0},   /* 5 of 4 groups */
-                      {4, 8, 1, 0, 0, 1.0, 0}};  /* one group of 2 experts for top-4 */
+  const opts bad[] = {{2, 3, 0, 0, 0, 1.0, 0, 0},   /* 3 groups do not divide 16 experts */
+                      {2, 4, 5, 0, 0, 1.0, 0, 0},   /* 5 of 4 groups */
+                      {4, 8, 1, 0, 0, 1.0, 0, 0}};  /* one group of 2 experts for top-4 */
   const char* names[] = {"num_expert_groups", "topk_groups", "topk_groups"};
   for (int i = 0; i < 3; ++i) {
     assert_int_equal(make(&bad[i], &h), MOEBLAZE_STATUS_INVALID_ARGUMENT);
     assert_null(h);
     assert_non_null(strstr(moeblaze_get_last_error_message(), names[i]));
   }
-  const opts o = {2, 4, 2, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0.01};
+  const opts o = {2, 4, 2, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0.01, 0};
   assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
   float logits[L * E], bias[E + 1], gates[L * 2];
   int32_t ids[L * 2];
@@ -387,6 +437,7 @@ int main(void) {
       cmocka_unit_test(bias_selects_but_does_not_gate),
       cmocka_unit_test(route_scale_scales_y_and_gradients),
       cmocka_unit_test(sequence_balance_loss),
+      cmocka_unit_test(hugging_face_form),
       cmocka_unit_test(refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -376,7 +376,10 @@ class MoELayer(torch.nn.Module):
         """From a Qwen3-MoE sparse block: ``block.gate`` (the router: a weight [E, d]) and
         ``block.experts``, either per-expert modules with ``gate_proj``/``up_proj``/
         ``down_proj`` or the fused ``gate_up_proj``/``down_proj`` tensors. Routing as Qwen3-MoE:
-        softmax, top-k, renormalised when ``norm_topk_prob`` (default True)."""
+        softmax, top-k, renormalised when ``norm_topk_prob`` (default True); the balance loss in
+        transformers' form (``aux_loss_form="hugging_face"``), so ``aux_loss_coeff`` takes the
+        model's ``router_aux_loss_coef`` as it is."""
+        attrs.setdefault("aux_loss_form", "hugging_face")
         return cls._from_hf_block(block, ("gate_proj", "up_proj", "down_proj"),
                                   bool(_find(block, "norm_topk_prob", True)), max_tokens, attrs)
 
@@ -385,7 +388,9 @@ class MoELayer(torch.nn.Module):
         """From a Qwen2-MoE sparse block: the routed experts as :meth:`from_qwen3_moe` (softmax,
         top-k, renormalised when ``norm_topk_prob``, Qwen2-MoE's default being False), and
         ``block.shared_expert`` (``gate_proj``/``up_proj``/``down_proj``) scaled by the sigmoid
-        of ``block.shared_expert_gate`` as the layer's shared expert."""
+        of ``block.shared_expert_gate`` as the layer's shared expert; the balance loss in
+        transformers' form, as :meth:`from_qwen3_moe`."""
+        attrs.setdefault("aux_loss_form", "hugging_face")
         mlp = block.shared_expert
         gate = getattr(block, "shared_expert_gate", None)
         attrs.setdefault("shared_expert_hidden", int(mlp.gate_proj.weight.shape[0]))
@@ -419,8 +424,7 @@ class MoELayer(torch.nn.Module):
         ``block.gate`` (sigmoid scores, ``e_score_correction_bias`` as the expert bias,
         ``n_group``/``topk_group`` as group-limited routing, ``routed_scaling_factor`` as the
         route scale, ``norm_topk_prob``), the fused experts, and ``block.shared_experts`` as the
-        shared expert. Group-limited routing, the bias and the scale run on the CPU engine so
-        far."""
+        shared expert."""
         gate = block.gate
         attrs.setdefault("score_function", "sigmoid")
         attrs.setdefault("num_expert_groups", int(getattr(gate, "num_group", getattr(gate, "n_group", 1))))
@@ -444,7 +448,8 @@ class MoELayer(torch.nn.Module):
     def from_mixtral(cls, block, max_tokens=65536, **attrs):
         """From a Mixtral sparse block: ``block.gate`` and ``block.experts``, per-expert ``w1``
         (gate), ``w3`` (up), ``w2`` (down) or the fused tensors. Routing as Mixtral: softmax,
-        top-k, renormalised."""
+        top-k, renormalised; the balance loss in transformers' form, as :meth:`from_qwen3_moe`."""
+        attrs.setdefault("aux_loss_form", "hugging_face")
         return cls._from_hf_block(block, ("w1", "w3", "w2"), True, max_tokens, attrs)
 
     @classmethod

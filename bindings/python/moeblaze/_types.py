@@ -15,7 +15,7 @@ from ctypes import (POINTER, Structure, c_char_p, c_double, c_int32, c_int64, c_
 __all__ = [
     "ABI_VERSION", "VERSION_MAJOR", "VERSION_MINOR", "VERSION_PATCH", "VERSION", "ATTR_COUNT",
     "BUFFER_ALIGNMENT", "ARG_FLAG_ACCUMULATE", "version_encode",
-    "Status", "LogLevel", "DeviceType", "DTypeCode", "Activation", "ScoreFn", "SavePolicy",
+    "Status", "LogLevel", "DeviceType", "DTypeCode", "Activation", "ScoreFn", "AuxLossForm", "SavePolicy",
     "Engine", "ValueType", "Attr", "Pass", "ArgKind",
     "Device", "DType", "Tensor", "Arg", "AttrInfo",
     "F32", "F16", "BF16", "I32", "I64", "dtype_from_name", "dtype_name", "dtype_itemsize",
@@ -72,7 +72,7 @@ VERSION = version_encode(VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH)
 #: The ABI this binding was written for; _lib refuses a library reporting another one.
 ABI_VERSION = 0
 #: Number of attributes known to the header this binding mirrors (the library may know more).
-ATTR_COUNT = 28
+ATTR_COUNT = 29
 #: Required alignment of workspace and saved buffers, in bytes.
 BUFFER_ALIGNMENT = 256
 #: Flag on a gradient output: accumulate into it instead of overwriting.
@@ -181,6 +181,13 @@ class ScoreFn(_IntConstants):
     SIGMOID = 1
 
 
+class AuxLossForm(_IntConstants):
+    """moeblaze_aux_loss_form_t."""
+    _PREFIX = "MOEBLAZE_AUX_LOSS_"
+    SWITCH = 0
+    HUGGING_FACE = 1
+
+
 class SavePolicy(_IntConstants):
     """moeblaze_save_policy_t."""
     _PREFIX = "MOEBLAZE_SAVE_"
@@ -237,6 +244,7 @@ class Attr(_IntConstants):
     NUM_EXPERT_GROUPS = 25
     TOPK_GROUPS = 26
     ROUTE_SCALE = 27
+    AUX_LOSS_FORM = 28
 
 
 class Pass(_IntConstants):

@@ -1140,6 +1140,30 @@ class TestTorchModule(unittest.TestCase):
         from moeblaze.torch import MoELayer
         self._compare(lambda b: MoELayer.from_mixtral(b, max_tokens=64), ("w1", "w3", "w2"), True)
 
+    def test_mixtral_balance_loss_is_transformers(self):
+        """The converters' balance loss is transformers' load_balancing_loss_func times the
+        coefficient (AUX_LOSS_FORM = HUGGING_FACE), value and router gradient."""
+        torch = self.torch
+        try:
+            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+        except ImportError:
+            self.skipTest("transformers is not installed")
+        from moeblaze.torch import MoELayer
+        d, h, E, k, coef = 16, 24, 6, 2, 0.02
+        block = _hf_blocks(torch, d, h, E, k, ("w1", "w3", "w2"), True)
+        layer = MoELayer.from_mixtral(block, max_tokens=64, aux_loss_coeff=coef)
+        x = torch.randn(39, d)
+        aux = layer(x)[1]
+        aux.backward()
+        w = block.gate.weight.detach().clone().requires_grad_()
+        want = coef * load_balancing_loss_func((x @ w.t(),), E, k)
+        want.backward()
+        self.assertLess(abs(aux.item() - want.item()) / want.item(), 1e-5)
+        # transformers' loss also differentiates through the picks' one-hot counts (zero) and
+        # through the mean scores: the same gradient
+        err = (layer.router_weight.grad - w.grad).norm() / w.grad.norm()
+        self.assertLess(err.item(), 1e-4)
+
     def test_qwen3_moe_without_renormalisation(self):
         from moeblaze.torch import MoELayer
         names = ("gate_proj", "up_proj", "down_proj")

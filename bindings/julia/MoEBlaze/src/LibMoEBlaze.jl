@@ -101,6 +101,9 @@ const MOEBLAZE_ACTIVATION_GEGLU = Int64(4)
 const MOEBLAZE_SCORE_SOFTMAX = Int64(0)
 const MOEBLAZE_SCORE_SIGMOID = Int64(1)
 
+const MOEBLAZE_AUX_LOSS_SWITCH = Int64(0)
+const MOEBLAZE_AUX_LOSS_HUGGING_FACE = Int64(1)
+
 const MOEBLAZE_SAVE_PREACT = Int64(0)
 const MOEBLAZE_SAVE_RECOMPUTE_UP = Int64(1)
 const MOEBLAZE_SAVE_ALL = Int64(2)
@@ -143,7 +146,8 @@ const MOEBLAZE_ATTR_EP_RANK = Int32(24)
 const MOEBLAZE_ATTR_NUM_EXPERT_GROUPS = Int32(25)
 const MOEBLAZE_ATTR_TOPK_GROUPS = Int32(26)
 const MOEBLAZE_ATTR_ROUTE_SCALE = Int32(27)
-const MOEBLAZE_ATTR_COUNT = Int32(28)
+const MOEBLAZE_ATTR_AUX_LOSS_FORM = Int32(28)
+const MOEBLAZE_ATTR_COUNT = Int32(29)
 
 """`moeblaze_attr_info_t` (64 bytes). Set `struct_size` before `moeblaze_attr_query`."""
 mutable struct moeblaze_attr_info_t

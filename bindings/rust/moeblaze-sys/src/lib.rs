@@ -161,6 +161,10 @@ pub type moeblaze_score_fn_t = i32;
 pub const MOEBLAZE_SCORE_SOFTMAX: moeblaze_score_fn_t = 0;
 pub const MOEBLAZE_SCORE_SIGMOID: moeblaze_score_fn_t = 1;
 
+pub type moeblaze_aux_loss_form_t = i32;
+pub const MOEBLAZE_AUX_LOSS_SWITCH: moeblaze_aux_loss_form_t = 0;
+pub const MOEBLAZE_AUX_LOSS_HUGGING_FACE: moeblaze_aux_loss_form_t = 1;
+
 pub type moeblaze_save_policy_t = i32;
 pub const MOEBLAZE_SAVE_PREACT: moeblaze_save_policy_t = 0;
 pub const MOEBLAZE_SAVE_RECOMPUTE_UP: moeblaze_save_policy_t = 1;
@@ -206,8 +210,9 @@ pub const MOEBLAZE_ATTR_EP_RANK: moeblaze_attr_t = 24;
 pub const MOEBLAZE_ATTR_NUM_EXPERT_GROUPS: moeblaze_attr_t = 25;
 pub const MOEBLAZE_ATTR_TOPK_GROUPS: moeblaze_attr_t = 26;
 pub const MOEBLAZE_ATTR_ROUTE_SCALE: moeblaze_attr_t = 27;
+pub const MOEBLAZE_ATTR_AUX_LOSS_FORM: moeblaze_attr_t = 28;
 /// Attributes known to this header are 0..MOEBLAZE_ATTR_COUNT-1 (the library may know more).
-pub const MOEBLAZE_ATTR_COUNT: i32 = 28;
+pub const MOEBLAZE_ATTR_COUNT: i32 = 29;
 
 /// `moeblaze_attr_info_t`. Set `struct_size` before calling `moeblaze_attr_query`.
 #[repr(C)]

@@ -276,6 +276,7 @@ int_newtype!(
         NUM_EXPERT_GROUPS = sys::MOEBLAZE_ATTR_NUM_EXPERT_GROUPS,
         TOPK_GROUPS = sys::MOEBLAZE_ATTR_TOPK_GROUPS,
         ROUTE_SCALE = sys::MOEBLAZE_ATTR_ROUTE_SCALE,
+        AUX_LOSS_FORM = sys::MOEBLAZE_ATTR_AUX_LOSS_FORM,
     }
 );
 
@@ -342,6 +343,14 @@ int_newtype!(
     ScoreFn(i64) {
         SOFTMAX = sys::MOEBLAZE_SCORE_SOFTMAX as i64,
         SIGMOID = sys::MOEBLAZE_SCORE_SIGMOID as i64,
+    }
+);
+
+int_newtype!(
+    /// `moeblaze_aux_loss_form_t` (the value of [`Attr::AUX_LOSS_FORM`]).
+    AuxLossForm(i64) {
+        SWITCH = sys::MOEBLAZE_AUX_LOSS_SWITCH as i64,
+        HUGGING_FACE = sys::MOEBLAZE_AUX_LOSS_HUGGING_FACE as i64,
     }
 );
 
