@@ -846,6 +846,14 @@ typedef enum moeblaze_arg_kind {
    *  syncs) reports INVALID_ARGUMENT through #MOEBLAZE_ARG_STATUS and fills its outputs and
    *  AUX_LOSS with NaN. @since 0.2 */
   MOEBLAZE_ARG_SEQUENCE_LENGTHS = 9,
+  /** Optional token mask [L], I32 or I64: a token whose entry is 0 is masked (padding). A masked
+   *  token is not routed (TOPK_INDICES output -1, TOPK_WEIGHTS 0, counted in no
+   *  TOKENS_PER_EXPERT), costs no expert compute, gets y = 0 and zero gradients, and is left out
+   *  of the balance loss and the z-loss, which are then taken over the unmasked tokens. Forward
+   *  and route; backward accepts it and does not need it (the saved plan marks the masked
+   *  tokens). The CUDA engines; the CPU engine, the expert-parallel layer and
+   *  #MOEBLAZE_ARG_SEQUENCE_LENGTHS refuse it with NOT_SUPPORTED so far. @since 0.2 */
+  MOEBLAZE_ARG_TOKEN_MASK = 10,
   /** Output y [L, d], ACTIVATION_DTYPE. Required by forward. @since 0.1 */
   MOEBLAZE_ARG_OUTPUT = 32,
   /** Optional output, F32 scalar: AUX_LOSS_COEFF * E * sum_e f_e P_e. @since 0.1 */

@@ -67,6 +67,7 @@ static_assert(static_cast<int>(ArgKind::kZLoss) == MOEBLAZE_ARG_Z_LOSS, "argumen
 static_assert(static_cast<int>(ArgKind::kStatus) == MOEBLAZE_ARG_STATUS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kExpertBias) == MOEBLAZE_ARG_EXPERT_BIAS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kSequenceLengths) == MOEBLAZE_ARG_SEQUENCE_LENGTHS, "argument kinds");
+static_assert(static_cast<int>(ArgKind::kTokenMask) == MOEBLAZE_ARG_TOKEN_MASK, "argument kinds");
 static_assert(static_cast<int>(Pass::kRoute) == MOEBLAZE_PASS_ROUTE, "passes");
 static_assert(static_cast<int>(Activation::kGeglu) == MOEBLAZE_ACTIVATION_GEGLU, "activations");
 static_assert(static_cast<int>(SavePolicy::kSaveAll) == MOEBLAZE_SAVE_ALL, "save policies");

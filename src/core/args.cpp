@@ -44,6 +44,8 @@ const KindInfo kKinds[] = {
     {ArgKind::kTopkIndices, "TOPK_INDICES", Role::kInput, TypeRule::kIndex, {kOptional, kOptional, kOptional, kRequired}},
     {ArgKind::kTopkWeights, "TOPK_WEIGHTS", Role::kInput, TypeRule::kRouter, {kOptional, kOptional, kOptional, kRequired}},
     {ArgKind::kSequenceLengths, "SEQUENCE_LENGTHS", Role::kInput, TypeRule::kIndex, {kOptional, kOptional, kOptional, kOptional}},
+    // Backward accepts it and does not read it: the saved plan marks the masked tokens.
+    {ArgKind::kTokenMask, "TOKEN_MASK", Role::kInput, TypeRule::kIndex, {kOptional, kOptional, kOptional, kOptional}},
     {ArgKind::kOutput, "OUTPUT", Role::kOutput, TypeRule::kAct, {kRequired, kRequired, kNo, kNo}},
     {ArgKind::kAuxLoss, "AUX_LOSS", Role::kOutput, TypeRule::kScalarF32, {kOptional, kOptional, kNo, kOptional}},
     {ArgKind::kTokensPerExpert, "TOKENS_PER_EXPERT", Role::kOutput, TypeRule::kIndex, {kOptional, kOptional, kNo, kOptional}},
@@ -78,6 +80,7 @@ View* slot(CallArgs& c, ArgKind k) {
     case ArgKind::kTopkIndices: return &c.topk_ids;
     case ArgKind::kTopkWeights: return &c.topk_weights;
     case ArgKind::kSequenceLengths: return &c.sequence_lengths;
+    case ArgKind::kTokenMask: return &c.token_mask;
     case ArgKind::kOutput: return &c.y;
     case ArgKind::kAuxLoss: return &c.aux_loss;
     case ArgKind::kTokensPerExpert: return &c.tokens_per_expert;
@@ -111,6 +114,7 @@ int expected_shape(const LayerConfig& cfg, ArgKind k, int64_t L, int64_t* s) {
       s[0] = L; s[1] = K; return 2;
     case ArgKind::kTokensPerExpert: case ArgKind::kExpertBias: s[0] = E; return 1;
     case ArgKind::kSequenceLengths: s[0] = kAnyLength; return 1;
+    case ArgKind::kTokenMask: s[0] = L; return 1;
     case ArgKind::kAuxLoss: case ArgKind::kZLoss: case ArgKind::kGradAuxLoss: case ArgKind::kGradZLoss:
     case ArgKind::kStatus:
       return 0;

@@ -16,7 +16,7 @@ enum class Pass : int32_t { kForwardTraining = 0, kForwardInference = 1, kBackwa
 
 enum class ArgKind : int32_t {
   kInput = 1, kRouterWeight = 2, kRouterLogits = 3, kExpertBias = 4, kWGateUp = 5, kWDown = 6,
-  kTopkIndices = 7, kTopkWeights = 8, kSequenceLengths = 9,
+  kTopkIndices = 7, kTopkWeights = 8, kSequenceLengths = 9, kTokenMask = 10,
   kOutput = 32, kAuxLoss = 33, kTokensPerExpert = 34, kZLoss = 35, kStatus = 36,
   kGradOutput = 64, kGradAuxLoss = 65, kGradZLoss = 66,
   kGradInput = 96, kGradRouterWeight = 97, kGradRouterLogits = 98, kGradWGateUp = 100,
@@ -46,7 +46,7 @@ enum class RoutingMode : int32_t { kLogits = 0, kRouterWeight = 1, kCallerTopK =
 struct CallArgs {
   int64_t num_tokens = 0;
   RoutingMode mode = RoutingMode::kLogits;
-  View x, router_weight, logits, expert_bias, w_gate_up, w_down, topk_ids, topk_weights, sequence_lengths;
+  View x, router_weight, logits, expert_bias, w_gate_up, w_down, topk_ids, topk_weights, sequence_lengths, token_mask;
   View y, aux_loss, tokens_per_expert, z_loss, status;
   View dy, grad_aux, grad_z;
   View dx, d_router_weight, d_logits, d_w_gate_up, d_w_down, d_topk_weights;

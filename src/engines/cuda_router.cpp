@@ -68,12 +68,14 @@ void CudaRouter::route_and_plan(const CallArgs& a, RoutingPlan& plan, const Rout
   const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k;
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.error_flag, 0, sizeof(int32_t), s));
   if (a.mode == RoutingMode::kCallerTopK) {
-    routing::import_routing_cuda(a.topk_ids, a.topk_weights, L, k, E, cfg_.empty_slots, plan.token_expert_indices,
+    routing::import_routing_cuda(a.topk_ids, a.topk_weights, L, k, E, cfg_.empty_slots,
+                                 routing::token_mask(a.token_mask), plan.token_expert_indices,
                                  plan.gates, w.error_flag, s);
   } else {
     logits(a, w, s);
     const float* bias = a.expert_bias.present ? reinterpret_cast<const float*>(a.expert_bias.data) : nullptr;
-    routing::route_tokens_cuda(cfg_, w.logits, L, bias, plan.token_expert_indices, plan.gates, w.lse, s);
+    routing::route_tokens_cuda(cfg_, w.logits, L, bias, routing::token_mask(a.token_mask), plan.token_expert_indices,
+                               plan.gates, w.lse, s);
   }
   sequence_starts(a, w, s);
   routing::build_plan_cuda(plan, L, k, E, w.plan_scratch, s);
@@ -103,7 +105,8 @@ void CudaRouter::write_outputs(const CallArgs& a, const RoutingPlan& plan, const
     routing::write_topk_cuda(plan.token_expert_indices, plan.gates, L, k, a.topk_ids, a.topk_weights, s);
     float* aux = a.aux_loss.present ? reinterpret_cast<float*>(a.aux_loss.data) : nullptr;
     const routing::SequenceBalance sb = sequences(a, plan, w, 0);
-    routing::router_losses_cuda(cfg_, w.logits, w.lse, L, plan.expert_token_offsets, w.loss_scratch,
+    routing::router_losses_cuda(cfg_, w.logits, w.lse, plan.token_expert_indices, L, plan.expert_token_offsets,
+                                w.loss_scratch,
                                 sb.count > 0 ? nullptr : aux,
                                 a.z_loss.present ? reinterpret_cast<float*>(a.z_loss.data) : nullptr, s);
     if (sb.count > 0)

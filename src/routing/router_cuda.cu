@@ -22,6 +22,12 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 
+__device__ __forceinline__ bool masked(const TokenMask& m, int64_t t) {
+  if (!m.data) return false;
+  return m.i64 ? static_cast<const int64_t*>(m.data)[t * m.stride] == 0
+               : static_cast<const int32_t*>(m.data)[t * m.stride] == 0;
+}
+
 __device__ __forceinline__ float score(ScoreFn fn, float l, float lse) {
   return fn == ScoreFn::kSoftmax ? expf(l - lse) : 1.f / (1.f + expf(-l));
 }
@@ -122,7 +128,7 @@ template <int kPer, class Score, class Rank, class Allowed>
 __device__ __forceinline__ void pick_top_k(const TokenGroup& g, ScoreFn fn, int64_t E, int64_t k, const float* row,
                                            float lse, const Score& score_of, const Rank& rank, const Allowed& allowed,
                                            int64_t t, int32_t* ids, float* gates, bool normalize, float scale,
-                                           float* lse_out) {
+                                           bool empty, float* lse_out) {
   // Pick j is kept by lane j % width of the group (k <= 64 and k <= E, so at most two picks per
   // lane), and the group writes its k ids and gates at the end as k consecutive stores, with no
   // re-read of the gates to normalise them.
@@ -181,9 +187,9 @@ __device__ __forceinline__ void pick_top_k(const TokenGroup& g, ScoreFn fn, int6
 #pragma unroll
   for (int second = 0; second < 2; ++second) {
     const int j = g.sub + second * g.width;
-    if (j < k) {
-      ids[t * k + j] = kept_id[second];
-      gates[t * k + j] = (normalize ? kept_gate[second] / norm : kept_gate[second]) * scale;
+    if (j < k) {  // an empty (masked) token: id -1, gate 0
+      ids[t * k + j] = empty ? -1 : kept_id[second];
+      gates[t * k + j] = empty ? 0.f : (normalize ? kept_gate[second] / norm : kept_gate[second]) * scale;
     }
   }
   if (g.sub == 0) lse_out[t] = lse;
@@ -209,6 +215,7 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, RouteOptions opt
   const float lse = group_lse<kPer>(g, E, logit);
   const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
   const int64_t t = g.token;
+  const bool empty = g.live && masked(opt.mask, t);
   // Without options the value ranked is rank_value (the logit); with a bias, the biased
   // selection value; closed groups' experts are left out.
   auto rank_of = [&](int i, int64_t e) { return rank_value(logit(i, e), score_of(i, e)); };
@@ -222,19 +229,28 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, RouteOptions opt
     const int size = static_cast<int>(E / opt.groups);
     auto open_group = [=](int64_t e) { return !limited || key[static_cast<int>(e) / size] >= cut; };
     auto biased = [&](int i, int64_t e) { return opt.bias ? value(i, e) : rank_value(logit(i, e), score_of(i, e)); };
-    pick_top_k<kPer>(g, fn, E, k, row, lse, score_of, biased, open_group, t, ids, gates, normalize, opt.scale, lse_out);
+    pick_top_k<kPer>(g, fn, E, k, row, lse, score_of, biased, open_group, t, ids, gates, normalize, opt.scale, empty,
+                     lse_out);
   } else {
-    pick_top_k<kPer>(g, fn, E, k, row, lse, score_of, rank_of, open, t, ids, gates, normalize, opt.scale, lse_out);
+    pick_top_k<kPer>(g, fn, E, k, row, lse, score_of, rank_of, open, t, ids, gates, normalize, opt.scale, empty,
+                     lse_out);
   }
 }
 
-// partial[c * E + e] = sum of scores of expert e over token chunk c; partial_lse[c] = sum lse^2.
+// The tokens a call routed: offsets[E] / k (L without a mask), within [0, L] whatever a saved
+// plan holds.
+__device__ __forceinline__ int64_t routed_tokens(const int32_t* offsets, int64_t L, int64_t E, int64_t k) {
+  return min(max(static_cast<int64_t>(offsets[E]), int64_t{0}) / k, L);
+}
+
+// partial[c * E + e] = sum of scores of expert e over token chunk c; partial_lse[c] = sum lse^2;
+// a masked token (ids[t k] = -1) adds nothing.
 // A block is kLossExperts experts x kLossRows token rows: row r sums the chunk's tokens r,
 // r + kLossRows, ..., and the rows' sums are added in row order (fixed: deterministic). Warp 0
 // sums lse^2 over the chunk the same way, lane by lane, then by a fixed butterfly.
 constexpr int kLossExperts = 128, kLossRows = 8;
-__global__ void loss_partials_kernel(ScoreFn fn, const float* logits, const float* lse, int64_t L, int64_t E,
-                                     float* partial, float* partial_lse) {
+__global__ void loss_partials_kernel(ScoreFn fn, const float* logits, const float* lse, const int32_t* ids, int64_t L,
+                                     int64_t E, int64_t k, float* partial, float* partial_lse) {
   __shared__ float rows[kLossRows][kLossExperts];
   const int64_t c = blockIdx.x;
   const int64_t t0 = c * kLossChunkCuda, t1 = min(L, t0 + kLossChunkCuda);
@@ -243,7 +259,8 @@ __global__ void loss_partials_kernel(ScoreFn fn, const float* logits, const floa
     const int64_t e = e0 + tx;
     float s = 0.f;
     if (e < E)
-      for (int64_t t = t0 + ty; t < t1; t += kLossRows) s += score(fn, logits[t * E + e], lse[t]);
+      for (int64_t t = t0 + ty; t < t1; t += kLossRows)
+        if (ids[t * k] >= 0) s += score(fn, logits[t * E + e], lse[t]);  // a masked token counts for nothing
     rows[ty][tx] = s;
     __syncthreads();
     if (ty == 0 && e < E) {
@@ -256,7 +273,7 @@ __global__ void loss_partials_kernel(ScoreFn fn, const float* logits, const floa
   }
   if (blockIdx.y == 0 && threadIdx.x < 32) {
     float z = 0.f;
-    for (int64_t t = t0 + threadIdx.x; t < t1; t += 32) z += lse[t] * lse[t];
+    for (int64_t t = t0 + threadIdx.x; t < t1; t += 32) z += ids[t * k] >= 0 ? lse[t] * lse[t] : 0.f;
     for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
     if (threadIdx.x == 0) partial_lse[c] = z;
   }
@@ -266,6 +283,9 @@ __global__ void loss_finish_kernel(double aux_coeff, double z_coeff, int64_t L, 
                                    const float* partial, const float* partial_lse, const int32_t* offsets, float* aux_out,
                                    float* z_out) {
   __shared__ double red[256];
+  // The routed tokens: all L, or those a TOKEN_MASK left (their k picks fill the plan's
+  // positions [0, offsets[E])).
+  L = routed_tokens(offsets, L, E, k);
   double acc = 0.0;
   for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
     double p = 0.0;
@@ -459,6 +479,9 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
   const float lse = group_lse<kPer>(g, E, logit);
   const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
   const float gaux = grad_aux ? *grad_aux : 1.f, gz = grad_z ? *grad_z : 1.f;
+  // The losses are means over the routed tokens; a masked token (its ids -1) gets zero d logits.
+  L = max(routed_tokens(offsets, L, E, k), int64_t{1});
+  const bool empty = g.live && ids[t * k] < 0;
   const float aux_scale = aux_coeff * gaux * static_cast<float>(E) / (static_cast<float>(L) * static_cast<float>(L * k));
   const float z_scale = z_coeff * gz * 2.f / static_cast<float>(L);
   // Ids come from a saved plan; one out of [0, E) (flagged on the device by the fused engine's
@@ -540,15 +563,22 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
     const float l = logit(i, e), ds = ds_at(i, e), s = score_of(i, e);
     float dl = fn == ScoreFn::kSoftmax ? s * ((ds - shift) - static_cast<float>(dot)) : ds * s * (1.f / (1.f + expf(l)));
     if (z_coeff > 0.f) dl += z_scale * lse * expf(l - lse);
-    dlogits[t * E + e] = dl;
+    dlogits[t * E + e] = empty ? 0.f : dl;
   });
 }
 
 __global__ void import_routing_kernel(const char* ids, bool i64, int64_t id_stride, const char* w, DType wt,
                                       int64_t w_stride, int64_t L, int64_t k, int64_t E, bool empty_slots,
-                                      int32_t* out_ids, float* out_gates, int32_t* error_flag) {
+                                      TokenMask mask, int32_t* out_ids, float* out_gates, int32_t* error_flag) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= L) return;
+  if (masked(mask, t)) {  // a masked token: k empty slots, whatever the caller's ids and gates
+    for (int64_t j = 0; j < k; ++j) {
+      out_ids[t * k + j] = -1;
+      out_gates[t * k + j] = 0.f;
+    }
+    return;
+  }
   bool bad = false;
   for (int64_t j = 0; j < k; ++j) {
     const int64_t id = i64 ? reinterpret_cast<const int64_t*>(ids)[t * id_stride + j]
@@ -625,13 +655,13 @@ void split_bf16_pair_cuda(const float* src, int64_t rows, int64_t cols, void* ou
   MOEBLAZE_CUDA_LAUNCH_CHECK("split_bf16_pair");
 }
 
-void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, const float* bias, int32_t* ids,
-                       float* gates, float* lse, cudaStream_t s) {
+void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, const float* bias, const TokenMask& mask,
+                       int32_t* ids, float* gates, float* lse, cudaStream_t s) {
   if (L == 0) return;
   const int64_t E = cfg.num_experts;
   const int width = token_group_width(E), tokens_per_block = kWarpsPerBlock * (32 / width);
   const unsigned blocks = blocks_for(L, tokens_per_block);
-  const RouteOptions opt{bias, cfg.num_expert_groups, cfg.topk_groups, static_cast<float>(cfg.route_scale)};
+  const RouteOptions opt{bias, cfg.num_expert_groups, cfg.topk_groups, static_cast<float>(cfg.route_scale), mask};
   const bool limited = opt.keep > 0 && opt.keep < opt.groups;
   const bool options = bias || limited;
   const size_t smem = limited ? sizeof(uint64_t) * static_cast<size_t>(tokens_per_block * opt.groups) : 0;
@@ -651,15 +681,16 @@ size_t router_loss_scratch_floats(int64_t L, int64_t E) {
   return static_cast<size_t>(ceil_div(L, kLossChunkCuda) * (E + 1));
 }
 
-void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float* lse, int64_t L, const int32_t* offsets,
-                        float* scratch, float* aux_out, float* z_out, cudaStream_t s) {
+void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float* lse, const int32_t* ids, int64_t L,
+                        const int32_t* offsets, float* scratch, float* aux_out, float* z_out, cudaStream_t s) {
   if (!aux_out && !z_out) return;
   const int64_t E = cfg.num_experts, chunks = ceil_div(L, kLossChunkCuda);
   float* partial = scratch;
   float* partial_lse = scratch + chunks * E;
   if (chunks > 0) {
     dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(ceil_div(E, kLossExperts), 64)));
-    loss_partials_kernel<<<grid, kLossExperts * kLossRows, 0, s>>>(cfg.score_fn, logits, lse, L, E, partial, partial_lse);
+    loss_partials_kernel<<<grid, kLossExperts * kLossRows, 0, s>>>(cfg.score_fn, logits, lse, ids, L, E, cfg.top_k,
+                                                                   partial, partial_lse);
     MOEBLAZE_CUDA_LAUNCH_CHECK("loss_partials");
   }
   loss_finish_kernel<<<1, 256, 0, s>>>(cfg.balance_coeff(), cfg.z_loss_coeff, L, E, cfg.top_k, chunks, partial,
@@ -711,11 +742,12 @@ void sequence_balance_loss_cuda(const LayerConfig& cfg, const float* logits, con
 }
 
 void import_routing_cuda(const View& ids, const View& w, int64_t L, int64_t k, int64_t E, bool empty_slots,
-                         int32_t* out_ids, float* out_gates, int32_t* error_flag, cudaStream_t s) {
+                         const TokenMask& mask, int32_t* out_ids, float* out_gates, int32_t* error_flag,
+                         cudaStream_t s) {
   if (L == 0) return;
   import_routing_kernel<<<blocks_for(L, 128), 128, 0, s>>>(ids.data, ids.dtype == DType::kI64, ids.stride[0], w.data,
-                                                          w.dtype, w.stride[0], L, k, E, empty_slots, out_ids, out_gates,
-                                                          error_flag);
+                                                          w.dtype, w.stride[0], L, k, E, empty_slots, mask, out_ids,
+                                                          out_gates, error_flag);
   MOEBLAZE_CUDA_LAUNCH_CHECK("import_routing");
 }
 

@@ -23,24 +23,38 @@ void logits_to_f32_cuda(const View& logits, int64_t L, int64_t E, float* out, cu
 // (K doubled) sums hi + lo to about 16 significant bits instead of bf16's 8.
 void split_bf16_pair_cuda(const float* src, int64_t rows, int64_t cols, void* out, cudaStream_t s);
 
+// TOKEN_MASK on the device: token t is routed unless its entry is 0 (docs/routing.md).
+struct TokenMask {
+  const void* data = nullptr;  // null: every token is routed
+  bool i64 = false;
+  int64_t stride = 1;
+};
+inline TokenMask token_mask(const View& v) {
+  return v.present ? TokenMask{v.data, v.dtype == DType::kI64, v.stride[0]} : TokenMask{};
+}
+
 // The routing options a top-k kernel applies (docs/routing.md).
 struct RouteOptions {
   const float* bias;  // [E] expert score bias (selection only), or null
   int64_t groups;     // expert groups (NUM_EXPERT_GROUPS)
   int64_t keep;       // open groups (TOPK_GROUPS; 0 or groups: no limit)
   float scale;        // ROUTE_SCALE, times the gates
+  TokenMask mask;     // a masked token's k slots are written empty: id -1, gate 0
 };
 // Per token: scores, top-k (ties to the lower id), gates; writes ids/gates (token order) and
 // lse[t]. One warp per token. bias: EXPERT_BIAS [E] fp32, or null; groups and the route scale
-// from cfg. The picks are the CPU engine's, bit for bit (routing/selection.hpp).
-void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, const float* bias, int32_t* ids,
-                       float* gates, float* lse, cudaStream_t s);
+// from cfg. The picks are the CPU engine's, bit for bit (routing/selection.hpp). A masked token
+// gets k empty slots (id -1, gate 0).
+void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, const float* bias, const TokenMask& mask,
+                       int32_t* ids, float* gates, float* lse, cudaStream_t s);
 
 constexpr int64_t kLossChunkCuda = 256;
 // Scratch floats for router_losses_cuda: ceil(L / 256) * (E + 1).
 size_t router_loss_scratch_floats(int64_t L, int64_t E);
 // aux and z losses (fp32 device scalars; either pointer may be null), deterministic.
-void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float* lse, int64_t L,
+// ids: the plan's token_expert_indices; a token whose ids are -1 (masked) is left out, and the
+// losses are means over the routed tokens.
+void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float* lse, const int32_t* ids, int64_t L,
                         const int32_t* offsets, float* scratch, float* aux_out, float* z_out, cudaStream_t s);
 
 // The sequence-wise balance loss on the device (docs/routing.md, SEQUENCE_LENGTHS): the
@@ -76,8 +90,10 @@ void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t r
 // (out of range or repeated within a token) set *error_flag to 1 and are replaced by a safe id
 // so later kernels stay in bounds; the engine reads the flag before writing any output. With
 // empty_slots, an id of -1 is an empty slot: imported as -1 with a zero gate.
+// A masked token's slots are imported empty whatever the caller gave.
 void import_routing_cuda(const View& ids, const View& weights, int64_t L, int64_t k, int64_t E, bool empty_slots,
-                         int32_t* out_ids, float* out_gates, int32_t* error_flag, cudaStream_t s);
+                         const TokenMask& mask, int32_t* out_ids, float* out_gates, int32_t* error_flag,
+                         cudaStream_t s);
 
 // Router outputs: ids / gates to the caller's dtypes and strides, tokens per expert.
 void write_topk_cuda(const int32_t* ids, const float* gates, int64_t L, int64_t k, const View& ids_out,

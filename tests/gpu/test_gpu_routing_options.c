@@ -8,6 +8,7 @@
  *    gradients agree within the dtype's tolerance; two GPU runs give the same bits;
  *  - the fused engine captures forward and backward with every option in a CUDA graph, and a
  *    replay equals the eager run's bits;
+ *  - TOKEN_MASK against the same call on the unmasked tokens alone (token_mask);
  *  - bad input: SEQUENCE_LENGTHS that do not sum to L (cuBLASLt: INVALID_ARGUMENT before any
  *    output; fused: STATUS = INVALID_ARGUMENT, y and AUX_LOSS NaN), more sequences than tokens,
  *    a bias of the wrong size, and more expert groups than the GPU router takes.
@@ -44,6 +45,7 @@ typedef struct rcase {
   int ties;      /* logits rounded to multiples of 1/4, and a bias of a few values: exact ties */
   int specials;  /* a few NaN and infinite logits, an all-NaN row */
   int64_t form;  /* AUX_LOSS_FORM */
+  int mask;      /* a TOKEN_MASK (set by the mask test) */
 } rcase;
 
 enum { D = 64, H = 32, GUARD = 64 };
@@ -58,18 +60,18 @@ typedef struct buf {
 typedef struct problem {
   rcase c;
   int64_t B;
-  buf x, wgu, wd, logits, bias, lens, dy;                  /* inputs */
-  buf y, ids, gates, aux, dx, dwgu, dwd, dlogits, status;  /* outputs */
-  int64_t sx[2], sgu[3], sd[3], sl[2], se[1], sb[1], sk[2];
+  buf x, wgu, wd, logits, bias, lens, dy, mask;               /* inputs */
+  buf y, ids, gates, aux, z, dx, dwgu, dwd, dlogits, status;  /* outputs */
+  int64_t sx[2], sgu[3], sd[3], sl[2], se[1], sb[1], sk[2], sm[1];
 } problem;
 
 static buf* inputs(problem* p, int i) {
-  buf* all[] = {&p->x, &p->wgu, &p->wd, &p->logits, &p->bias, &p->lens, &p->dy};
-  return i < 7 ? all[i] : NULL;
+  buf* all[] = {&p->x, &p->wgu, &p->wd, &p->logits, &p->bias, &p->lens, &p->dy, &p->mask};
+  return i < 8 ? all[i] : NULL;
 }
 static buf* outputs(problem* p, int i) {
-  buf* all[] = {&p->y, &p->ids, &p->gates, &p->aux, &p->dx, &p->dwgu, &p->dwd, &p->dlogits, &p->status};
-  return i < 9 ? all[i] : NULL;
+  buf* all[] = {&p->y, &p->ids, &p->gates, &p->aux, &p->z, &p->dx, &p->dwgu, &p->dwd, &p->dlogits, &p->status};
+  return i < 10 ? all[i] : NULL;
 }
 
 static void alloc_buf(buf* b, size_t bytes) {
@@ -119,6 +121,10 @@ static void make_problem(problem* p, const rcase* c, tu_rng* r) {
   alloc_buf(&p->ids, (size_t)(L * k) * 4);
   alloc_buf(&p->gates, (size_t)(L * k) * 4);
   alloc_buf(&p->aux, 4);
+  alloc_buf(&p->z, 4);
+  alloc_buf(&p->mask, (size_t)(L > 0 ? L : 1) * 4);
+  int32_t* m = p->mask.host;  /* about a third of the tokens masked, the last one too */
+  for (int64_t t = 0; t < L; ++t) m[t] = t == L - 1 ? 0 : tu_rng_uniform(r) < 0.3 ? 0 : 1;
   alloc_buf(&p->dx, (size_t)(L * D) * 2);
   alloc_buf(&p->dwgu, p->wgu.bytes);
   alloc_buf(&p->dwd, p->wd.bytes);
@@ -130,6 +136,7 @@ static void make_problem(problem* p, const rcase* c, tu_rng* r) {
   p->sl[0] = L; p->sl[1] = E;
   p->se[0] = E;
   p->sb[0] = p->B;
+  p->sm[0] = L;
   p->sk[0] = L; p->sk[1] = k;
 }
 
@@ -184,10 +191,12 @@ static size_t forward_args(problem* p, int cuda, moeblaze_arg_t* a) {
   a[n++] = arg(cuda, MOEBLAZE_ARG_ROUTER_LOGITS, &p->logits, tu_f32, 2, p->sl);
   if (p->c.bias) a[n++] = arg(cuda, MOEBLAZE_ARG_EXPERT_BIAS, &p->bias, tu_f32, 1, p->se);
   if (p->c.seqs) a[n++] = arg(cuda, MOEBLAZE_ARG_SEQUENCE_LENGTHS, &p->lens, tu_i64, 1, p->sb);
+  if (p->c.mask) a[n++] = arg(cuda, MOEBLAZE_ARG_TOKEN_MASK, &p->mask, tu_i32, 1, p->sm);
   a[n++] = arg(cuda, MOEBLAZE_ARG_OUTPUT, &p->y, tu_bf16, 2, p->sx);
   a[n++] = arg(cuda, MOEBLAZE_ARG_TOPK_INDICES, &p->ids, tu_i32, 2, p->sk);
   a[n++] = arg(cuda, MOEBLAZE_ARG_TOPK_WEIGHTS, &p->gates, tu_f32, 2, p->sk);
   a[n++] = arg(cuda, MOEBLAZE_ARG_AUX_LOSS, &p->aux, tu_f32, 0, NULL);
+  a[n++] = arg(cuda, MOEBLAZE_ARG_Z_LOSS, &p->z, tu_f32, 0, NULL);
   if (cuda) a[n++] = arg(cuda, MOEBLAZE_ARG_STATUS, &p->status, tu_i32, 0, NULL);
   return n;
 }
@@ -228,6 +237,7 @@ static moeblaze_status_t create(const rcase* c, int cuda, moeblaze_handle_t* h) 
   if (!s) s = moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, tu_bf16);
   if (!s) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_ROUTE_SCALE, c->scale);
   if (!s) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_AUX_LOSS_COEFF, c->aux);
+  if (!s) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_Z_LOSS_COEFF, 1e-3);
   *h = NULL;
   if (!s) s = moeblaze_create(h, cfg);
   moeblaze_config_destroy(cfg);
@@ -342,6 +352,7 @@ static void check_case(const rcase* c, tu_rng* r) {
     const struct { const char* name; buf *g, *c; moeblaze_dtype_t t; size_t n; double tol; } cmp[] = {
         {"gates", &p.gates, &cpu.gates, tu_f32, Lk, 1e-5},
         {"aux loss", &p.aux, &cpu.aux, tu_f32, 1, 1e-4},
+        {"z loss", &p.z, &cpu.z, tu_f32, 1, 1e-4},
         {"y", &p.y, &cpu.y, tu_bf16, (size_t)(c->L * D), tu_tol(tu_bf16)},
         {"dx", &p.dx, &cpu.dx, tu_bf16, (size_t)(c->L * D), tu_tol(tu_bf16)},
         {"d logits", &p.dlogits, &cpu.dlogits, tu_f32, (size_t)(c->L * c->E), tu_tol(tu_bf16)},
@@ -532,6 +543,149 @@ static void bad_input(void** state) {
   assert_null(refused);
 }
 
+/* TOKEN_MASK: the masked call against the same call on the unmasked tokens alone, on the same
+ * engine (an independent reference): the same picks, y, dx, d logits and losses for those
+ * tokens and the same expert gradients; for the masked tokens id -1, gate 0 and y, dx and
+ * d logits rows exactly 0. Then every token masked, and the refusals. */
+static double rows_err(const buf* a, const buf* b, moeblaze_dtype_t t, const int32_t* mask, int64_t L, int64_t w,
+                       int* zero_ok) {
+  const size_t es = tu_dtype_size(t);
+  double num = 0, den = 0;
+  int64_t i = 0;
+  *zero_ok = 1;
+  for (int64_t r = 0; r < L; ++r)
+    for (int64_t c = 0; c < w; ++c) {
+      const double x = tu_load(a->host, t, (size_t)(r * w + c));
+      if (!mask[r]) {
+        *zero_ok &= x == 0.0;
+        continue;
+      }
+      const double y = tu_load(b->host, t, (size_t)(i * w + c));
+      num += (x - y) * (x - y);
+      den += y * y;
+      if (c == w - 1) ++i;
+    }
+  (void)es;
+  return den > 0 ? sqrt(num / den) : (num > 0 ? INFINITY : 0.0);
+}
+
+static void token_mask(void** state) {
+  (void)state;
+  tu_rng r;
+  tu_rng_seed(&r, tu_fresh_seed("gpu_token_mask"));
+  rcase c = base(64, 4, 8, 2, MOEBLAZE_SCORE_SIGMOID);
+  c.bias = 1;
+  c.mask = 1;
+  problem p;
+  make_problem(&p, &c, &r);
+  const int32_t* m = p.mask.host;
+  int64_t Lc = 0;
+  for (int64_t t = 0; t < c.L; ++t) Lc += m[t] != 0;
+  rcase cc = c;
+  cc.mask = 0;
+  cc.L = Lc;
+  problem q;  /* the unmasked tokens alone, the same weights and bias */
+  make_problem(&q, &cc, &r);
+  memcpy(q.wgu.host, p.wgu.host, p.wgu.bytes);
+  memcpy(q.wd.host, p.wd.host, p.wd.bytes);
+  memcpy(q.bias.host, p.bias.host, p.bias.bytes);
+  for (int64_t t = 0, i = 0; t < c.L; ++t) {
+    if (!m[t]) continue;
+    memcpy((char*)q.x.host + i * D * 2, (char*)p.x.host + t * D * 2, D * 2);
+    memcpy((char*)q.dy.host + i * D * 2, (char*)p.dy.host + t * D * 2, D * 2);
+    memcpy((float*)q.logits.host + i * c.E, (float*)p.logits.host + t * c.E, (size_t)c.E * 4);
+    ++i;
+  }
+  moeblaze_handle_t h = NULL;
+  assert_ok_msg(create(&c, 1, &h), "create");
+  buffers b = make_buffers(h, c.L, 1);
+  problem* runs[2] = {&p, &q};
+  for (int i = 0; i < 2; ++i) {
+    to_device(runs[i]);
+    assert_ok_msg(step(h, runs[i], 1, &b, NULL), i ? "compacted step" : "masked step");
+    from_device(runs[i]);
+    free_device(runs[i]);
+    assert_int_equal(*(int32_t*)runs[i]->status.host, 0);
+  }
+  const int32_t *ids = p.ids.host, *qids = q.ids.host;
+  const float* gates = p.gates.host;
+  for (int64_t t = 0, i = 0; t < c.L; ++t)
+    for (int64_t j = 0; j < c.k; ++j) {
+      if (!m[t]) {
+        assert_int_equal(ids[t * c.k + j], -1);
+        assert_true(gates[t * c.k + j] == 0.f);
+      } else {
+        assert_int_equal(ids[t * c.k + j], qids[i * c.k + j]);
+        if (j == c.k - 1) ++i;
+      }
+    }
+  int zero;
+  const struct { const char* name; buf *a, *b; moeblaze_dtype_t t; int64_t w; double tol; } rows[] = {
+      {"y", &p.y, &q.y, tu_bf16, D, 1e-3}, {"dx", &p.dx, &q.dx, tu_bf16, D, 1e-3},
+      {"d logits", &p.dlogits, &q.dlogits, tu_f32, c.E, 1e-4}};
+  for (size_t i = 0; i < 3; ++i) {
+    const double e = rows_err(rows[i].a, rows[i].b, rows[i].t, m, c.L, rows[i].w, &zero);
+    print_message("  engine %lld, %lld of %lld tokens masked: %s of the unmasked tokens within %.2g, masked rows %s\n",
+                  (long long)g_engine, (long long)(c.L - Lc), (long long)c.L, rows[i].name, e, zero ? "0" : "NOT 0");
+    if (!(e <= rows[i].tol) || !zero) fail_msg("token mask: %s", rows[i].name);
+  }
+  const double ea = fabs(*(float*)p.aux.host - *(float*)q.aux.host) / fabs(*(float*)q.aux.host);
+  const double ez = fabs(*(float*)p.z.host - *(float*)q.z.host) / fabs(*(float*)q.z.host);
+  const double ew = rel_err(p.dwgu.host, q.dwgu.host, tu_bf16, p.wgu.bytes / 2);
+  const double ed = rel_err(p.dwd.host, q.dwd.host, tu_bf16, p.wd.bytes / 2);
+  print_message("  aux %.3g, z %.3g, dW_gate_up %.3g, dW_down %.3g (relative errors)\n", ea, ez, ew, ed);
+  assert_true(ea < 1e-5 && ez < 1e-5 && ew < 2e-3 && ed < 2e-3);
+
+  /* Every token masked: nothing routed, every output and gradient 0. */
+  memset(p.mask.host, 0, p.mask.bytes);
+  to_device(&p);
+  assert_ok_msg(step(h, &p, 1, &b, NULL), "all masked");
+  from_device(&p);
+  free_device(&p);
+  assert_int_equal(*(int32_t*)p.status.host, 0);
+  assert_true(*(float*)p.aux.host == 0.f && *(float*)p.z.host == 0.f);
+  for (int64_t i = 0; i < c.L * c.k; ++i) assert_int_equal(ids[i], -1);
+  for (int64_t i = 0; i < c.L * D; ++i) assert_true(tu_load(p.y.host, tu_bf16, (size_t)i) == 0.0);
+  for (int64_t i = 0; i < c.L * D; ++i) assert_true(tu_load(p.dx.host, tu_bf16, (size_t)i) == 0.0);
+  for (int64_t i = 0; i < c.L * c.E; ++i) assert_true(((float*)p.dlogits.host)[i] == 0.f);
+  for (size_t i = 0; i < p.wgu.bytes / 2; ++i) assert_true(tu_load(p.dwgu.host, tu_bf16, i) == 0.0);
+
+  /* Refusals before anything is enqueued: a mask of the wrong length, with SEQUENCE_LENGTHS. */
+  to_device(&p);
+  moeblaze_arg_t fa[16];
+  p.sm[0] = c.L - 1;
+  moeblaze_status_t st = moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, fa, forward_args(&p, 1, fa), b.ws,
+                                          b.ws_bytes, b.saved, b.saved_bytes, NULL);
+  assert_int_equal(st, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "TOKEN_MASK"));
+  p.sm[0] = c.L;
+  p.c.seqs = 1;
+  p.sb[0] = 1;
+  ((int64_t*)p.lens.host)[0] = c.L;
+  CUDA_OK(cudaMemcpy(p.lens.dev, p.lens.host, 8, cudaMemcpyHostToDevice));
+  st = moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, fa, forward_args(&p, 1, fa), b.ws, b.ws_bytes, b.saved,
+                        b.saved_bytes, NULL);
+  assert_int_equal(st, MOEBLAZE_STATUS_NOT_SUPPORTED);
+  from_device(&p);
+  const uint32_t* y = p.y.host;  /* nothing written */
+  for (size_t i = 0; i < p.y.bytes / 4; ++i) assert_int_equal(y[i], 0xffffffffu);
+  free_device(&p);
+  free_buffers(&b, 1);
+  moeblaze_destroy(h);
+  /* The CPU engine refuses it so far. */
+  moeblaze_handle_t hc = NULL;
+  assert_ok_msg(create(&c, 0, &hc), "create (CPU)");
+  buffers bc = make_buffers(hc, c.L, 0);
+  p.c.seqs = 0;
+  st = moeblaze_forward(hc, MOEBLAZE_PASS_FORWARD_TRAINING, fa, forward_args(&p, 0, fa), bc.ws, bc.ws_bytes, bc.saved,
+                        bc.saved_bytes, NULL);
+  assert_int_equal(st, MOEBLAZE_STATUS_NOT_SUPPORTED);
+  free_buffers(&bc, 0);
+  moeblaze_destroy(hc);
+  free_problem(&p);
+  free_problem(&q);
+}
+
 static int use_engine(void** state, int64_t engine) {
   (void)state;
   g_engine = engine;
@@ -556,9 +710,10 @@ int main(void) {
       cmocka_unit_test(options_match_cpu),
       cmocka_unit_test(capture_with_options),
       cmocka_unit_test(bad_input),
+      cmocka_unit_test(token_mask),
   };
   int failed = 0;
-  if (fused(NULL) == 0) failed += _cmocka_run_group_tests("routing options, fused engine", tests, 3, NULL, NULL);
-  if (cublaslt(NULL) == 0) failed += _cmocka_run_group_tests("routing options, cuBLASLt engine", tests, 3, NULL, NULL);
+  if (fused(NULL) == 0) failed += _cmocka_run_group_tests("routing options, fused engine", tests, 4, NULL, NULL);
+  if (cublaslt(NULL) == 0) failed += _cmocka_run_group_tests("routing options, cuBLASLt engine", tests, 4, NULL, NULL);
   return failed ? 1 : 0;
 }

@@ -163,11 +163,14 @@ class MoELayer(torch.nn.Module):
                 bound = 1.0 / math.sqrt(fan_in)
                 w.uniform_(-bound, bound)
 
-    def forward(self, x, sequence_lengths=None):
+    def forward(self, x, sequence_lengths=None, token_mask=None):
         """``x`` [..., d] -> ``(y, aux_loss, z_loss)``. ``sequence_lengths`` (int tensor [B] on x's
         device, summing to the tokens) makes the balance loss DeepSeek-V3's sequence-wise form
         over those consecutive sequences; with ``balance_per_sequence=True`` a ``[batch, seq, d]``
-        input gives ``[seq] * batch`` (docs/routing.md)."""
+        input gives ``[seq] * batch`` (docs/routing.md). ``token_mask`` (bool or int, x's shape
+        less d, on x's device; CUDA engines): a token whose entry is False or 0 (padding) is not
+        routed, gets nothing from the routed experts and no gradient through them, and is left
+        out of the losses; a shared expert still runs on it."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError("MoELayer: x has %d features, the layer %d" % (x.shape[-1], self.hidden_size))
         lead = x.shape[:-1]
@@ -195,8 +198,15 @@ class MoELayer(torch.nn.Module):
         if self.ep_group is not None and not torch.compiler.is_compiling():
             spec.handle(x.device)  # made collectively here, on the first eager call
         bias = self.expert_bias if self.has_expert_bias else None
+        if token_mask is not None:
+            if tuple(token_mask.shape) != tuple(lead):
+                raise ValueError("MoELayer: token_mask has shape %s; x has %s tokens"
+                                 % (tuple(token_mask.shape), tuple(lead)))
+            token_mask = token_mask.reshape(-1)
+            if token_mask.dtype not in (torch.int32, torch.int64):
+                token_mask = token_mask.to(torch.int32)
         y, aux, z, _ids, _gates, counts = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up,
-                                                      w_down, bias, sequence_lengths)[:6]
+                                                      w_down, bias, sequence_lengths, token_mask)[:6]
         if self.has_expert_bias:
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)

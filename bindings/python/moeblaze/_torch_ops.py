@@ -4,7 +4,7 @@ without a graph break and CUDA graphs can capture it (on a sync-free engine).
 Two operators:
 
 * ``moeblaze::moe_forward(layer, mode, x, router?, topk_ids?, topk_weights?, w_gate_up, w_down,
-  expert_bias?, sequence_lengths?) -> (y, aux_loss, z_loss, topk_indices, topk_weights,
+  expert_bias?, sequence_lengths?, token_mask?) -> (y, aux_loss, z_loss, topk_indices, topk_weights,
   tokens_per_expert, saved)``
 * ``moeblaze::moe_backward(layer, mode, x, router?, topk_ids?, topk_weights?, w_gate_up, w_down,
   saved, dy, d_aux, d_z, needs, sequence_lengths?) -> (dx, d_router, d_topk_weights, d_w_gate_up,
@@ -340,12 +340,13 @@ def _check_mode(mode, router, topk_ids, topk_weights):
 def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.Tensor],
                 topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                 w_gate_up: torch.Tensor, w_down: torch.Tensor, expert_bias: Optional[torch.Tensor] = None,
-                sequence_lengths: Optional[torch.Tensor] = None
+                sequence_lengths: Optional[torch.Tensor] = None, token_mask: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor]:
     _check_mode(mode, router, topk_ids, topk_weights)
     _check_tensors(x, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
-                   w_gate_up=w_gate_up, w_down=w_down, expert_bias=expert_bias, sequence_lengths=sequence_lengths)
+                   w_gate_up=w_gate_up, w_down=w_down, expert_bias=expert_bias, sequence_lengths=sequence_lengths,
+                   token_mask=token_mask)
     spec = LayerSpec.get(layer)
     handle = spec.handle(x.device)
     x, router, expert_bias = _rowmajor(x), _rowmajor(router), _rowmajor(expert_bias)
@@ -363,6 +364,8 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
         args.add(ArgKind.EXPERT_BIAS, tensor_descriptor(expert_bias))
     if sequence_lengths is not None:
         args.add(ArgKind.SEQUENCE_LENGTHS, tensor_descriptor(_rowmajor(sequence_lengths)))
+    if token_mask is not None:
+        args.add(ArgKind.TOKEN_MASK, tensor_descriptor(_rowmajor(token_mask)))
     y = torch.empty((L, d), dtype=x.dtype, device=dev)
     aux = torch.zeros((), dtype=torch.float32, device=dev)
     z = torch.zeros((), dtype=torch.float32, device=dev)
@@ -392,10 +395,11 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
 
 @moe_forward.register_fake
 def _moe_forward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, expert_bias=None,
-                      sequence_lengths=None):
+                      sequence_lengths=None, token_mask=None):
     _check_mode(mode, router, topk_ids, topk_weights)
     _check_tensors(x, real=False, router=router, topk_ids=topk_ids, topk_weights=topk_weights,
-                   w_gate_up=w_gate_up, w_down=w_down, expert_bias=expert_bias, sequence_lengths=sequence_lengths)
+                   w_gate_up=w_gate_up, w_down=w_down, expert_bias=expert_bias, sequence_lengths=sequence_lengths,
+                   token_mask=token_mask)
     spec = LayerSpec.get(layer)
     L, d = x.shape
     E, k = spec.num_experts, spec.top_k
@@ -523,7 +527,7 @@ def _backward(ctx, dy, d_aux, d_z, _d_ids, _d_gates, _d_counts, _d_saved):
         d_z, needs, ctx.sequence_lengths)
     return (None, None, dx if needs[0] else None, d_router if needs[1] else None, None,
             d_weights if needs[2] else None, d_wgu if needs[3] else None,
-            d_wd if needs[4] else None, None, None)
+            d_wd if needs[4] else None, None, None, None)
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)

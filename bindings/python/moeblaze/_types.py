@@ -268,6 +268,7 @@ class ArgKind(_IntConstants):
     TOPK_INDICES = 7
     TOPK_WEIGHTS = 8
     SEQUENCE_LENGTHS = 9
+    TOKEN_MASK = 10
     OUTPUT = 32
     AUX_LOSS = 33
     TOKENS_PER_EXPERT = 34

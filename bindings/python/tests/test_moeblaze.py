@@ -1476,6 +1476,38 @@ class TestTorchCuda(unittest.TestCase):
                           num_expert_groups=4, topk_groups=2, route_scale=2.5, expert_bias=True,
                           aux_loss_coeff=0.01, balance_per_sequence=True)
 
+    def test_token_mask_is_the_unmasked_tokens_alone(self):
+        """MoELayer(x, token_mask=m) on the fused engine: for the unmasked tokens, y, the losses and
+        every gradient of the same layer run on those tokens alone; y and dx zero elsewhere."""
+        torch = self.torch
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        layer = MoELayer(256, 128, 16, 4, max_tokens=512, dtype=torch.bfloat16, device="cuda",
+                         engine=moeblaze.Engine.CUDA_FUSED, aux_loss_coeff=0.01, z_loss_coeff=1e-3)
+        x = torch.randn(2, 100, 256, device="cuda").to(torch.bfloat16)
+        dy = torch.randn_like(x)
+        mask = torch.rand(2, 100, device="cuda") > 0.3
+
+        def step(xx, gy, **kw):
+            for p_ in layer.parameters():
+                p_.grad = None
+            xx = xx.clone().requires_grad_()
+            y, aux, z = layer(xx, **kw)
+            ((y.float() * gy.float()).sum() + aux + z).backward()
+            return y.detach(), aux.detach(), z.detach(), xx.grad, [p_.grad.clone() for p_ in layer.parameters()]
+
+        y, aux, z, dx, grads = step(x, dy, token_mask=mask)
+        y1, aux1, z1, dx1, grads1 = step(x[mask], dy[mask])
+        rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()  # noqa: E731
+        self.assertLess(rel(y[mask], y1), 1e-3)
+        self.assertLess(rel(dx[mask], dx1), 1e-3)
+        self.assertEqual(float(y[~mask].abs().max()), 0.0)
+        self.assertEqual(float(dx[~mask].abs().max()), 0.0)
+        self.assertLess(abs(aux.item() - aux1.item()) / aux1.item(), 1e-4)
+        self.assertLess(abs(z.item() - z1.item()) / z1.item(), 1e-4)
+        for g, g1 in zip(grads, grads1):
+            self.assertLess(rel(g, g1), 1e-3)
+
     def _fused_layer(self, torch, MoELayer, layout, **options):
         kw = dict(hidden_size=256, ffn_hidden_size=128, num_experts=16, top_k=4, max_tokens=512,
                   weight_layout=layout, **options)

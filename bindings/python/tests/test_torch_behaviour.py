@@ -644,6 +644,16 @@ class TestSequenceBalanceLoss(unittest.TestCase):
             with self.assertRaises(Exception):
                 layer(x, sequence_lengths=torch.tensor([20, 20]))  # sums to 40 of 60 tokens
 
+    def test_token_mask_on_the_cpu_is_refused(self):
+        torch = _torch()
+        from moeblaze.torch import MoELayer
+        layer = MoELayer(16, 24, 8, 2, max_tokens=64)
+        x = torch.randn(2, 10, 16)
+        with self.assertRaisesRegex(Exception, "TOKEN_MASK"):
+            layer(x, token_mask=torch.ones(2, 10, dtype=torch.bool))
+        with self.assertRaisesRegex(ValueError, "token_mask"):
+            layer(x, token_mask=torch.ones(20, dtype=torch.bool))
+
 
 if __name__ == "__main__":
     unittest.main()

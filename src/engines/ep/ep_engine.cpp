@@ -45,6 +45,11 @@ namespace {
 constexpr int32_t kDefaultCtas = 64;
 constexpr int32_t kLocalFailed = 32;      // the local experts' engine flagged its call
 
+// Before anything is enqueued (every rank passes the same argument kinds, so every rank refuses).
+void refuse_token_mask(const CallArgs& a) {
+  if (a.token_mask.present) fail(Status::kNotSupported, "TOKEN_MASK is not supported on an expert-parallel layer yet");
+}
+
 int64_t recv_bound(const LayerConfig& g, int32_t P, int64_t max_recv) {
   return max_recv > 0 ? max_recv : static_cast<int64_t>(P) * g.max_tokens;
 }
@@ -232,6 +237,7 @@ EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
 void EpEngine::route(const CallArgs& a, void* ws, void* stream) const {
   cuda::DeviceGuard guard(g_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  refuse_token_mask(a);
   EpWork w = carve_work(Pass::kRoute, a.num_tokens, ws);
   router_->route_and_plan(a, w.inference.plan, w.router, s);
   router_->write_outputs(a, w.inference.plan, w.router, s);
@@ -255,6 +261,7 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
   cuda::DeviceGuard guard(g_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   refuse_capture_if_local_syncs(s, "forward");
+  refuse_token_mask(a);
   const int64_t L = a.num_tokens;
   const int32_t k = static_cast<int32_t>(g_.top_k);
   EpWork w = carve_work(pass, L, ws);

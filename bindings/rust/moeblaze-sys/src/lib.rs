@@ -258,6 +258,7 @@ pub const MOEBLAZE_ARG_W_DOWN: moeblaze_arg_kind_t = 6;
 pub const MOEBLAZE_ARG_TOPK_INDICES: moeblaze_arg_kind_t = 7;
 pub const MOEBLAZE_ARG_TOPK_WEIGHTS: moeblaze_arg_kind_t = 8;
 pub const MOEBLAZE_ARG_SEQUENCE_LENGTHS: moeblaze_arg_kind_t = 9;
+pub const MOEBLAZE_ARG_TOKEN_MASK: moeblaze_arg_kind_t = 10;
 pub const MOEBLAZE_ARG_OUTPUT: moeblaze_arg_kind_t = 32;
 pub const MOEBLAZE_ARG_AUX_LOSS: moeblaze_arg_kind_t = 33;
 pub const MOEBLAZE_ARG_TOKENS_PER_EXPERT: moeblaze_arg_kind_t = 34;
