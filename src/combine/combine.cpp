@@ -15,6 +15,7 @@ void combine_outputs(const RoutingPlan& plan, int64_t k, int64_t d, const void* 
     std::fill(acc, acc + d, 0.f);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t pos = plan.token_index_map[t * k + j];
+      if (pos < 0) continue;  // an empty slot adds nothing
       const float g = plan.gates[t * k + j];
       load_row(static_cast<const char*>(O) + pos * d * es, o_dtype, d, row);
       for (int64_t i = 0; i < d; ++i) acc[i] += g * row[i];
@@ -24,7 +25,7 @@ void combine_outputs(const RoutingPlan& plan, int64_t k, int64_t d, const void* 
 }
 
 void to_token_order(const RoutingPlan& plan, int64_t k, const float* v, int64_t t0, int64_t t1, float* out) {
-  for (int64_t s = t0 * k; s < t1 * k; ++s) out[s] = v[plan.token_index_map[s]];
+  for (int64_t s = t0 * k; s < t1 * k; ++s) out[s] = plan.token_index_map[s] < 0 ? 0.f : v[plan.token_index_map[s]];
 }
 
 }  // namespace combine

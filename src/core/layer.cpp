@@ -71,10 +71,9 @@ void check_sequence_lengths(const LayerConfig& cfg, const CallArgs& a) {
          static_cast<long long>(a.num_tokens));
 }
 
-// TOKEN_MASK runs on the CUDA engines so far, and not with the sequence-wise balance loss.
-void check_token_mask(const LayerConfig& cfg, const CallArgs& a, Pass pass) {
+// TOKEN_MASK does not combine with the sequence-wise balance loss yet.
+void check_token_mask(const CallArgs& a, Pass pass) {
   if (!a.token_mask.present || pass == Pass::kBackward) return;  // backward does not read it
-  if (cfg.device_type == kDeviceCpu) fail(Status::kNotSupported, "TOKEN_MASK runs on the CUDA engines only so far");
   if (a.sequence_lengths.present)
     fail(Status::kNotSupported, "TOKEN_MASK with SEQUENCE_LENGTHS (a sequence-wise loss over the unmasked tokens) is "
                                 "not supported yet");
@@ -82,7 +81,7 @@ void check_token_mask(const LayerConfig& cfg, const CallArgs& a, Pass pass) {
 
 void check_call(const LayerConfig& cfg, const CallArgs& a, Pass pass) {
   check_sequence_lengths(cfg, a);
-  check_token_mask(cfg, a, pass);
+  check_token_mask(a, pass);
 }
 
 }  // namespace

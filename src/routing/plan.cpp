@@ -25,9 +25,11 @@ size_t plan_scratch_bytes(int64_t L, int64_t E, int workers) {
   return c.size();
 }
 
-void import_topk_ids(const char* ids, bool i64, int64_t stride, int64_t L, int64_t k, int64_t E,
+void import_topk_ids(const char* ids, bool i64, int64_t stride, int64_t L, int64_t k, int64_t E, const View& mask,
                      int32_t* out) {
+  auto is_masked = [&](int64_t t) { return mask.present && mask.index(t) == 0; };
   for (int64_t t = 0; t < L; ++t) {
+    if (is_masked(t)) continue;  // its ids are not read
     for (int64_t j = 0; j < k; ++j) {
       const int64_t id = i64 ? reinterpret_cast<const int64_t*>(ids)[t * stride + j]
                              : reinterpret_cast<const int32_t*>(ids)[t * stride + j];
@@ -45,8 +47,9 @@ void import_topk_ids(const char* ids, bool i64, int64_t stride, int64_t L, int64
   }
   for (int64_t t = 0; t < L; ++t)
     for (int64_t j = 0; j < k; ++j)
-      out[t * k + j] = static_cast<int32_t>(i64 ? reinterpret_cast<const int64_t*>(ids)[t * stride + j]
-                                                : reinterpret_cast<const int32_t*>(ids)[t * stride + j]);
+      out[t * k + j] = is_masked(t) ? -1
+                                    : static_cast<int32_t>(i64 ? reinterpret_cast<const int64_t*>(ids)[t * stride + j]
+                                                               : reinterpret_cast<const int32_t*>(ids)[t * stride + j]);
 }
 
 void validate_plan(const RoutingPlan& plan, int64_t L, int64_t k, int64_t E) {
@@ -56,12 +59,20 @@ void validate_plan(const RoutingPlan& plan, int64_t L, int64_t k, int64_t E) {
   for (int64_t e = 0; e < E; ++e)
     if (off[e + 1] < off[e])
       fail(Status::kInvalidArgument, "saved routing plan: expert_token_offsets decreases at expert %lld", static_cast<long long>(e));
-  if (off[E] != P)
-    fail(Status::kInvalidArgument, "saved routing plan: expert_token_offsets[E] = %d, not L*k = %lld", off[E],
+  if (off[E] > P)
+    fail(Status::kInvalidArgument, "saved routing plan: expert_token_offsets[E] = %d exceeds L*k = %lld", off[E],
          static_cast<long long>(P));
+  int64_t filled = 0;
   for (int64_t t = 0; t < L; ++t)
     for (int64_t j = 0; j < k; ++j) {
       const int32_t e = plan.token_expert_indices[t * k + j];
+      if (e == -1) {  // an empty slot (a masked token): no position
+        if (plan.token_index_map[t * k + j] != -1)
+          fail(Status::kInvalidArgument, "saved routing plan: empty slot (%lld, %lld) maps to a position",
+               static_cast<long long>(t), static_cast<long long>(j));
+        continue;
+      }
+      ++filled;
       if (e < 0 || e >= E)
         fail(Status::kInvalidArgument, "saved routing plan: expert id %d of token %lld is outside [0, %lld)", e,
              static_cast<long long>(t), static_cast<long long>(E));
@@ -75,6 +86,9 @@ void validate_plan(const RoutingPlan& plan, int64_t L, int64_t k, int64_t E) {
       if (pos + 1 < off[e + 1] && plan.expert_token_indices[pos + 1] <= t)
         fail(Status::kInvalidArgument, "saved routing plan: the tokens of expert %d do not ascend at position %d", e, pos);
     }
+  if (filled != off[E])  // the slots' positions, distinct, must be exactly [0, off[E])
+    fail(Status::kInvalidArgument, "saved routing plan: %lld filled slots for %d positions", static_cast<long long>(filled),
+         off[E]);
 }
 
 namespace {
@@ -84,7 +98,10 @@ namespace {
 void fill_dense_tile(const int32_t* token_expert, int64_t t0, int64_t rows, int64_t k, int64_t E, uint8_t* dense) {
   std::memset(dense, 0, static_cast<size_t>(rows * E));
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < k; ++j) dense[r * E + token_expert[(t0 + r) * k + j]] = static_cast<uint8_t>(j + 1);
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = token_expert[(t0 + r) * k + j];
+      if (e >= 0) dense[r * E + e] = static_cast<uint8_t>(j + 1);  // -1: an empty slot
+    }
 }
 
 }  // namespace
@@ -130,6 +147,8 @@ void build_plan(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* scratc
     int32_t* cursor = tile_counts + tile * E;  // this tile's bases, consumed as cursors
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t t = static_cast<int32_t>(t0 + r);
+      for (int64_t j = 0; j < k; ++j)  // an empty slot has no position
+        if (plan.token_expert_indices[static_cast<int64_t>(t) * k + j] < 0) plan.token_index_map[static_cast<int64_t>(t) * k + j] = -1;
       for (int64_t e = 0; e < E; ++e) {
         const uint8_t slot = dense[r * E + e];
         if (!slot) continue;

@@ -169,13 +169,17 @@ void selection_scores(const LayerConfig& cfg, const float* l, int64_t E, float* 
   for (int64_t e = 0; e < E; ++e) v[e] = softmax_selection(v[e], S);
 }
 
-void route_tokens(const LayerConfig& cfg, const float* logits, const float* bias, int64_t t0, int64_t t1,
-                  int32_t* ids, float* gates, float* score_sum, float* lse_sq_sum, float* s) {
+void route_tokens(const LayerConfig& cfg, const float* logits, const float* bias, const View& mask, int64_t t0,
+                  int64_t t1, int32_t* ids, float* gates, float* score_sum, float* lse_sq_sum, float* s) {
   const int64_t E = cfg.num_experts, k = cfg.top_k, groups = cfg.num_expert_groups;
   const bool limited = cfg.topk_groups > 0 && cfg.topk_groups < groups;
   float* sel = s + E;              // selection scores (routing/selection.hpp), with a bias or groups
   float* group_score = s + 2 * E;  // [groups]
   for (int64_t t = t0; t < t1; ++t) {
+    if (mask.present && mask.index(t) == 0) {  // masked: k empty slots, left out of the losses
+      for (int64_t j = 0; j < k; ++j) ids[t * k + j] = -1, gates[t * k + j] = 0.f;
+      continue;
+    }
     const float* l = logits + t * E;
     const float lse = scores_of(cfg, l, E, s);
     *lse_sq_sum += lse * lse;
@@ -236,6 +240,11 @@ void router_backward(const LayerConfig& cfg, int64_t L, const float* logits, con
                           (static_cast<float>(L) * static_cast<float>(L * k));
   const float z_scale = static_cast<float>(cfg.z_loss_coeff) * grad_z * 2.f / static_cast<float>(L);
   for (int64_t t = t0; t < t1; ++t) {
+    float* dl = dlogits + t * E;
+    if (ids[t * k] < 0) {  // a masked token (empty slots): no gradient
+      for (int64_t e = 0; e < E; ++e) dl[e] = 0.f;
+      continue;
+    }
     const float* l = logits + t * E;
     const float lse = scores_of(cfg, l, E, s);
     for (int64_t e = 0; e < E; ++e) ds[e] = 0.f;
@@ -253,7 +262,6 @@ void router_backward(const LayerConfig& cfg, int64_t L, const float* logits, con
     }
     if (cfg.aux_loss_coeff > 0.0 && offsets)  // d aux / d s_te = coeff * E * f_e / L, f_e = count_e / (L k)
       for (int64_t e = 0; e < E; ++e) ds[e] += aux_scale * static_cast<float>(offsets[e + 1] - offsets[e]);
-    float* dl = dlogits + t * E;
     scores_backward(cfg, l, s, ds, E, dl);
     if (cfg.z_loss_coeff > 0.0)  // d lse / d l_e = softmax_e, whatever the score function
       for (int64_t e = 0; e < E; ++e) dl[e] += z_scale * lse * std::exp(l[e] - lse);

@@ -18,15 +18,17 @@ constexpr int64_t kLossChunk = 256;
 // Routes tokens [t0, t1): writes ids[t*k + j] and gates[t*k + j], and adds this token range's
 // scores into score_sum[E] and logsumexp^2 into *lse_sq_sum (both fp32, token order).
 // bias: the expert score bias [E] for selection (docs/routing.md), or nullptr. Group-limited
-// routing and the route scale follow cfg. scratch: 3E floats.
-void route_tokens(const LayerConfig& cfg, const float* logits, const float* bias, int64_t t0, int64_t t1,
-                  int32_t* ids, float* gates, float* score_sum, float* lse_sq_sum, float* scratch);
+// routing and the route scale follow cfg. mask: TOKEN_MASK (when present, a token whose entry is
+// 0 gets k empty slots, id -1 and gate 0, and adds nothing to the sums). scratch: 3E floats.
+void route_tokens(const LayerConfig& cfg, const float* logits, const float* bias, const View& mask, int64_t t0,
+                  int64_t t1, int32_t* ids, float* gates, float* score_sum, float* lse_sq_sum, float* scratch);
 
 struct RouterLosses {
   float aux;  // AUX_LOSS_COEFF * E * sum_e f_e P_e
   float z;    // Z_LOSS_COEFF * mean_t lse_t^2
 };
-// Combines per-chunk partials (in chunk order) and the expert counts into the two losses.
+// Combines per-chunk partials (in chunk order) and the expert counts into the two losses;
+// num_tokens: the routed tokens (a masked token is not one).
 RouterLosses finish_losses(const LayerConfig& cfg, int64_t num_tokens, const float* chunk_score_sums,
                            const float* chunk_lse_sq, int64_t num_chunks, const int32_t* expert_offsets);
 
@@ -43,7 +45,8 @@ void sequence_balance_backward(const LayerConfig& cfg, const float* logits, cons
                                int64_t B, float grad_aux, float* dlogits, float* scratch);
 
 // d logits of tokens [t0, t1) from dgates (token order), aux/z-loss grads and the counts
-// (offsets; nullptr leaves the batch-wise balance loss out). scratch: 2E floats.
+// (offsets; nullptr leaves the batch-wise balance loss out); num_tokens: the routed tokens, over
+// which the losses are means. A masked token (ids -1) gets zero d logits. scratch: 2E floats.
 void router_backward(const LayerConfig& cfg, int64_t num_tokens, const float* logits, const int32_t* ids,
                      const float* dgates, float grad_aux, float grad_z, const int32_t* expert_offsets,
                      int64_t t0, int64_t t1, float* dlogits, float* scratch);

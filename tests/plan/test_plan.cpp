@@ -117,9 +117,9 @@ void bad_caller_ids_are_rejected(void**) {
   for (int variant = 0; variant < 3; ++variant) {
     bool threw = false;
     try {
-      if (variant == 0) routing::import_topk_ids(reinterpret_cast<const char*>(out_of_range), false, 2, 2, 2, 4, out.data());
-      if (variant == 1) routing::import_topk_ids(reinterpret_cast<const char*>(duplicate), true, 2, 2, 2, 4, out.data());
-      if (variant == 2) routing::import_topk_ids(reinterpret_cast<const char*>(negative), false, 2, 2, 2, 4, out.data());
+      if (variant == 0) routing::import_topk_ids(reinterpret_cast<const char*>(out_of_range), false, 2, 2, 2, 4, View{}, out.data());
+      if (variant == 1) routing::import_topk_ids(reinterpret_cast<const char*>(duplicate), true, 2, 2, 2, 4, View{}, out.data());
+      if (variant == 2) routing::import_topk_ids(reinterpret_cast<const char*>(negative), false, 2, 2, 2, 4, View{}, out.data());
     } catch (const Error& e) {
       threw = e.status() == Status::kInvalidArgument;
     }
@@ -127,7 +127,7 @@ void bad_caller_ids_are_rejected(void**) {
     assert_true((out == std::vector<int32_t>(4, -9)));  // nothing written on failure
   }
   const int64_t good[] = {3, 0, 9, 1, 2, 9};  // row stride 3: the 9s are padding, never read
-  routing::import_topk_ids(reinterpret_cast<const char*>(good), true, 3, 2, 2, 4, out.data());
+  routing::import_topk_ids(reinterpret_cast<const char*>(good), true, 3, 2, 2, 4, View{}, out.data());
   assert_true((out == std::vector<int32_t>{3, 0, 1, 2}));
 }
 

@@ -8,7 +8,9 @@
  *    gradient against central differences;
  *  - the refusals: groups that do not divide E, TOPK_GROUPS above the group count or holding
  *    fewer than k experts, a bias of the wrong shape or dtype, a bias with caller routing,
- *    sequence lengths that do not sum to the tokens; a refused call writes nothing. */
+ *    sequence lengths that do not sum to the tokens; a refused call writes nothing;
+ *  - AUX_LOSS_FORM = HUGGING_FACE: k times the Switch form, value and gradient;
+ *  - TOKEN_MASK: a masked call equals the same call on the unmasked tokens alone. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -359,6 +361,111 @@ static void hugging_face_form(void** state) {
   moeblaze_destroy(hf);
 }
 
+/* TOKEN_MASK on the CPU engine: the masked call against the same call on the unmasked tokens
+ * alone (an independent reference): the same picks, y, dx, d logits (balance loss included)
+ * and expert gradients for those tokens, AUX_LOSS and TOKENS_PER_EXPERT; id -1 and zero rows
+ * for the masked ones; the same through caller routing; refused with SEQUENCE_LENGTHS. */
+static float masked_step(moeblaze_handle_t h, ms_problem* p, const int32_t* mask, int64_t L_) {
+  const int64_t sm[1] = {L_};
+  float aux = NAN, one = 1.f;
+  moeblaze_arg_t f[16], b[16];
+  size_t nf = ms_forward_args(p, f), nb = ms_backward_args(p, b);
+  f[nf++] = tu_arg(MOEBLAZE_ARG_AUX_LOSS, tu_tensor(&aux, tu_f32, 0, NULL));
+  if (mask) f[nf++] = tu_arg(MOEBLAZE_ARG_TOKEN_MASK, tu_tensor((void*)mask, tu_i32, 1, sm));
+  b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_AUX_LOSS, tu_tensor(&one, tu_f32, 0, NULL));
+  if (mask) b[nb++] = tu_arg(MOEBLAZE_ARG_TOKEN_MASK, tu_tensor((void*)mask, tu_i32, 1, sm));
+  moeblaze_status_t st = moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, f, nf, p->ws, p->ws_bytes, p->saved,
+                                          p->saved_bytes, NULL);
+  if (st) fail_msg("forward: %s", moeblaze_get_last_error_message());
+  st = moeblaze_backward(h, b, nb, p->saved, p->saved_bytes, p->ws, p->ws_bytes, NULL);
+  if (st) fail_msg("backward: %s", moeblaze_get_last_error_message());
+  return aux;
+}
+
+static void token_mask(void** state) {
+  (void)state;
+  const int64_t k = 2;
+  const opts o = {k, 4, 2, MOEBLAZE_SCORE_SIGMOID, 1, 2.5, 0.01, 0};
+  moeblaze_handle_t h = NULL;
+  assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
+  int32_t mask[L];
+  int64_t Lc = 0;
+  for (int64_t t = 0; t < L; ++t) Lc += (mask[t] = t % 3 != 1 && t != L - 1);
+  ms_problem p, q;
+  ms_init(&p, h, L, E, k, D, H, 1, 5);
+  ms_init(&q, h, Lc, E, k, D, H, 1, 6);
+  memcpy(q.wgu, p.wgu, sizeof(float) * E * D * 2 * H);
+  memcpy(q.wd, p.wd, sizeof(float) * E * H * D);
+  for (int64_t t = 0, i = 0; t < L; ++t) {
+    if (!mask[t]) continue;
+    memcpy(q.x + i * D, p.x + t * D, sizeof(float) * D);
+    memcpy(q.dy + i * D, p.dy + t * D, sizeof(float) * D);
+    memcpy(q.logits + i * E, p.logits + t * E, sizeof(float) * E);
+    ++i;
+  }
+  const float aux = masked_step(h, &p, mask, L), aux1 = masked_step(h, &q, NULL, Lc);
+  double worst = 0;
+  for (int64_t t = 0, i = 0; t < L; ++t) {
+    for (int64_t j = 0; j < k; ++j)
+      assert_int_equal(p.ids[t * k + j], mask[t] ? q.ids[i * k + j] : -1);
+    for (int64_t c = 0; c < D; ++c) {
+      const float y = p.y[t * D + c], dx = p.dx[t * D + c];
+      if (!mask[t]) {
+        assert_true(y == 0.f && dx == 0.f);
+        continue;
+      }
+      worst = fmax(worst, fabs(y - q.y[i * D + c]) + fabs(dx - q.dx[i * D + c]));
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      if (!mask[t]) assert_true(p.dlogits[t * E + e] == 0.f);
+      else worst = fmax(worst, fabs(p.dlogits[t * E + e] - q.dlogits[i * E + e]));
+    }
+    i += mask[t] != 0;
+  }
+  for (int64_t i = 0; i < E * D * 2 * H; ++i) worst = fmax(worst, fabs(p.dwgu[i] - q.dwgu[i]));
+  for (int64_t i = 0; i < E * H * D; ++i) worst = fmax(worst, fabs(p.dwd[i] - q.dwd[i]));
+  assert_memory_equal(p.tpe, q.tpe, sizeof(int32_t) * E);
+  print_message("token mask, %lld of %d tokens masked: largest difference from the unmasked tokens alone %.3g; "
+                "aux %.7g vs %.7g\n", (long long)(L - Lc), L, worst, aux, aux1);
+  assert_true(worst < 1e-6 && fabs(aux - aux1) <= 1e-6 * fabs(aux1));
+
+  /* Caller routing: the masked tokens' ids are not read (out of range here), their slots empty. */
+  moeblaze_handle_t hc = NULL;
+  assert_int_equal(make(&o, &hc), MOEBLAZE_STATUS_SUCCESS);
+  int32_t ids[L * 2];
+  float gates[L * 2];
+  memcpy(ids, p.ids, sizeof ids);
+  for (int64_t t = 0; t < L; ++t) {
+    for (int64_t j = 0; j < k; ++j) gates[t * k + j] = 0.5f;
+    if (!mask[t]) ids[t * k] = 999;
+  }
+  const int64_t sk[2] = {L, k}, sm[1] = {L};
+  moeblaze_arg_t f[16];
+  size_t nf = 0;
+  f[nf++] = tu_arg(MOEBLAZE_ARG_INPUT, tu_tensor(p.x, tu_f32, 2, p.sx));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_W_GATE_UP, tu_tensor(p.wgu, tu_f32, 3, p.sw));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_W_DOWN, tu_tensor(p.wd, tu_f32, 3, p.sd));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_TOPK_INDICES, tu_tensor(ids, tu_i32, 2, sk));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tu_tensor(gates, tu_f32, 2, sk));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_TOKEN_MASK, tu_tensor(mask, tu_i32, 1, sm));
+  f[nf++] = tu_arg(MOEBLAZE_ARG_OUTPUT, tu_tensor(p.y, tu_f32, 2, p.sx));
+  assert_int_equal(moeblaze_forward(hc, MOEBLAZE_PASS_FORWARD_TRAINING, f, nf, p.ws, p.ws_bytes, p.saved, p.saved_bytes,
+                                    NULL), MOEBLAZE_STATUS_SUCCESS);
+  for (int64_t t = 0; t < L; ++t)
+    if (!mask[t])
+      for (int64_t c = 0; c < D; ++c) assert_true(p.y[t * D + c] == 0.f);
+
+  /* With SEQUENCE_LENGTHS: not supported yet. */
+  const int64_t lens[1] = {L}, sn[1] = {1};
+  f[nf++] = tu_arg(MOEBLAZE_ARG_SEQUENCE_LENGTHS, tu_tensor((void*)lens, tu_i64, 1, sn));
+  assert_int_equal(moeblaze_forward(hc, MOEBLAZE_PASS_FORWARD_TRAINING, f, nf, p.ws, p.ws_bytes, p.saved, p.saved_bytes,
+                                    NULL), MOEBLAZE_STATUS_NOT_SUPPORTED);
+  moeblaze_destroy(hc);
+  ms_free(&p);
+  ms_free(&q);
+  moeblaze_destroy(h);
+}
+
 static void refusals(void** state) {
   (void)state;
   moeblaze_handle_t h = (moeblaze_handle_t)1;
@@ -438,6 +545,7 @@ int main(void) {
       cmocka_unit_test(route_scale_scales_y_and_gradients),
       cmocka_unit_test(sequence_balance_loss),
       cmocka_unit_test(hugging_face_form),
+      cmocka_unit_test(token_mask),
       cmocka_unit_test(refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

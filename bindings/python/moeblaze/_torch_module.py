@@ -168,7 +168,7 @@ class MoELayer(torch.nn.Module):
         device, summing to the tokens) makes the balance loss DeepSeek-V3's sequence-wise form
         over those consecutive sequences; with ``balance_per_sequence=True`` a ``[batch, seq, d]``
         input gives ``[seq] * batch`` (docs/routing.md). ``token_mask`` (bool or int, x's shape
-        less d, on x's device; CUDA engines): a token whose entry is False or 0 (padding) is not
+        less d, on x's device): a token whose entry is False or 0 (padding) is not
         routed, gets nothing from the routed experts and no gradient through them, and is left
         out of the losses; a shared expert still runs on it."""
         if x.shape[-1] != self.hidden_size:

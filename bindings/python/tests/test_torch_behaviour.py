@@ -644,13 +644,30 @@ class TestSequenceBalanceLoss(unittest.TestCase):
             with self.assertRaises(Exception):
                 layer(x, sequence_lengths=torch.tensor([20, 20]))  # sums to 40 of 60 tokens
 
-    def test_token_mask_on_the_cpu_is_refused(self):
+    def test_token_mask_is_the_unmasked_tokens_alone(self):
+        """MoELayer(x, token_mask=m) on the CPU engine: y, the losses and every gradient of the
+        same layer on the unmasked tokens alone; zero y and dx rows for the masked ones."""
         torch = _torch()
         from moeblaze.torch import MoELayer
-        layer = MoELayer(16, 24, 8, 2, max_tokens=64)
-        x = torch.randn(2, 10, 16)
-        with self.assertRaisesRegex(Exception, "TOKEN_MASK"):
-            layer(x, token_mask=torch.ones(2, 10, dtype=torch.bool))
+        torch.manual_seed(0)
+        layer = MoELayer(16, 24, 8, 2, max_tokens=64, aux_loss_coeff=0.01, z_loss_coeff=1e-3)
+        x, mask = torch.randn(2, 10, 16), torch.rand(2, 10) > 0.3
+        dy = torch.randn_like(x)
+
+        def step(xx, gy, **kw):
+            layer.zero_grad()
+            xx = xx.clone().requires_grad_()
+            y, aux, z = layer(xx, **kw)
+            ((y * gy).sum() + aux + z).backward()
+            return [y.detach(), aux.detach(), z.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()]
+
+        got = step(x, dy, token_mask=mask)
+        want = step(x[mask], dy[mask])
+        self.assertEqual(float(got[0][~mask].abs().max()), 0.0)
+        self.assertEqual(float(got[3][~mask].abs().max()), 0.0)
+        got[0], got[3] = got[0][mask], got[3][mask]
+        for a, b in zip(got, want):
+            self.assertLess(_rel(a, b), 1e-5)
         with self.assertRaisesRegex(ValueError, "token_mask"):
             layer(x, token_mask=torch.ones(20, dtype=torch.bool))
 

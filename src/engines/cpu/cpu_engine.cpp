@@ -69,6 +69,11 @@ class CpuEngine final : public Engine {
   void route_and_plan(const CallArgs& a, RoutingPlan& plan, const Work& w) const;
   void write_router_outputs(const CallArgs& a, const RoutingPlan& plan, const Work& w) const;
   int64_t make_tiles(const RoutingPlan& plan, int32_t* tiles) const;
+  // The tokens a call routed: all of them, or those a TOKEN_MASK left (their k picks fill the
+  // plan's positions [0, offsets[E])); the losses are means over them.
+  int64_t routed_tokens(const RoutingPlan& plan) const {
+    return plan.expert_token_offsets[cfg_.num_experts] / cfg_.top_k;
+  }
   // fn(e, first position, rows, worker) for every tile of up to kTileRows positions of one
   // expert, in parallel; tiles: the workspace's tile list.
   template <class F>
@@ -159,8 +164,11 @@ void CpuEngine::route_and_plan(const CallArgs& a, RoutingPlan& plan, const Work&
   if (a.mode == RoutingMode::kCallerTopK) {
     // Validate every id before anything else is written (a bad id writes nothing).
     routing::import_topk_ids(a.topk_ids.data, a.topk_ids.dtype == DType::kI64, a.topk_ids.stride[0], L, k, E,
-                             plan.token_expert_indices);
-    for (int64_t t = 0; t < L; ++t) load_row(a.topk_weights.row(t), a.topk_weights.dtype, k, plan.gates + t * k);
+                             a.token_mask, plan.token_expert_indices);
+    for (int64_t t = 0; t < L; ++t) {
+      load_row(a.topk_weights.row(t), a.topk_weights.dtype, k, plan.gates + t * k);
+      if (plan.token_expert_indices[t * k] < 0) std::fill(plan.gates + t * k, plan.gates + (t + 1) * k, 0.f);
+    }
   } else {
     compute_logits(a, w.logits, w);
     const float* bias = a.expert_bias.present ? reinterpret_cast<const float*>(a.expert_bias.data) : nullptr;
@@ -169,7 +177,8 @@ void CpuEngine::route_and_plan(const CallArgs& a, RoutingPlan& plan, const Work&
       float* sums = w.chunk_scores + c * E;
       std::fill(sums, sums + E, 0.f);
       w.chunk_lse[c] = 0.f;
-      routing::route_tokens(cfg_, w.logits, bias, c * routing::kLossChunk, std::min(L, (c + 1) * routing::kLossChunk),
+      routing::route_tokens(cfg_, w.logits, bias, a.token_mask, c * routing::kLossChunk,
+                            std::min(L, (c + 1) * routing::kLossChunk),
                             plan.token_expert_indices, plan.gates, sums, &w.chunk_lse[c], scratch(w, worker));
     });
   }
@@ -188,7 +197,7 @@ void CpuEngine::write_router_outputs(const CallArgs& a, const RoutingPlan& plan,
         }
     if (a.topk_weights.present)
       for (int64_t t = 0; t < L; ++t) store_row(a.topk_weights.row(t), a.topk_weights.dtype, k, plan.gates + t * k, false);
-    routing::RouterLosses losses = routing::finish_losses(cfg_, L, w.chunk_scores, w.chunk_lse,
+    routing::RouterLosses losses = routing::finish_losses(cfg_, routed_tokens(plan), w.chunk_scores, w.chunk_lse,
                                                           ceil_div(L, routing::kLossChunk), plan.expert_token_offsets);
     if (a.sequence_lengths.present && a.aux_loss.present)  // the sequence-wise form instead
       losses.aux = routing::sequence_balance_loss(cfg_, w.logits, plan.token_expert_indices, a.sequence_lengths,
@@ -395,7 +404,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
     const float gz = a.grad_z.present ? *reinterpret_cast<const float*>(a.grad_z.data) : 1.f;
     const bool by_sequence = a.sequence_lengths.present;
     pool_.parallel_for(ceil_div(L, kTokenBlock), [&](int64_t b, int worker) {
-      routing::router_backward(cfg_, L, w.logits, plan.token_expert_indices, w.dg_tok, gaux, gz,
+      routing::router_backward(cfg_, routed_tokens(plan), w.logits, plan.token_expert_indices, w.dg_tok, gaux, gz,
                                by_sequence ? nullptr : plan.expert_token_offsets, b * kTokenBlock,
                                std::min(L, (b + 1) * kTokenBlock), w.dlogits, scratch(w, worker));
     });
@@ -436,6 +445,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
       for (int64_t t = b * kTokenBlock; t < std::min(L, (b + 1) * kTokenBlock); ++t) {
         std::fill(acc, acc + d, 0.f);
         for (int64_t j = 0; j < k; ++j) {
+          if (plan.token_index_map[t * k + j] < 0) continue;  // an empty slot (a masked token)
           const float* part = w.dx_part + static_cast<int64_t>(plan.token_index_map[t * k + j]) * d;
           for (int64_t i = 0; i < d; ++i) acc[i] += part[i];
         }
