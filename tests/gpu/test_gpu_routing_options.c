@@ -111,6 +111,12 @@ static void make_problem(problem* p, const rcase* c, tu_rng* r) {
   float* b = p->bias.host;
   for (int64_t e = 0; e < E; ++e)
     b[e] = c->ties ? (float)(tu_rng_below(r, 3) * 0.25) : (float)(0.1 * tu_rng_normal(r));
+  if (c->specials && E >= 8) {  /* a NaN, an infinite and a huge bias too */
+    b[1] = NAN;
+    b[3] = INFINITY;
+    b[5] = -INFINITY;
+    b[7] = 3e38f;
+  }
   p->B = c->seqs;
   alloc_buf(&p->lens, (size_t)(p->B > 0 ? p->B : 1) * 8);
   if (p->B > 0) {  /* B random lengths >= 1 summing to L */
@@ -429,19 +435,11 @@ static void options_match_cpu(void** state) {
   check_case(&nan_rows, &r);
 }
 
-/* Forward and backward with the bias, groups, scale and sequence lengths, captured once and
- * replayed on new inputs: the replay's bits are the eager run's. */
-static void capture_with_options(void** state) {
-  (void)state;
-  if (g_engine != MOEBLAZE_ENGINE_CUDA_FUSED) skip();
-  tu_rng r;
-  tu_rng_seed(&r, tu_fresh_seed("gpu_routing_capture"));
-  rcase c = base(256, 8, 8, 4, MOEBLAZE_SCORE_SIGMOID);
-  c.bias = 1;
-  c.seqs = 5;
-  c.scale = 2.5;
+/* Forward and backward with the bias, groups, scale, sequence lengths and a token mask, captured
+ * once and replayed on new inputs: the replay's bits are the eager run's. */
+static void capture_case(const rcase c, tu_rng* rng) {
   problem p;
-  make_problem(&p, &c, &r);
+  make_problem(&p, &c, rng);
   moeblaze_handle_t h = NULL;
   assert_ok_msg(create(&c, 1, &h), "create");
   buffers b = make_buffers(h, c.L, 1);
@@ -456,7 +454,7 @@ static void capture_with_options(void** state) {
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
   /* New logits and bias in the same device buffers, then replay. */
   problem q;
-  make_problem(&q, &c, &r);
+  make_problem(&q, &c, rng);
   CUDA_OK(cudaMemcpy(p.logits.dev, q.logits.host, q.logits.bytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(p.bias.dev, q.bias.host, q.bias.bytes, cudaMemcpyHostToDevice));
   CUDA_OK(cudaGraphLaunch(exec, s));
@@ -486,6 +484,21 @@ static void capture_with_options(void** state) {
   moeblaze_destroy(h);
   free_problem(&p);
   free_problem(&q);
+}
+
+static void capture_with_options(void** state) {
+  (void)state;
+  if (g_engine != MOEBLAZE_ENGINE_CUDA_FUSED) skip();
+  tu_rng r;
+  tu_rng_seed(&r, tu_fresh_seed("gpu_routing_capture"));
+  rcase c = base(256, 8, 8, 4, MOEBLAZE_SCORE_SIGMOID);
+  c.bias = 1;
+  c.scale = 2.5;
+  c.seqs = 5;  /* with the sequence-wise loss */
+  capture_case(c, &r);
+  c.seqs = 0;  /* with a token mask */
+  c.mask = 1;
+  capture_case(c, &r);
 }
 
 static void bad_input(void** state) {
