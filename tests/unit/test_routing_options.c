@@ -429,12 +429,40 @@ static void token_mask(void** state) {
                 "aux %.7g vs %.7g\n", (long long)(L - Lc), L, worst, aux, aux1);
   assert_true(worst < 1e-6 && fabs(aux - aux1) <= 1e-6 * fabs(aux1));
 
+  int32_t ids[L * 2];  /* the masked call's picks, for the caller-routing call below */
+  memcpy(ids, p.ids, sizeof ids);
+
+  /* Every token masked: nothing routed; y, d logits, the expert gradients and the loss are 0. */
+  int32_t none[L];
+  memset(none, 0, sizeof none);
+  const float aux0 = masked_step(h, &p, none, L);
+  assert_true(aux0 == 0.f);
+  for (int64_t i = 0; i < L * k; ++i) assert_int_equal(p.ids[i], -1);
+  for (int64_t i = 0; i < L * D; ++i) assert_true(p.y[i] == 0.f && p.dx[i] == 0.f);
+  for (int64_t i = 0; i < L * E; ++i) assert_true(p.dlogits[i] == 0.f);
+  for (int64_t i = 0; i < E * H * D; ++i) assert_true(p.dwd[i] == 0.f);
+  for (int64_t e = 0; e < E; ++e) assert_int_equal(p.tpe[e], 0);
+
+  /* A mask of the wrong length or dtype: refused, naming it. */
+  {
+    const int64_t short_len[1] = {L - 1}, full[1] = {L};
+    const float fmask[L] = {0};
+    moeblaze_arg_t f[16];
+    size_t nf = ms_forward_args(&p, f);
+    f[nf] = tu_arg(MOEBLAZE_ARG_TOKEN_MASK, tu_tensor(mask, tu_i32, 1, short_len));
+    assert_int_equal(moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, f, nf + 1, p.ws, p.ws_bytes, p.saved,
+                                      p.saved_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moeblaze_get_last_error_message(), "TOKEN_MASK"));
+    f[nf] = tu_arg(MOEBLAZE_ARG_TOKEN_MASK, tu_tensor((void*)fmask, tu_f32, 1, full));
+    assert_int_equal(moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, f, nf + 1, p.ws, p.ws_bytes, p.saved,
+                                      p.saved_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moeblaze_get_last_error_message(), "TOKEN_MASK"));
+  }
+
   /* Caller routing: the masked tokens' ids are not read (out of range here), their slots empty. */
   moeblaze_handle_t hc = NULL;
   assert_int_equal(make(&o, &hc), MOEBLAZE_STATUS_SUCCESS);
-  int32_t ids[L * 2];
   float gates[L * 2];
-  memcpy(ids, p.ids, sizeof ids);
   for (int64_t t = 0; t < L; ++t) {
     for (int64_t j = 0; j < k; ++j) gates[t * k + j] = 0.5f;
     if (!mask[t]) ids[t * k] = 999;
