@@ -190,7 +190,8 @@ static moeblaze_arg_t arg(int cuda, int32_t kind, buf* b, moeblaze_dtype_t t, in
   return a;
 }
 
-static size_t forward_args(problem* p, int cuda, moeblaze_arg_t* a) {
+/* The inputs both passes take (backward accepts the bias and the mask and does not read them). */
+static size_t input_args(problem* p, int cuda, moeblaze_arg_t* a) {
   size_t n = 0;
   a[n++] = arg(cuda, MOEBLAZE_ARG_INPUT, &p->x, tu_bf16, 2, p->sx);
   a[n++] = arg(cuda, MOEBLAZE_ARG_W_GATE_UP, &p->wgu, tu_bf16, 3, p->sgu);
@@ -199,6 +200,11 @@ static size_t forward_args(problem* p, int cuda, moeblaze_arg_t* a) {
   if (p->c.bias) a[n++] = arg(cuda, MOEBLAZE_ARG_EXPERT_BIAS, &p->bias, tu_f32, 1, p->se);
   if (p->c.seqs) a[n++] = arg(cuda, MOEBLAZE_ARG_SEQUENCE_LENGTHS, &p->lens, tu_i64, 1, p->sb);
   if (p->c.mask) a[n++] = arg(cuda, MOEBLAZE_ARG_TOKEN_MASK, &p->mask, tu_i32, 1, p->sm);
+  return n;
+}
+
+static size_t forward_args(problem* p, int cuda, moeblaze_arg_t* a) {
+  size_t n = input_args(p, cuda, a);
   a[n++] = arg(cuda, MOEBLAZE_ARG_OUTPUT, &p->y, tu_bf16, 2, p->sx);
   a[n++] = arg(cuda, MOEBLAZE_ARG_TOPK_INDICES, &p->ids, tu_i32, 2, p->sk);
   a[n++] = arg(cuda, MOEBLAZE_ARG_TOPK_WEIGHTS, &p->gates, tu_f32, 2, p->sk);
@@ -209,13 +215,7 @@ static size_t forward_args(problem* p, int cuda, moeblaze_arg_t* a) {
 }
 
 static size_t backward_args(problem* p, int cuda, moeblaze_arg_t* a) {
-  size_t n = 0;
-  a[n++] = arg(cuda, MOEBLAZE_ARG_INPUT, &p->x, tu_bf16, 2, p->sx);
-  a[n++] = arg(cuda, MOEBLAZE_ARG_W_GATE_UP, &p->wgu, tu_bf16, 3, p->sgu);
-  a[n++] = arg(cuda, MOEBLAZE_ARG_W_DOWN, &p->wd, tu_bf16, 3, p->sd);
-  a[n++] = arg(cuda, MOEBLAZE_ARG_ROUTER_LOGITS, &p->logits, tu_f32, 2, p->sl);
-  if (p->c.bias) a[n++] = arg(cuda, MOEBLAZE_ARG_EXPERT_BIAS, &p->bias, tu_f32, 1, p->se);
-  if (p->c.seqs) a[n++] = arg(cuda, MOEBLAZE_ARG_SEQUENCE_LENGTHS, &p->lens, tu_i64, 1, p->sb);
+  size_t n = input_args(p, cuda, a);
   a[n++] = arg(cuda, MOEBLAZE_ARG_GRAD_OUTPUT, &p->dy, tu_bf16, 2, p->sx);
   a[n++] = arg(cuda, MOEBLAZE_ARG_GRAD_INPUT, &p->dx, tu_bf16, 2, p->sx);
   a[n++] = arg(cuda, MOEBLAZE_ARG_GRAD_W_GATE_UP, &p->dwgu, tu_bf16, 3, p->sgu);
