@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "core/config.hpp"
+#include "util/dtype.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -18,6 +19,13 @@ struct RoutingPlan {
   int32_t* token_index_map = nullptr;       // [L*k] position of (t, j) in expert_token_indices
   int32_t* expert_token_offsets = nullptr;  // [E+1] exclusive prefix sum of tokens per expert
 };
+
+// The tokens a call routed: all L, or those a TOKEN_MASK left, whose k picks fill the positions
+// [0, offsets[E]); within [0, L] whatever a saved plan holds. The losses are means over them.
+MOEBLAZE_HD int64_t routed_tokens(const int32_t* offsets, int64_t L, int64_t E, int64_t k) {
+  const int64_t filled = offsets[E] > 0 ? offsets[E] : 0;
+  return filled / k < L ? filled / k : L;
+}
 
 // The first bytes of every saved buffer, written last by a training forward. Backward checks it
 // before it reads anything else in the buffer: a buffer that forward did not write, or wrote

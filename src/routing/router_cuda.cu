@@ -237,12 +237,6 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, RouteOptions opt
   }
 }
 
-// The tokens a call routed: offsets[E] / k (L without a mask), within [0, L] whatever a saved
-// plan holds.
-__device__ __forceinline__ int64_t routed_tokens(const int32_t* offsets, int64_t L, int64_t E, int64_t k) {
-  return min(max(static_cast<int64_t>(offsets[E]), int64_t{0}) / k, L);
-}
-
 // partial[c * E + e] = sum of scores of expert e over token chunk c; partial_lse[c] = sum lse^2;
 // a masked token (ids[t k] = -1) adds nothing.
 // A block is kLossExperts experts x kLossRows token rows: row r sums the chunk's tokens r,

@@ -69,11 +69,6 @@ class CpuEngine final : public Engine {
   void route_and_plan(const CallArgs& a, RoutingPlan& plan, const Work& w) const;
   void write_router_outputs(const CallArgs& a, const RoutingPlan& plan, const Work& w) const;
   int64_t make_tiles(const RoutingPlan& plan, int32_t* tiles) const;
-  // The tokens a call routed: all of them, or those a TOKEN_MASK left (their k picks fill the
-  // plan's positions [0, offsets[E])); the losses are means over them.
-  int64_t routed_tokens(const RoutingPlan& plan) const {
-    return plan.expert_token_offsets[cfg_.num_experts] / cfg_.top_k;
-  }
   // fn(e, first position, rows, worker) for every tile of up to kTileRows positions of one
   // expert, in parallel; tiles: the workspace's tile list.
   template <class F>
@@ -197,7 +192,8 @@ void CpuEngine::write_router_outputs(const CallArgs& a, const RoutingPlan& plan,
         }
     if (a.topk_weights.present)
       for (int64_t t = 0; t < L; ++t) store_row(a.topk_weights.row(t), a.topk_weights.dtype, k, plan.gates + t * k, false);
-    routing::RouterLosses losses = routing::finish_losses(cfg_, routed_tokens(plan), w.chunk_scores, w.chunk_lse,
+    const int64_t routed = routed_tokens(plan.expert_token_offsets, L, E, k);
+    routing::RouterLosses losses = routing::finish_losses(cfg_, routed, w.chunk_scores, w.chunk_lse,
                                                           ceil_div(L, routing::kLossChunk), plan.expert_token_offsets);
     if (a.sequence_lengths.present && a.aux_loss.present)  // the sequence-wise form instead
       losses.aux = routing::sequence_balance_loss(cfg_, w.logits, plan.token_expert_indices, a.sequence_lengths,
@@ -403,8 +399,9 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
     const float gaux = a.grad_aux.present ? *reinterpret_cast<const float*>(a.grad_aux.data) : 1.f;
     const float gz = a.grad_z.present ? *reinterpret_cast<const float*>(a.grad_z.data) : 1.f;
     const bool by_sequence = a.sequence_lengths.present;
+    const int64_t routed = routed_tokens(plan.expert_token_offsets, L, E, k);
     pool_.parallel_for(ceil_div(L, kTokenBlock), [&](int64_t b, int worker) {
-      routing::router_backward(cfg_, routed_tokens(plan), w.logits, plan.token_expert_indices, w.dg_tok, gaux, gz,
+      routing::router_backward(cfg_, routed, w.logits, plan.token_expert_indices, w.dg_tok, gaux, gz,
                                by_sequence ? nullptr : plan.expert_token_offsets, b * kTokenBlock,
                                std::min(L, (b + 1) * kTokenBlock), w.dlogits, scratch(w, worker));
     });
