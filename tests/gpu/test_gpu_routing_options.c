@@ -568,7 +568,6 @@ static void bad_input(void** state) {
  * d logits rows exactly 0. Then every token masked, and the refusals. */
 static double rows_err(const buf* a, const buf* b, moeblaze_dtype_t t, const int32_t* mask, int64_t L, int64_t w,
                        int* zero_ok) {
-  const size_t es = tu_dtype_size(t);
   double num = 0, den = 0;
   int64_t i = 0;
   *zero_ok = 1;
@@ -584,7 +583,6 @@ static double rows_err(const buf* a, const buf* b, moeblaze_dtype_t t, const int
       den += y * y;
       if (c == w - 1) ++i;
     }
-  (void)es;
   return den > 0 ? sqrt(num / den) : (num > 0 ? INFINITY : 0.0);
 }
 
