@@ -7,6 +7,9 @@
 # (tests/gpu/test_gpu_routing_options.c; ROUTING_SANITIZE="memcheck racecheck" runs its quick
 # subset under those tools too), then what each option costs (perf/routing_options_cost.py, ROUTING_COST_ARGS;
 # "skip" runs none); not part of "all" (the tests mode runs the test through ctest).
+# shared: where a shared expert runs best (perf/shared_expert_overlap.py, SHARED_ARGS): after the
+# routed experts, beside them on a second stream, or as more groups of their grouped GEMM; not
+# part of "all".
 # ep: the expert-parallel layer on every GPU of the machine (at least 2) against the single-GPU
 # layer (tests/ep/test_ep_gpu.cpp, tests/ep/test_ep_processes.cpp); EP_SANITIZE="memcheck racecheck"
 # runs the one-process-per-rank test on two GPUs under those tools too;
@@ -49,7 +52,7 @@ want() {
   for w in "${what[@]}"; do
     [ "$w" = "$1" ] && return 0
     [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && [ "$1" != sidebyside ] \
-      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != routing ] && [ "$1" != epbench ] && [ "$1" != eptorch ] && return 0
+      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != routing ] && [ "$1" != shared ] && [ "$1" != epbench ] && [ "$1" != eptorch ] && return 0
   done
   return 1
 }
@@ -183,6 +186,13 @@ if want routing; then
     cat "$OUT/routing-cost.md"; tail -5 "$OUT/routing-cost.err"
     summary+=("routing options cost: rc=$rc (table above)")
   fi
+fi
+if want shared; then
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \
+    timeout 500 python3 perf/shared_expert_overlap.py ${SHARED_ARGS:-} > "$OUT/shared-expert.md" 2> "$OUT/shared-expert.err"
+  rc=$?
+  cat "$OUT/shared-expert.md"; tail -5 "$OUT/shared-expert.err"
+  summary+=("shared expert placement: rc=$rc (table above)")
 fi
 if want tests; then
   ctest --test-dir build-gpu -L gpu -V --timeout 900 > "$OUT/tests.log" 2>&1

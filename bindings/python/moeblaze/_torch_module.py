@@ -24,7 +24,10 @@ token goes through (DeepSeek-V2/V3, Qwen2-MoE, Llama-4), with the layer's activa
 ``shared_expert_gate=True`` scales its output per token by ``sigmoid(x shared_gate_weight^T)``
 (``shared_gate_weight`` [1, d]), as Qwen2-MoE does. It runs on the same engine as the routed
 experts, as a layer of one expert that every token picks (the gate given as its weight); under
-expert parallelism it is replicated like the router.
+expert parallelism it is replicated like the router. ``shared_expert_overlap=True`` runs it on a
+second CUDA stream beside the routed experts (forward and, as autograd runs each backward on its
+forward's stream, backward): outputs and gradients are the same bits either way; it is off under
+torch.compile, whose graphs run it in line (docs/pytorch.md has the measured effect).
 
 Expert parallelism: ``MoELayer(..., ep_group=group)`` over a torch.distributed NCCL process group
 of P ranks holds this rank's experts only, ``[r E/P, (r+1) E/P)`` (``w_gate_up`` and ``w_down``
@@ -50,6 +53,44 @@ _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf1
 _SHARED_EXPERT_ATTRS = ("engine", "save_policy", "deterministic", "num_threads", "window_tokens")
 
 
+class _SideStream:
+    """``fn(*tensors)`` enqueued on a second stream of the device, after what the current stream
+    has enqueued so far; :meth:`join` makes the current stream wait for it and returns its result.
+    Autograd runs the backward of what ``fn`` did on that stream too, and orders it against the
+    rest of the graph itself. One side stream per device, shared by every layer: a layer's shared
+    expert overlaps its own routed experts, not another layer's work."""
+
+    _streams = {}
+
+    def __init__(self, device, fn, *tensors):
+        self.main = torch.cuda.current_stream(device)
+        side = self._streams.get(device.index)
+        if side is None:
+            side = self._streams[device.index] = torch.cuda.Stream(device)
+        side.wait_stream(self.main)
+        with torch.cuda.stream(side):
+            self.result = fn(*tensors)
+        for t in tensors:  # made on the current stream, read on the side one
+            if t is not None:
+                t.record_stream(side)
+        self.side = side
+
+    def join(self):
+        self.main.wait_stream(self.side)
+        self.result.record_stream(self.main)
+        return self.result
+
+
+class _InLine:
+    """A result already on the current stream (the in-line counterpart of :class:`_SideStream`)."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def join(self):
+        return self.result
+
+
 class MoELayer(torch.nn.Module):
     """Token-choice top-k MoE layer on libmoeblaze.
 
@@ -65,8 +106,9 @@ class MoELayer(torch.nn.Module):
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, top_k, activation="swiglu",
                  max_tokens=65536, dtype=None, device=None, weight_layout="in_out", ep_group=None,
                  shared_expert_hidden=0, shared_expert_gate=False, expert_bias=False,
-                 balance_per_sequence=False, **attrs):
+                 balance_per_sequence=False, shared_expert_overlap=False, **attrs):
         super().__init__()
+        self.shared_expert_overlap = bool(shared_expert_overlap)
         self.balance_per_sequence = bool(balance_per_sequence)
         self.shared_expert_hidden = int(shared_expert_hidden)
         self.shared_expert_gate = bool(shared_expert_gate)
@@ -205,13 +247,22 @@ class MoELayer(torch.nn.Module):
             token_mask = token_mask.reshape(-1)
             if token_mask.dtype not in (torch.int32, torch.int64):
                 token_mask = token_mask.to(torch.int32)
+        # The shared expert is enqueued before the routed experts either way: the autograd graph
+        # (and so the order in which x's gradient terms are summed) is the same with the
+        # overlap on or off, and so are the bits.
+        shared = None
+        if self.shared_expert_hidden:
+            if self.shared_expert_overlap and x2.is_cuda and not torch.compiler.is_compiling():
+                shared = _SideStream(x2.device, self._shared_expert, x2, s_gate_up, s_down, s_gate)
+            else:
+                shared = _InLine(self._shared_expert(x2, s_gate_up, s_down, s_gate))
         y, aux, z, _ids, _gates, counts = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up,
                                                       w_down, bias, sequence_lengths, token_mask)[:6]
         if self.has_expert_bias:
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
-        if self.shared_expert_hidden:
-            y = y + self._shared_expert(x2, s_gate_up, s_down, s_gate)
+        if shared is not None:
+            y = y + shared.join()
         return y.reshape(*lead, self.hidden_size), aux, z
 
     @torch.no_grad()
