@@ -851,8 +851,9 @@ typedef enum moeblaze_arg_kind {
    *  TOKENS_PER_EXPERT), costs no expert compute, gets y = 0 and zero gradients, and is left out
    *  of the balance loss and the z-loss, which are then taken over the unmasked tokens. Forward
    *  and route; backward accepts it and does not need it (the saved plan marks the masked
-   *  tokens). With caller routing, a masked token's ids and gates are not read. The
-   *  expert-parallel layer, and a call with #MOEBLAZE_ARG_SEQUENCE_LENGTHS, refuse it with
+   *  tokens). With caller routing, a masked token's ids and gates are not read. With
+   *  #MOEBLAZE_ARG_SEQUENCE_LENGTHS each sequence's term is taken over its unmasked tokens and
+   *  the mean over the sequences that keep one. The expert-parallel layer refuses it with
    *  NOT_SUPPORTED so far. @since 0.2 */
   MOEBLAZE_ARG_TOKEN_MASK = 10,
   /** Output y [L, d], ACTIVATION_DTYPE. Required by forward. @since 0.1 */

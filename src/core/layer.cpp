@@ -71,24 +71,11 @@ void check_sequence_lengths(const LayerConfig& cfg, const CallArgs& a) {
          static_cast<long long>(a.num_tokens));
 }
 
-// TOKEN_MASK does not combine with the sequence-wise balance loss yet.
-void check_token_mask(const CallArgs& a, Pass pass) {
-  if (!a.token_mask.present || pass == Pass::kBackward) return;  // backward does not read it
-  if (a.sequence_lengths.present)
-    fail(Status::kNotSupported, "TOKEN_MASK with SEQUENCE_LENGTHS (a sequence-wise loss over the unmasked tokens) is "
-                                "not supported yet");
-}
-
-void check_call(const LayerConfig& cfg, const CallArgs& a, Pass pass) {
-  check_sequence_lengths(cfg, a);
-  check_token_mask(a, pass);
-}
-
 }  // namespace
 
 CallArgs Layer::check(Pass pass, const RawArg* args, size_t num_args) const {
   CallArgs a = decode_args(cfg_, pass, args, num_args);
-  check_call(cfg_, a, pass);
+  check_sequence_lengths(cfg_, a);
   return a;
 }
 
@@ -97,7 +84,7 @@ void Layer::forward(Pass pass, const RawArg* args, size_t n, void* ws, size_t ws
   if (pass != Pass::kForwardTraining && pass != Pass::kForwardInference)
     fail(Status::kInvalidArgument, "moeblaze_forward takes FORWARD_TRAINING or FORWARD_INFERENCE, not %s", pass_name(pass));
   CallArgs a = decode_args(cfg_, pass, args, n);
-  check_call(cfg_, a, pass);
+  check_sequence_lengths(cfg_, a);
   const size_t ws_need = workspace_size(pass, a.num_tokens);
   check_buffer("workspace", ws, ws_bytes, ws_need);
   const bool training = pass == Pass::kForwardTraining;
@@ -111,7 +98,7 @@ void Layer::forward(Pass pass, const RawArg* args, size_t n, void* ws, size_t ws
 void Layer::backward(const RawArg* args, size_t n, const void* saved, size_t saved_bytes, void* ws, size_t ws_bytes,
                      void* stream) const {
   CallArgs a = decode_args(cfg_, Pass::kBackward, args, n);
-  check_call(cfg_, a, Pass::kBackward);
+  check_sequence_lengths(cfg_, a);
   const size_t saved_need = saved_size(a.num_tokens), ws_need = workspace_size(Pass::kBackward, a.num_tokens);
   check_buffer("saved", saved, saved_bytes, saved_need);
   check_buffer("workspace", ws, ws_bytes, ws_need);
@@ -122,7 +109,7 @@ void Layer::backward(const RawArg* args, size_t n, const void* saved, size_t sav
 
 void Layer::route(const RawArg* args, size_t n, void* ws, size_t ws_bytes, void* stream) const {
   CallArgs a = decode_args(cfg_, Pass::kRoute, args, n);
-  check_call(cfg_, a, Pass::kRoute);
+  check_sequence_lengths(cfg_, a);
   const size_t ws_need = workspace_size(Pass::kRoute, a.num_tokens);
   check_buffer("workspace", ws, ws_bytes, ws_need);
   const CallBuffer buffers[] = {{"workspace", ws, ws_need, true}};

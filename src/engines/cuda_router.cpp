@@ -12,7 +12,9 @@ RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, int64_t window, vo
   RouterWork w;
   w.gemm_ws = gemm_ws;
   w.logits = c.take<float>(static_cast<size_t>(L * E));
-  w.error_flag = c.take<int32_t>(1);
+  int64_t* flags = c.take<int64_t>(2);  // one aligned slot: the error flag, then the routed sequences
+  w.error_flag = reinterpret_cast<int32_t*>(flags);
+  w.seq_routed = flags ? flags + 1 : nullptr;
   w.seq_starts = c.take<int64_t>(static_cast<size_t>(L + 1));
   if (pass != Pass::kBackward) {
     w.seq_terms = c.take<double>(static_cast<size_t>(L));
@@ -92,6 +94,8 @@ routing::SequenceBalance CudaRouter::sequences(const CallArgs& a, const RoutingP
   if (!a.sequence_lengths.present || a.mode == RoutingMode::kCallerTopK) return sb;
   sb.starts = w.seq_starts;
   sb.count = a.sequence_lengths.shape[0];
+  sb.routed = w.seq_routed;
+  sb.token_ids = plan.token_expert_indices;
   sb.expert_tokens = plan.expert_token_indices;
   sb.offsets = plan.expert_token_offsets;
   sb.picks = a.num_tokens * cfg_.top_k;
@@ -109,6 +113,7 @@ void CudaRouter::write_outputs(const CallArgs& a, const RoutingPlan& plan, const
                                 w.loss_scratch,
                                 sb.count > 0 ? nullptr : aux,
                                 a.z_loss.present ? reinterpret_cast<float*>(a.z_loss.data) : nullptr, s);
+    if (sb.count > 0 && aux) routing::routed_sequences_cuda(sb, L, k, s);
     if (sb.count > 0)
       routing::sequence_balance_loss_cuda(cfg_, w.logits, w.lse, L, sb, w.seq_terms, w.error_flag, aux, s);
   }
@@ -147,10 +152,12 @@ bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const Ro
   if (!needs.router_grad || rows == 0) return false;
   const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden;
   float* dlogits = w.dlogits + t0 * E;
+  const routing::SequenceBalance sb = sequences(a, plan, w, t0);
+  if (first && sb.count > 0) routing::routed_sequences_cuda(sb, L, k, s);
   routing::router_backward_cuda(cfg_, w.logits + t0 * E, rows, L, plan.token_expert_indices + t0 * k, dg_tok,
                                 a.grad_aux.present ? reinterpret_cast<const float*>(a.grad_aux.data) : nullptr,
                                 a.grad_z.present ? reinterpret_cast<const float*>(a.grad_z.data) : nullptr,
-                                plan.expert_token_offsets, sequences(a, plan, w, t0), dlogits, s);
+                                plan.expert_token_offsets, sb, dlogits, s);
   if (a.mode != RoutingMode::kRouterWeight) return false;
   // dW_g = dlogits^T x (summed over the windows in order), dx += dlogits W_g.
   if (!a.d_router_weight.present && !needs.router_adds_dx) return false;

@@ -22,6 +22,7 @@ inline namespace v0 {
 struct RouterWork {
   float* logits = nullptr;        // [L, E] fp32
   int32_t* error_flag = nullptr;  // [1] routing::kCallerIdsInvalid | routing::kPlanInvalid
+  int64_t* seq_routed = nullptr;  // [1] SEQUENCE_LENGTHS' sequences with a routed token
   int64_t* seq_starts = nullptr;  // [L + 1]  SEQUENCE_LENGTHS' token starts
   double* seq_terms = nullptr;    // [L]       forward, route: the sequence-wise loss's per-token terms
   float* lse = nullptr;           // [L]       forward, route

@@ -90,10 +90,17 @@ void scores_backward(const LayerConfig& cfg, const float* l, const float* s, con
   }
 }
 
-// n[e]: the picks of each expert among tokens [t0, t0 + T).
-void count_picks(const int32_t* ids, int64_t t0, int64_t T, int64_t k, int64_t E, float* n) {
+// n[e]: the picks of each expert among tokens [t0, t0 + T); returns the routed tokens among
+// them (a masked token's slots are empty, -1).
+int64_t count_picks(const int32_t* ids, int64_t t0, int64_t T, int64_t k, int64_t E, float* n) {
   for (int64_t e = 0; e < E; ++e) n[e] = 0.f;
-  for (int64_t i = t0 * k; i < (t0 + T) * k; ++i) n[ids[i]] += 1.f;
+  int64_t routed = 0;
+  for (int64_t t = t0; t < t0 + T; ++t) {
+    if (ids[t * k] < 0) continue;
+    ++routed;
+    for (int64_t j = 0; j < k; ++j) n[ids[t * k + j]] += 1.f;
+  }
+  return routed;
 }
 
 // The scores normalised to sum 1 (sigmoid; softmax scores already do and are left as they are).
@@ -107,26 +114,43 @@ void normalise_scores(const LayerConfig& cfg, float* s, int64_t E) {
 
 }  // namespace
 
+int64_t routed_sequences(const int32_t* ids, const View& lengths, int64_t k) {
+  int64_t routed = 0, t0 = 0;
+  for (int64_t q = 0; q < lengths.shape[0]; ++q) {
+    const int64_t T = lengths.index(q);
+    for (int64_t t = t0; t < t0 + T; ++t)
+      if (ids[t * k] >= 0) {
+        ++routed;
+        break;
+      }
+    t0 += T;
+  }
+  return routed;
+}
+
 float sequence_balance_loss(const LayerConfig& cfg, const float* logits, const int32_t* ids, const View& lengths,
                             float* scratch) {
-  const int64_t B = lengths.shape[0];
+  const int64_t B = routed_sequences(ids, lengths, cfg.top_k);
   const int64_t E = cfg.num_experts, k = cfg.top_k;
   float *s = scratch, *P = scratch + E, *n = scratch + 2 * E;
   double total = 0.0;
   int64_t t0 = 0;
-  for (int64_t q = 0; q < B; ++q) {
+  for (int64_t q = 0; q < lengths.shape[0]; ++q) {
     const int64_t T = lengths.index(q);
     for (int64_t e = 0; e < E; ++e) P[e] = 0.f;
     for (int64_t t = t0; t < t0 + T; ++t) {
+      if (ids[t * k] < 0) continue;  // masked
       scores_of(cfg, logits + t * E, E, s);
       normalise_scores(cfg, s, E);
       for (int64_t e = 0; e < E; ++e) P[e] += s[e];
     }
-    count_picks(ids, t0, T, k, E, n);
+    const int64_t routed = count_picks(ids, t0, T, k, E, n);
+    t0 += T;
+    if (routed == 0) continue;
     double sq = 0.0;
     for (int64_t e = 0; e < E; ++e) sq += static_cast<double>(n[e]) * static_cast<double>(P[e]);
-    total += sq * static_cast<double>(E) / (static_cast<double>(k) * static_cast<double>(T) * static_cast<double>(T));
-    t0 += T;
+    total += sq * static_cast<double>(E) /
+             (static_cast<double>(k) * static_cast<double>(routed) * static_cast<double>(routed));
   }
   return B > 0 ? static_cast<float>(cfg.aux_loss_coeff * total / static_cast<double>(B)) : 0.f;
 }
@@ -135,12 +159,15 @@ void sequence_balance_backward(const LayerConfig& cfg, const float* logits, cons
                                int64_t B, float grad_aux, float* dlogits, float* scratch) {
   const int64_t E = cfg.num_experts, k = cfg.top_k;
   float *s = scratch, *ds = scratch + E, *dl = scratch + 2 * E, *n = scratch + 3 * E;
-  count_picks(ids, t0, T, k, E, n);
-  // d loss / d s'_te = c n_e, c = coeff * grad_aux * E / (B k T^2); through s' = s / S (sigmoid):
-  // ds_f = (c n_f - sum_e c n_e s'_e) / S.
+  const int64_t routed = count_picks(ids, t0, T, k, E, n);
+  if (routed == 0) return;
+  // d loss / d s'_te = c n_e, c = coeff * grad_aux * E / (B k T^2) (T: the sequence's routed
+  // tokens); through s' = s / S (sigmoid): ds_f = (c n_f - sum_e c n_e s'_e) / S.
   const double c = cfg.aux_loss_coeff * grad_aux * static_cast<double>(E) /
-                   (static_cast<double>(B) * static_cast<double>(k) * static_cast<double>(T) * static_cast<double>(T));
+                   (static_cast<double>(B) * static_cast<double>(k) * static_cast<double>(routed) *
+                    static_cast<double>(routed));
   for (int64_t t = t0; t < t0 + T; ++t) {
+    if (ids[t * k] < 0) continue;  // masked: zero d logits
     const float* l = logits + t * E;
     scores_of(cfg, l, E, s);
     if (cfg.score_fn == ScoreFn::kSoftmax) {

@@ -32,15 +32,18 @@ struct RouterLosses {
 RouterLosses finish_losses(const LayerConfig& cfg, int64_t num_tokens, const float* chunk_score_sums,
                            const float* chunk_lse_sq, int64_t num_chunks, const int32_t* expert_offsets);
 
-// DeepSeek-V3's sequence-wise balance loss (docs/routing.md) over the B sequences of `lengths`
-// (the caller's SEQUENCE_LENGTHS: lengths.index(q) consecutive tokens each) (summing to the call's tokens): AUX_LOSS_COEFF / B * sum_q E / (k T_q) *
-// sum_e n_qe P_qe, n_qe the picks of expert e in sequence q and P_qe the mean over it of the
-// scores normalised to sum 1 per token (sigmoid; softmax scores already do). In fp64, sequences
-// in order. scratch: 3E floats.
+// DeepSeek-V3's sequence-wise balance loss (docs/routing.md) over the sequences of `lengths`
+// (the caller's SEQUENCE_LENGTHS: lengths.index(q) consecutive tokens each, summing to the call's
+// tokens): AUX_LOSS_COEFF / B * sum_q E / (k T_q^2) * sum_e n_qe S_qe, over the B sequences with a
+// routed token; T_q: sequence q's routed tokens (a TOKEN_MASK leaves the others out, their ids
+// -1), n_qe their picks of expert e and S_qe the sum over them of the scores normalised to sum 1
+// per token (sigmoid; softmax scores already do). In fp64, sequences in order. scratch: 3E floats.
 float sequence_balance_loss(const LayerConfig& cfg, const float* logits, const int32_t* ids, const View& lengths,
                             float* scratch);
-// Adds grad_aux times its gradient to the rows of sequence q (tokens [t0, t0 + T)) of dlogits.
-// scratch: 4E floats.
+// B above: the sequences of `lengths` with at least one routed token.
+int64_t routed_sequences(const int32_t* ids, const View& lengths, int64_t k);
+// Adds grad_aux times its gradient to the rows of one sequence (tokens [t0, t0 + T)) of dlogits;
+// B: routed_sequences. scratch: 4E floats.
 void sequence_balance_backward(const LayerConfig& cfg, const float* logits, const int32_t* ids, int64_t t0, int64_t T,
                                int64_t B, float grad_aux, float* dlogits, float* scratch);
 

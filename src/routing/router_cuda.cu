@@ -358,6 +358,50 @@ size_t block_counts_bytes(const SequenceBalance& sb, int64_t E) {
   return sb.count > 0 && E <= kSharedCountsMax ? sizeof(int32_t) * static_cast<size_t>(E) : 0;
 }
 
+// T_q, the routed tokens of the sequence [a, b): b - a, or, when a TOKEN_MASK left some tokens
+// out (uniform across the block: the plan holds fewer than L k picks), the sequence's picks / k.
+// Every lane of the group calls it.
+template <int kPer>
+__device__ __forceinline__ int64_t sequence_tokens(const SequenceBalance& sb, const BlockCounts& counts,
+                                                  const TokenGroup& g, int64_t E, int64_t k, int64_t a, int64_t b,
+                                                  bool any_masked) {
+  if (!any_masked) return b - a;
+  double picks = 0.0;
+  for_each_expert<kPer>(g, E, [&](int, int64_t e) { picks += static_cast<double>(counts.picks(sb, e, a, b)); });
+  return static_cast<int64_t>(group_sum(picks, g.width)) / k;
+}
+
+// Whether a TOKEN_MASK left tokens out of this call's plan.
+__device__ __forceinline__ bool plan_has_masked(const SequenceBalance& sb, int64_t L, int64_t E, int64_t k) {
+  return routed_tokens(sb.offsets, L, E, k) < L;
+}
+
+// *sb.routed: the sequences with a routed token. One block; a warp per sequence, its lanes
+// reading 32 tokens' first ids at a time until one is routed (at once without a mask).
+constexpr int kRoutedThreads = 1024;
+__global__ void routed_sequences_kernel(SequenceBalance sb, int64_t L, int64_t k) {
+  __shared__ int64_t per_warp[kRoutedThreads / 32];
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  int64_t n = 0;
+  for (int64_t q = warp; q < sb.count; q += kRoutedThreads / 32) {
+    // starts from flagged lengths may pass L: clamped, so no id outside the plan is read
+    const int64_t a = min(max(sb.starts[q], int64_t{0}), L), b = min(max(sb.starts[q + 1], a), L);
+    bool found = false;
+    for (int64_t t0 = a; t0 < b && !found; t0 += 32) {
+      const int64_t t = t0 + lane;
+      found = __any_sync(0xffffffffu, t < b && sb.token_ids[t * k] >= 0);
+    }
+    n += found ? 1 : 0;
+  }
+  if (lane == 0) per_warp[warp] = n;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t total = 0;
+    for (int w = 0; w < kRoutedThreads / 32; ++w) total += per_warp[w];
+    *sb.routed = total;
+  }
+}
+
 // starts[0..B] from the lengths: one block, a chunk of lengths per thread, then a block scan of
 // the chunk sums. A length outside [1, L] (clamped there, so starts stay increasing) or a sum
 // other than L sets kSequenceLengthsInvalid.
@@ -397,8 +441,9 @@ __global__ void sequence_starts_kernel(const char* len, bool i64, int64_t stride
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(flag, kSequenceLengthsInvalid);
 }
 
-// terms[t] = E / (k T_q^2) sum_e n_qe s'_te for token t of sequence q (s' = s, or s / S_t for
-// sigmoid), one token per group of lanes; the loss is coeff / B times their sum.
+// terms[t] = E / (k T_q^2) sum_e n_qe s'_te for routed token t of sequence q (s' = s, or s / S_t
+// for sigmoid; 0 for a masked token), one token per group of lanes; the loss is coeff / B times
+// their sum.
 template <int kPer>
 __global__ void sequence_terms_kernel(ScoreFn fn, const float* logits, const float* lse, int64_t L, int64_t E,
                                       int64_t k, int width, SequenceBalance sb, double* terms) {
@@ -424,15 +469,18 @@ __global__ void sequence_terms_kernel(ScoreFn fn, const float* logits, const flo
     acc += static_cast<double>(counts.picks(sb, e, a, b)) * static_cast<double>(s);
   });
   acc = group_sum(acc, g.width);
-  const double T = static_cast<double>(b - a);
-  if (g.live && g.sub == 0) terms[t] = acc * static_cast<double>(E) / (static_cast<double>(k) * T * T);
+  const double T = static_cast<double>(sequence_tokens<kPer>(sb, counts, g, E, k, a, b, plan_has_masked(sb, L, E, k)));
+  const bool masked = sb.token_ids[t * k] < 0;
+  if (g.live && g.sub == 0)
+    terms[t] = masked || T <= 0.0 ? 0.0 : acc * static_cast<double>(E) / (static_cast<double>(k) * T * T);
 }
 
-// *aux_out = coeff / B * sum_t terms[t], summed in a fixed order (a strided pass per thread,
-// then a tree); NaN when the lengths were flagged.
+// *aux_out = coeff / B * sum_t terms[t] (B: the sequences with a routed token), summed in a
+// fixed order (a strided pass per thread, then a tree); NaN when the lengths were flagged.
 constexpr int kTermThreads = 1024;
-__global__ void sequence_loss_finish_kernel(double coeff, int64_t B, int64_t L, const double* terms, const int32_t* flag,
-                                            float* aux_out) {
+__global__ void sequence_loss_finish_kernel(double coeff, const int64_t* routed, int64_t L, const double* terms,
+                                            const int32_t* flag, float* aux_out) {
+  const int64_t B = *routed;
   __shared__ double red[kTermThreads];
   double acc = 0.0;
   for (int64_t t = threadIdx.x; t < L; t += kTermThreads) acc += terms[t];
@@ -474,6 +522,7 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
   const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
   const float gaux = grad_aux ? *grad_aux : 1.f, gz = grad_z ? *grad_z : 1.f;
   // The losses are means over the routed tokens; a masked token (its ids -1) gets zero d logits.
+  const bool any_masked = routed_tokens(offsets, L, E, k) < L;
   L = max(routed_tokens(offsets, L, E, k), int64_t{1});
   const bool empty = g.live && ids[t * k] < 0;
   const float aux_scale = aux_coeff * gaux * static_cast<float>(E) / (static_cast<float>(L) * static_cast<float>(L * k));
@@ -505,8 +554,11 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
     const int64_t q = sequence_of(sb, sb.t0 + t);
     qa = sb.starts[q];
     qb = sb.starts[q + 1];
-    const double T = static_cast<double>(qb - qa);
-    seq_c = static_cast<double>(aux_coeff) * gaux * static_cast<double>(E) / (static_cast<double>(sb.count) * k * T * T);
+    const double T = static_cast<double>(sequence_tokens<kPer>(sb, counts, g, E, k, qa, qb, any_masked));
+    const double B = static_cast<double>(*sb.routed);
+    seq_c = T > 0.0 && B > 0.0
+                ? static_cast<double>(aux_coeff) * gaux * static_cast<double>(E) / (B * static_cast<double>(k) * T * T)
+                : 0.0;
     if (fn == ScoreFn::kSigmoid) {
       double S = 0.0;
       for_each_expert<kPer>(g, E, [&](int i, int64_t e) { S += static_cast<double>(score_of(i, e)); });
@@ -718,6 +770,11 @@ void sequence_starts_cuda(const View& lengths, int64_t L, int64_t* starts, int32
   MOEBLAZE_CUDA_LAUNCH_CHECK("sequence_starts");
 }
 
+void routed_sequences_cuda(const SequenceBalance& sb, int64_t L, int64_t k, cudaStream_t s) {
+  routed_sequences_kernel<<<1, kRoutedThreads, 0, s>>>(sb, L, k);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("routed_sequences");
+}
+
 void sequence_balance_loss_cuda(const LayerConfig& cfg, const float* logits, const float* lse, int64_t L,
                                 const SequenceBalance& sb, double* terms, const int32_t* flag, float* aux_out,
                                 cudaStream_t s) {
@@ -731,7 +788,7 @@ void sequence_balance_loss_cuda(const LayerConfig& cfg, const float* logits, con
           cfg.score_fn, logits, lse, L, E, cfg.top_k, width, sb, terms);
     });
   MOEBLAZE_CUDA_LAUNCH_CHECK("sequence_terms");
-  sequence_loss_finish_kernel<<<1, kTermThreads, 0, s>>>(cfg.aux_loss_coeff, sb.count, L, terms, flag, aux_out);
+  sequence_loss_finish_kernel<<<1, kTermThreads, 0, s>>>(cfg.aux_loss_coeff, sb.routed, L, terms, flag, aux_out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("sequence_loss_finish");
 }
 

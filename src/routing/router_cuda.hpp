@@ -60,9 +60,13 @@ void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float
 // The sequence-wise balance loss on the device (docs/routing.md, SEQUENCE_LENGTHS): the
 // sequences' token starts, and the plan's per-expert token lists, from which each sequence's
 // picks of an expert come by binary search (no [B, E] table, whatever B).
+// A TOKEN_MASK leaves masked tokens out: a sequence's T is its routed tokens (its picks / k),
+// and the mean is over the sequences with a routed token (*routed, from routed_sequences_cuda).
 struct SequenceBalance {
   const int64_t* starts = nullptr;         // [count + 1]
-  int64_t count = 0;                       // B; 0: the batch-wise loss
+  int64_t count = 0;                       // the sequences; 0: the batch-wise loss
+  int64_t* routed = nullptr;               // device scalar: the sequences with a routed token
+  const int32_t* token_ids = nullptr;      // plan.token_expert_indices (a masked token's are -1)
   const int32_t* expert_tokens = nullptr;  // plan.expert_token_indices
   const int32_t* offsets = nullptr;        // plan.expert_token_offsets
   int64_t picks = 0;                       // L k
@@ -71,6 +75,9 @@ struct SequenceBalance {
 // starts [B + 1] from SEQUENCE_LENGTHS (i32/i64 [B], 1 <= B <= L checked by the caller); a length
 // outside [1, L] or a sum other than L sets routing::kSequenceLengthsInvalid in *flag.
 void sequence_starts_cuda(const View& lengths, int64_t L, int64_t* starts, int32_t* flag, cudaStream_t s);
+// *sb.routed: the sequences with at least one routed token (all of them without a TOKEN_MASK).
+// After sequence_starts_cuda and the plan.
+void routed_sequences_cuda(const SequenceBalance& sb, int64_t L, int64_t k, cudaStream_t s);
 // AUX_LOSS as the sequence-wise loss (fp32 device scalar; NaN when the lengths were flagged),
 // deterministic. terms: [L] doubles of scratch.
 void sequence_balance_loss_cuda(const LayerConfig& cfg, const float* logits, const float* lse, int64_t L,

@@ -9,7 +9,7 @@
  *  - the fused engine captures forward and backward with every option in a CUDA graph, and a
  *    replay equals the eager run's bits;
  *  - TOKEN_MASK against the same call on the unmasked tokens alone (token_mask), and against
- *    the CPU engine;
+ *    the CPU engine, alone and with SEQUENCE_LENGTHS (sequences wholly masked among them);
  *  - bad input: SEQUENCE_LENGTHS that do not sum to L (cuBLASLt: INVALID_ARGUMENT before any
  *    output; fused: STATUS = INVALID_ARGUMENT, y and AUX_LOSS NaN), more sequences than tokens,
  *    a bias of the wrong size, and more expert groups than the GPU router takes.
@@ -425,6 +425,10 @@ static void options_match_cpu(void** state) {
   check_case(&masked, &r);
   masked.score_fn = S, masked.keep = 0, masked.bias = 0;
   check_case(&masked, &r);
+  masked.seqs = 7;  /* with the sequence-wise loss over each sequence's unmasked tokens */
+  check_case(&masked, &r);
+  masked.score_fn = G, masked.seqs = (int)(masked.L / 3);  /* short sequences: some wholly masked */
+  check_case(&masked, &r);
   rcase hf = base(128, 8, 1, 0, S);  /* the Hugging Face form of the batch-wise balance loss */
   hf.form = MOEBLAZE_AUX_LOSS_HUGGING_FACE;
   check_case(&hf, &r);
@@ -496,8 +500,7 @@ static void capture_with_options(void** state) {
   c.scale = 2.5;
   c.seqs = 5;  /* with the sequence-wise loss */
   capture_case(c, &r);
-  c.seqs = 0;  /* with a token mask */
-  c.mask = 1;
+  c.mask = 1;  /* with a token mask as well */
   capture_case(c, &r);
 }
 
@@ -667,7 +670,7 @@ static void token_mask(void** state) {
   for (int64_t i = 0; i < c.L * c.E; ++i) assert_true(((float*)p.dlogits.host)[i] == 0.f);
   for (size_t i = 0; i < p.wgu.bytes / 2; ++i) assert_true(tu_load(p.dwgu.host, tu_bf16, i) == 0.0);
 
-  /* Refusals before anything is enqueued: a mask of the wrong length, with SEQUENCE_LENGTHS. */
+  /* Refused before anything is enqueued: a mask of the wrong length. */
   to_device(&p);
   moeblaze_arg_t fa[16];
   p.sm[0] = c.L - 1;
@@ -675,14 +678,6 @@ static void token_mask(void** state) {
                                           b.ws_bytes, b.saved, b.saved_bytes, NULL);
   assert_int_equal(st, MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(moeblaze_get_last_error_message(), "TOKEN_MASK"));
-  p.sm[0] = c.L;
-  p.c.seqs = 1;
-  p.sb[0] = 1;
-  ((int64_t*)p.lens.host)[0] = c.L;
-  CUDA_OK(cudaMemcpy(p.lens.dev, p.lens.host, 8, cudaMemcpyHostToDevice));
-  st = moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, fa, forward_args(&p, 1, fa), b.ws, b.ws_bytes, b.saved,
-                        b.saved_bytes, NULL);
-  assert_int_equal(st, MOEBLAZE_STATUS_NOT_SUPPORTED);
   from_device(&p);
   const uint32_t* y = p.y.host;  /* nothing written */
   for (size_t i = 0; i < p.y.bytes / 4; ++i) assert_int_equal(y[i], 0xffffffffu);

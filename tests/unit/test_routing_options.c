@@ -364,9 +364,10 @@ static void hugging_face_form(void** state) {
 /* TOKEN_MASK on the CPU engine: the masked call against the same call on the unmasked tokens
  * alone (an independent reference): the same picks, y, dx, d logits (balance loss included)
  * and expert gradients for those tokens, AUX_LOSS and TOKENS_PER_EXPERT; id -1 and zero rows
- * for the masked ones; the same through caller routing; refused with SEQUENCE_LENGTHS. */
-static float masked_step(moeblaze_handle_t h, ms_problem* p, const int32_t* mask, int64_t L_) {
-  const int64_t sm[1] = {L_};
+ * for the masked ones; the same through caller routing. */
+static float masked_step_in(moeblaze_handle_t h, ms_problem* p, const int32_t* mask, int64_t L_, const int64_t* lens,
+                            int64_t B) {
+  const int64_t sm[1] = {L_}, sn[1] = {B};
   float aux = NAN, one = 1.f;
   moeblaze_arg_t f[16], b[16];
   size_t nf = ms_forward_args(p, f), nb = ms_backward_args(p, b);
@@ -374,12 +375,66 @@ static float masked_step(moeblaze_handle_t h, ms_problem* p, const int32_t* mask
   if (mask) f[nf++] = tu_arg(MOEBLAZE_ARG_TOKEN_MASK, tu_tensor((void*)mask, tu_i32, 1, sm));
   b[nb++] = tu_arg(MOEBLAZE_ARG_GRAD_AUX_LOSS, tu_tensor(&one, tu_f32, 0, NULL));
   if (mask) b[nb++] = tu_arg(MOEBLAZE_ARG_TOKEN_MASK, tu_tensor((void*)mask, tu_i32, 1, sm));
+  if (lens) {
+    f[nf++] = tu_arg(MOEBLAZE_ARG_SEQUENCE_LENGTHS, tu_tensor((void*)lens, tu_i64, 1, sn));
+    b[nb++] = tu_arg(MOEBLAZE_ARG_SEQUENCE_LENGTHS, tu_tensor((void*)lens, tu_i64, 1, sn));
+  }
   moeblaze_status_t st = moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, f, nf, p->ws, p->ws_bytes, p->saved,
                                           p->saved_bytes, NULL);
   if (st) fail_msg("forward: %s", moeblaze_get_last_error_message());
   st = moeblaze_backward(h, b, nb, p->saved, p->saved_bytes, p->ws, p->ws_bytes, NULL);
   if (st) fail_msg("backward: %s", moeblaze_get_last_error_message());
   return aux;
+}
+static float masked_step(moeblaze_handle_t h, ms_problem* p, const int32_t* mask, int64_t L_) {
+  return masked_step_in(h, p, mask, L_, NULL, 0);
+}
+
+/* The largest difference between a masked call (p) and the call on its unmasked tokens alone
+ * (q) over y, dx, d logits and the expert gradients; the picks and TOKENS_PER_EXPERT equal, and
+ * the masked tokens' ids -1 and rows 0. */
+static double masked_difference(const ms_problem* p, const ms_problem* q, const int32_t* mask, int64_t k) {
+  double worst = 0;
+  for (int64_t t = 0, i = 0; t < L; ++t) {
+    for (int64_t j = 0; j < k; ++j)
+      assert_int_equal(p->ids[t * k + j], mask[t] ? q->ids[i * k + j] : -1);
+    for (int64_t c = 0; c < D; ++c) {
+      const float y = p->y[t * D + c], dx = p->dx[t * D + c];
+      if (!mask[t]) {
+        assert_true(y == 0.f && dx == 0.f);
+        continue;
+      }
+      worst = fmax(worst, fabs(y - q->y[i * D + c]) + fabs(dx - q->dx[i * D + c]));
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      if (!mask[t]) assert_true(p->dlogits[t * E + e] == 0.f);
+      else worst = fmax(worst, fabs(p->dlogits[t * E + e] - q->dlogits[i * E + e]));
+    }
+    i += mask[t] != 0;
+  }
+  for (int64_t i = 0; i < E * D * 2 * H; ++i) worst = fmax(worst, fabs(p->dwgu[i] - q->dwgu[i]));
+  for (int64_t i = 0; i < E * H * D; ++i) worst = fmax(worst, fabs(p->dwd[i] - q->dwd[i]));
+  assert_memory_equal(p->tpe, q->tpe, sizeof(int32_t) * E);
+  return worst;
+}
+
+/* q: the tokens of p that mask keeps, with p's weights (q's own seed for the rest). Returns their
+ * count. */
+static int64_t compact_problem(ms_problem* q, const ms_problem* p, moeblaze_handle_t h, const int32_t* mask,
+                               int64_t k) {
+  int64_t Lc = 0;
+  for (int64_t t = 0; t < L; ++t) Lc += mask[t] != 0;
+  ms_init(q, h, Lc, E, k, D, H, 1, 6);
+  memcpy(q->wgu, p->wgu, sizeof(float) * E * D * 2 * H);
+  memcpy(q->wd, p->wd, sizeof(float) * E * H * D);
+  for (int64_t t = 0, i = 0; t < L; ++t) {
+    if (!mask[t]) continue;
+    memcpy(q->x + i * D, p->x + t * D, sizeof(float) * D);
+    memcpy(q->dy + i * D, p->dy + t * D, sizeof(float) * D);
+    memcpy(q->logits + i * E, p->logits + t * E, sizeof(float) * E);
+    ++i;
+  }
+  return Lc;
 }
 
 static void token_mask(void** state) {
@@ -389,42 +444,12 @@ static void token_mask(void** state) {
   moeblaze_handle_t h = NULL;
   assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
   int32_t mask[L];
-  int64_t Lc = 0;
-  for (int64_t t = 0; t < L; ++t) Lc += (mask[t] = t % 3 != 1 && t != L - 1);
+  for (int64_t t = 0; t < L; ++t) mask[t] = t % 3 != 1 && t != L - 1;
   ms_problem p, q;
   ms_init(&p, h, L, E, k, D, H, 1, 5);
-  ms_init(&q, h, Lc, E, k, D, H, 1, 6);
-  memcpy(q.wgu, p.wgu, sizeof(float) * E * D * 2 * H);
-  memcpy(q.wd, p.wd, sizeof(float) * E * H * D);
-  for (int64_t t = 0, i = 0; t < L; ++t) {
-    if (!mask[t]) continue;
-    memcpy(q.x + i * D, p.x + t * D, sizeof(float) * D);
-    memcpy(q.dy + i * D, p.dy + t * D, sizeof(float) * D);
-    memcpy(q.logits + i * E, p.logits + t * E, sizeof(float) * E);
-    ++i;
-  }
+  const int64_t Lc = compact_problem(&q, &p, h, mask, k);
   const float aux = masked_step(h, &p, mask, L), aux1 = masked_step(h, &q, NULL, Lc);
-  double worst = 0;
-  for (int64_t t = 0, i = 0; t < L; ++t) {
-    for (int64_t j = 0; j < k; ++j)
-      assert_int_equal(p.ids[t * k + j], mask[t] ? q.ids[i * k + j] : -1);
-    for (int64_t c = 0; c < D; ++c) {
-      const float y = p.y[t * D + c], dx = p.dx[t * D + c];
-      if (!mask[t]) {
-        assert_true(y == 0.f && dx == 0.f);
-        continue;
-      }
-      worst = fmax(worst, fabs(y - q.y[i * D + c]) + fabs(dx - q.dx[i * D + c]));
-    }
-    for (int64_t e = 0; e < E; ++e) {
-      if (!mask[t]) assert_true(p.dlogits[t * E + e] == 0.f);
-      else worst = fmax(worst, fabs(p.dlogits[t * E + e] - q.dlogits[i * E + e]));
-    }
-    i += mask[t] != 0;
-  }
-  for (int64_t i = 0; i < E * D * 2 * H; ++i) worst = fmax(worst, fabs(p.dwgu[i] - q.dwgu[i]));
-  for (int64_t i = 0; i < E * H * D; ++i) worst = fmax(worst, fabs(p.dwd[i] - q.dwd[i]));
-  assert_memory_equal(p.tpe, q.tpe, sizeof(int32_t) * E);
+  const double worst = masked_difference(&p, &q, mask, k);
   print_message("token mask, %lld of %d tokens masked: largest difference from the unmasked tokens alone %.3g; "
                 "aux %.7g vs %.7g\n", (long long)(L - Lc), L, worst, aux, aux1);
   assert_true(worst < 1e-6 && fabs(aux - aux1) <= 1e-6 * fabs(aux1));
@@ -483,15 +508,46 @@ static void token_mask(void** state) {
     if (!mask[t])
       for (int64_t c = 0; c < D; ++c) assert_true(p.y[t * D + c] == 0.f);
 
-  /* With SEQUENCE_LENGTHS: not supported yet. */
-  const int64_t lens[1] = {L}, sn[1] = {1};
-  f[nf++] = tu_arg(MOEBLAZE_ARG_SEQUENCE_LENGTHS, tu_tensor((void*)lens, tu_i64, 1, sn));
-  assert_int_equal(moeblaze_forward(hc, MOEBLAZE_PASS_FORWARD_TRAINING, f, nf, p.ws, p.ws_bytes, p.saved, p.saved_bytes,
-                                    NULL), MOEBLAZE_STATUS_NOT_SUPPORTED);
   moeblaze_destroy(hc);
   ms_free(&p);
   ms_free(&q);
   moeblaze_destroy(h);
+}
+
+/* TOKEN_MASK with SEQUENCE_LENGTHS on the CPU engine: the sequence-wise loss over each sequence's
+ * unmasked tokens, a sequence with none left out of the mean. Checked against the same call on
+ * the unmasked tokens alone with their own lengths (the empty sequence dropped). */
+static void token_mask_with_sequences(void** state) {
+  (void)state;
+  for (int sigmoid = 0; sigmoid < 2; ++sigmoid) {
+    const int64_t k = 3;
+    const opts o = {k, 4, 2, sigmoid ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, 0.01, 0};
+    moeblaze_handle_t h = NULL;
+    assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
+    /* kLengths {10, 25, 13}: the first keeps 5, the second 17, the third none */
+    int32_t mask[L];
+    for (int64_t t = 0; t < L; ++t) mask[t] = t < 10 ? t % 2 == 0 : t < 35 ? t % 3 != 0 : 0;
+    int64_t kept[NSEQ] = {0}, B = 0;
+    for (int64_t q = 0, t0 = 0; q < NSEQ; t0 += kLengths[q++])
+      for (int64_t t = t0; t < t0 + kLengths[q]; ++t) kept[q] += mask[t] != 0;
+    int64_t lens1[NSEQ];
+    for (int64_t q = 0; q < NSEQ; ++q)
+      if (kept[q]) lens1[B++] = kept[q];
+    ms_problem p, c;
+    ms_init(&p, h, L, E, k, D, H, 1, 7);
+    compact_problem(&c, &p, h, mask, k);
+    const float aux = masked_step_in(h, &p, mask, L, kLengths, NSEQ);
+    const float aux1 = masked_step_in(h, &c, NULL, c.L, lens1, B);
+    const double worst = masked_difference(&p, &c, mask, k);
+    print_message("token mask with %d sequences (%s; %lld left empty): largest difference from the unmasked "
+                  "tokens alone %.3g; aux %.7g vs %.7g\n", NSEQ, sigmoid ? "sigmoid" : "softmax",
+                  (long long)(NSEQ - B), worst, aux, aux1);
+    assert_true(aux1 > 0.f);
+    assert_true(worst < 1e-6 && fabs(aux - aux1) <= 1e-6 * fabs(aux1));
+    ms_free(&p);
+    ms_free(&c);
+    moeblaze_destroy(h);
+  }
 }
 
 static void refusals(void** state) {
@@ -574,6 +630,7 @@ int main(void) {
       cmocka_unit_test(sequence_balance_loss),
       cmocka_unit_test(hugging_face_form),
       cmocka_unit_test(token_mask),
+      cmocka_unit_test(token_mask_with_sequences),
       cmocka_unit_test(refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -604,6 +604,89 @@ class TestDeepSeekV3Routing(unittest.TestCase):
 
 
 @unittest.skipIf(_torch() is None, "torch is not installed")
+class TestConvertersOnCuda(unittest.TestCase):
+    """from_deepseek_v3 and from_qwen2_moe on a CUDA device in bf16 (the engine AUTO picks), with
+    their shared experts (in line and on a second stream), against the transformers blocks they
+    were made from, run in bf16 on the same device: outputs and every gradient."""
+
+    def setUp(self):
+        torch = _torch()
+        if not torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
+            self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
+
+    def _check(self, block, layer, grads):
+        torch = _torch()
+        x = torch.randn(4, 96, block_hidden(block), device="cuda", dtype=torch.bfloat16)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        want = block(xa)
+        got = layer(xb)[0]
+        self.assertLess(_rel(got, want), 3e-2)
+        dy = torch.randn_like(want)
+        want.backward(dy)
+        got.backward(dy)
+        self.assertLess(_rel(xb.grad, xa.grad), 3e-2)
+        for name, mine, theirs in grads():
+            self.assertLess(_rel(mine, theirs), 3e-2, name)
+
+    def test_deepseek_v3_block(self):
+        torch = _torch()
+        try:
+            from transformers import DeepseekV3Config
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+        except ImportError:
+            self.skipTest("transformers with DeepSeek-V3 is not installed")
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        cfg = DeepseekV3Config(hidden_size=256, moe_intermediate_size=128, n_routed_experts=32,
+                               num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                               n_shared_experts=1, norm_topk_prob=True, hidden_act="silu", num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+        block = DeepseekV3MoE(cfg).cuda().to(torch.bfloat16)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.05)
+            block.gate.e_score_correction_bias.normal_(0, 0.02)
+        for overlap in (False, True):
+            with self.subTest(shared_expert_overlap=overlap):
+                block.zero_grad(set_to_none=True)
+                layer = MoELayer.from_deepseek_v3(block, max_tokens=512, shared_expert_overlap=overlap)
+                self._check(block, layer, lambda: [
+                    ("router", layer.router_weight.grad, block.gate.weight.grad),
+                    ("experts", layer.w_gate_up.grad.transpose(1, 2), block.experts.gate_up_proj.grad),
+                    ("shared down", layer.shared_w_down.grad[0].t(), block.shared_experts.down_proj.weight.grad)])
+
+    def test_qwen2_moe_block(self):
+        torch = _torch()
+        try:
+            from transformers import Qwen2MoeConfig
+            from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+        except ImportError:
+            self.skipTest("transformers with Qwen2-MoE is not installed")
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        cfg = Qwen2MoeConfig(hidden_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=384,
+                             num_experts=16, num_experts_per_tok=4, norm_topk_prob=False, hidden_act="silu",
+                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+        block = Qwen2MoeSparseMoeBlock(cfg).cuda().to(torch.bfloat16)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.05)
+        for overlap in (False, True):
+            with self.subTest(shared_expert_overlap=overlap):
+                block.zero_grad(set_to_none=True)
+                layer = MoELayer.from_qwen2_moe(block, max_tokens=512, shared_expert_overlap=overlap)
+                self._check(block, layer, lambda: [
+                    ("router", layer.router_weight.grad, block.gate.weight.grad),
+                    ("shared gate", layer.shared_gate_weight.grad, block.shared_expert_gate.weight.grad),
+                    ("shared down", layer.shared_w_down.grad[0].t(), block.shared_expert.down_proj.weight.grad)])
+
+
+def block_hidden(block):
+    """The hidden size of a transformers MoE block (its router's input width)."""
+    return block.gate.weight.shape[1]
+
+
+@unittest.skipIf(_torch() is None, "torch is not installed")
 class TestSequenceBalanceLoss(unittest.TestCase):
     """balance_per_sequence / sequence_lengths: DeepSeek-V3's sequence-wise balance loss and its
     router gradient against the formula written in PyTorch (CPU engine)."""
@@ -670,6 +753,35 @@ class TestSequenceBalanceLoss(unittest.TestCase):
             self.assertLess(_rel(a, b), 1e-5)
         with self.assertRaisesRegex(ValueError, "token_mask"):
             layer(x, token_mask=torch.ones(20, dtype=torch.bool))
+
+    def test_token_mask_with_the_sequence_wise_loss(self):
+        """A token mask with balance_per_sequence: each sequence's loss over its unmasked tokens,
+        a wholly masked sequence left out of the mean; the same as the unmasked tokens alone with
+        their own lengths."""
+        torch = _torch()
+        from moeblaze.torch import MoELayer
+        torch.manual_seed(0)
+        for score in ("softmax", "sigmoid"):
+            layer = MoELayer(16, 24, 8, 2, max_tokens=64, aux_loss_coeff=0.01, balance_per_sequence=True,
+                             score_function=score)
+            x, mask = torch.randn(3, 10, 16), torch.rand(3, 10) > 0.3
+            mask[1] = False
+            dy = torch.randn_like(x)
+
+            def step(xx, gy, **kw):
+                layer.zero_grad()
+                xx = xx.clone().requires_grad_()
+                y, aux, _ = layer(xx, **kw)
+                ((y * gy).sum() + aux).backward()
+                return [y.detach(), aux.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()]
+
+            got = step(x, dy, token_mask=mask)
+            kept = mask.sum(1)
+            want = step(x[mask], dy[mask], sequence_lengths=kept[kept > 0])
+            self.assertGreater(float(want[1]), 0.0)
+            got[0], got[2] = got[0][mask], got[2][mask]
+            for a, b in zip(got, want):
+                self.assertLess(_rel(a, b), 1e-5, score)
 
 
 if __name__ == "__main__":

@@ -407,9 +407,10 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
     });
     if (by_sequence && cfg_.aux_loss_coeff > 0.0) {  // the balance loss's share, sequence by sequence
       const View& n = a.sequence_lengths;
+      const int64_t B = routing::routed_sequences(plan.token_expert_indices, n, k);
       int64_t t0 = 0;
       for (int64_t q = 0; q < n.shape[0]; ++q) {
-        routing::sequence_balance_backward(cfg_, w.logits, plan.token_expert_indices, t0, n.index(q), n.shape[0], gaux,
+        routing::sequence_balance_backward(cfg_, w.logits, plan.token_expert_indices, t0, n.index(q), B, gaux,
                                            w.dlogits, scratch(w, 0));
         t0 += n.index(q);
       }
