@@ -607,28 +607,31 @@ class TestDeepSeekV3Routing(unittest.TestCase):
 class TestConvertersOnCuda(unittest.TestCase):
     """from_deepseek_v3 and from_qwen2_moe on a CUDA device in bf16 (the engine AUTO picks), with
     their shared experts (in line and on a second stream), against the transformers blocks they
-    were made from, run in bf16 on the same device: outputs and every gradient."""
+    were made from, run in fp32 on the same device from the same bf16 values: outputs and
+    gradients."""
 
     def setUp(self):
         torch = _torch()
         if not torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
             self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
 
-    def _check(self, block, layer, grads):
+    def _check(self, ref, layer, grads):
+        """ref: the fp32 reference, holding the bf16 layer's values."""
         torch = _torch()
-        x = torch.randn(4, 96, block_hidden(block), device="cuda", dtype=torch.bfloat16)
-        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        want = block(xa)
+        x = torch.randn(4, 96, block_hidden(ref), device="cuda", dtype=torch.bfloat16)
+        xa, xb = x.float().requires_grad_(), x.clone().requires_grad_()
+        want = ref(xa)
         got = layer(xb)[0]
         self.assertLess(_rel(got, want), 3e-2)
-        dy = torch.randn_like(want)
-        want.backward(dy)
+        dy = torch.randn_like(want).to(torch.bfloat16)
+        want.backward(dy.float())
         got.backward(dy)
         self.assertLess(_rel(xb.grad, xa.grad), 3e-2)
         for name, mine, theirs in grads():
             self.assertLess(_rel(mine, theirs), 3e-2, name)
 
     def test_deepseek_v3_block(self):
+        import copy
         torch = _torch()
         try:
             from transformers import DeepseekV3Config
@@ -646,16 +649,18 @@ class TestConvertersOnCuda(unittest.TestCase):
             for p in block.parameters():
                 p.normal_(0, 0.05)
             block.gate.e_score_correction_bias.normal_(0, 0.02)
+        ref = copy.deepcopy(block).float()
         for overlap in (False, True):
             with self.subTest(shared_expert_overlap=overlap):
-                block.zero_grad(set_to_none=True)
+                ref.zero_grad(set_to_none=True)
                 layer = MoELayer.from_deepseek_v3(block, max_tokens=512, shared_expert_overlap=overlap)
-                self._check(block, layer, lambda: [
-                    ("router", layer.router_weight.grad, block.gate.weight.grad),
-                    ("experts", layer.w_gate_up.grad.transpose(1, 2), block.experts.gate_up_proj.grad),
-                    ("shared down", layer.shared_w_down.grad[0].t(), block.shared_experts.down_proj.weight.grad)])
+                self._check(ref, layer, lambda: [
+                    ("router", layer.router_weight.grad, ref.gate.weight.grad),
+                    ("experts", layer.w_gate_up.grad.transpose(1, 2), ref.experts.gate_up_proj.grad),
+                    ("shared down", layer.shared_w_down.grad[0].t(), ref.shared_experts.down_proj.weight.grad)])
 
     def test_qwen2_moe_block(self):
+        import copy
         torch = _torch()
         try:
             from transformers import Qwen2MoeConfig
@@ -671,14 +676,15 @@ class TestConvertersOnCuda(unittest.TestCase):
         with torch.no_grad():
             for p in block.parameters():
                 p.normal_(0, 0.05)
+        ref = copy.deepcopy(block).float()
         for overlap in (False, True):
             with self.subTest(shared_expert_overlap=overlap):
-                block.zero_grad(set_to_none=True)
+                ref.zero_grad(set_to_none=True)
                 layer = MoELayer.from_qwen2_moe(block, max_tokens=512, shared_expert_overlap=overlap)
-                self._check(block, layer, lambda: [
-                    ("router", layer.router_weight.grad, block.gate.weight.grad),
-                    ("shared gate", layer.shared_gate_weight.grad, block.shared_expert_gate.weight.grad),
-                    ("shared down", layer.shared_w_down.grad[0].t(), block.shared_expert.down_proj.weight.grad)])
+                self._check(ref, layer, lambda: [
+                    ("router", layer.router_weight.grad, ref.gate.weight.grad),
+                    ("shared gate", layer.shared_gate_weight.grad, ref.shared_expert_gate.weight.grad),
+                    ("shared down", layer.shared_w_down.grad[0].t(), ref.shared_expert.down_proj.weight.grad)])
 
 
 def block_hidden(block):
