@@ -853,8 +853,8 @@ typedef enum moeblaze_arg_kind {
    *  and route; backward accepts it and does not need it (the saved plan marks the masked
    *  tokens). With caller routing, a masked token's ids and gates are not read. With
    *  #MOEBLAZE_ARG_SEQUENCE_LENGTHS each sequence's term is taken over its unmasked tokens and
-   *  the mean over the sequences that keep one. The expert-parallel layer refuses it with
-   *  NOT_SUPPORTED so far. @since 0.2 */
+   *  the mean over the sequences that keep one. On the expert-parallel layer a masked token is
+   *  sent to no rank. @since 0.2 */
   MOEBLAZE_ARG_TOKEN_MASK = 10,
   /** Output y [L, d], ACTIVATION_DTYPE. Required by forward. @since 0.1 */
   MOEBLAZE_ARG_OUTPUT = 32,

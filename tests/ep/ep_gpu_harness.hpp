@@ -57,6 +57,7 @@ struct Case {
   double route_scale = 1.0;
   bool sigmoid = false;          // SCORE_FUNCTION
   bool bias = false;             // an EXPERT_BIAS [E]
+  bool mask = false;             // a TOKEN_MASK: about a third of each rank's tokens masked
 };
 
 inline int64_t gated(const Case& c) {
@@ -71,6 +72,7 @@ struct Host {
   std::vector<int32_t> ids;                   // [L, k]
   std::vector<float> gates;                   // [L, k]
   std::vector<float> bias;                    // [E] expert score bias (Case::bias)
+  std::vector<int32_t> mask;                  // [L] TOKEN_MASK (Case::mask)
 };
 
 inline std::vector<uint16_t> random16(const Case& c, tu_rng* r, size_t n, double scale) {
@@ -133,7 +135,8 @@ struct Layer {
   moeblaze_handle_t h = nullptr;
   const Case* c = nullptr;
   int64_t L = 0, Eh = 0, gh = 0;
-  void *x, *dy, *wgu, *wd, *wg, *ids, *gates, *bias, *y, *dx, *dwgu, *dwd, *dwg, *dgates, *ws_f, *ws_b, *saved, *status;
+  void *x, *dy, *wgu, *wd, *wg, *ids, *gates, *bias, *mask, *y, *dx, *dwgu, *dwd, *dwg, *dgates, *ws_f, *ws_b, *saved,
+      *status;
   void *y_inf, *ws_i, *route_ids, *route_gates, *ws_r;
   size_t ws_f_bytes = 0, ws_b_bytes = 0, saved_bytes = 0, ws_i_bytes = 0, ws_r_bytes = 0;
 
@@ -149,6 +152,7 @@ struct Layer {
     ids = to_device(in.ids.data(), in.ids.size() * 4);
     gates = to_device(in.gates.data(), in.gates.size() * 4);
     bias = to_device(in.bias.data(), in.bias.size() * 4);
+    mask = to_device(in.mask.data(), in.mask.size() * 4);
     y = poisoned(static_cast<size_t>(L * d * 2));
     dx = poisoned(static_cast<size_t>(L * d * 2));
     dwgu = poisoned(static_cast<size_t>(Eh * d * gh * 2));
@@ -191,6 +195,7 @@ struct Layer {
       f.push_back(arg(MOEBLAZE_ARG_ROUTER_WEIGHT, wg, t, sh, E, d));
       if (c->bias) f.push_back(arg(MOEBLAZE_ARG_EXPERT_BIAS, bias, kF32, sh, E));
     }
+    if (c->mask) f.push_back(arg(MOEBLAZE_ARG_TOKEN_MASK, mask, kI32, sh, L));
     if (fwd_status) {
       *fwd_status = moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, f.data(), f.size(), ws_f, ws_f_bytes, saved,
                                      saved_bytes, s);
@@ -231,6 +236,7 @@ struct Layer {
                                      arg(MOEBLAZE_ARG_ROUTER_WEIGHT, wg, t, sh, E, d),
                                      arg(MOEBLAZE_ARG_STATUS, static_cast<int32_t*>(status) + 2, kI32, sh, -1)};
     if (c->bias) f.push_back(arg(MOEBLAZE_ARG_EXPERT_BIAS, bias, kF32, sh, E));
+    if (c->mask) f.push_back(arg(MOEBLAZE_ARG_TOKEN_MASK, mask, kI32, sh, L));
     MB(moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_INFERENCE, f.data(), f.size(), ws_i, ws_i_bytes, nullptr, 0, s));
     Shapes sr;
     std::vector<moeblaze_arg_t> r = {arg(MOEBLAZE_ARG_INPUT, x, t, sr, L, d),
@@ -239,6 +245,7 @@ struct Layer {
                                      arg(MOEBLAZE_ARG_TOPK_WEIGHTS, route_gates, kF32, sr, L, k),
                                      arg(MOEBLAZE_ARG_STATUS, static_cast<int32_t*>(status) + 3, kI32, sr, -1)};
     if (c->bias) r.push_back(arg(MOEBLAZE_ARG_EXPERT_BIAS, bias, kF32, sr, E));
+    if (c->mask) r.push_back(arg(MOEBLAZE_ARG_TOKEN_MASK, mask, kI32, sr, L));
     MB(moeblaze_route(h, r.data(), r.size(), ws_r, ws_r_bytes, s));
   }
   Run results() const {
@@ -259,7 +266,7 @@ struct Layer {
     r->status = to_host<int32_t>(status, 4);
   }
   void release() {
-    for (void* p : {x, dy, wgu, wd, wg, ids, gates, bias, y, dx, dwgu, dwd, dwg, dgates, ws_f, ws_b, saved, status, y_inf, ws_i,
+    for (void* p : {x, dy, wgu, wd, wg, ids, gates, bias, mask, y, dx, dwgu, dwd, dwg, dgates, ws_f, ws_b, saved, status, y_inf, ws_i,
                     route_ids, route_gates, ws_r})
       cudaFree(p);
     moeblaze_destroy(h);
@@ -324,6 +331,7 @@ struct Problem {
     h.dy.assign(all.dy.begin() + a * d, all.dy.begin() + (a + n) * d);
     h.ids.assign(all.ids.begin() + a * k, all.ids.begin() + (a + n) * k);
     h.gates.assign(all.gates.begin() + a * k, all.gates.begin() + (a + n) * k);
+    h.mask.assign(all.mask.begin() + a, all.mask.begin() + a + n);
     return h;
   }
 };
@@ -368,6 +376,8 @@ inline Problem make_problem(const Case& cs, int P, uint64_t seed) {
       all.gates[t * k + j] = static_cast<float>(0.25 + tu_rng_uniform(&rng));
     }
   }
+  all.mask.resize(static_cast<size_t>(total));
+  for (auto& m : all.mask) m = tu_rng_uniform(&rng) < 0.3 ? 0 : 1;
   for (int r = 0; r < P; ++r) pb.new_x.push_back(random16(cs, &rng, static_cast<size_t>(cs.tokens[r] * d), 1.0));
   return pb;
 }
@@ -505,6 +515,15 @@ inline void check_rank(const Problem& pb, const Run& ref, const RankRuns& runs, 
       const double ex = rel16(cs, a.dx.data(), ref.dx.data() + off[r] * d, n);
       expect(ey < tol, "y vs single GPU", cs.name, r, ey);
       expect(ex < tol, "dx vs single GPU", cs.name, r, ex);
+    }
+    if (cs.mask) {  // a masked token: y and dx rows exactly 0
+      int64_t masked = 0, nonzero = 0;
+      for (int64_t t = 0; t < cs.tokens[r]; ++t) {
+        if (pb.all.mask[off[r] + t]) continue;
+        ++masked;
+        for (int64_t c = 0; c < d; ++c) nonzero += decode(cs, a.y[t * d + c]) != 0.f || decode(cs, a.dx[t * d + c]) != 0.f;
+      }
+      expect(nonzero == 0, "masked tokens: y and dx rows 0", cs.name, r, static_cast<double>(masked));
     }
     const double egu = rel16(cs, a.dwgu.data(), ref.dwgu.data() + r * El * d * gh, a.dwgu.size());
     const double ed = rel16(cs, a.dwd.data(), ref.dwd.data() + r * El * cs.h * d, a.dwd.size());

@@ -5,7 +5,7 @@
 // that a second run gives the same bits, and that forward + backward captured in a CUDA graph and
 // replayed on new inputs equals the eager call on them; with a router, that inference and route on
 // the EP handle agree with the single-GPU layer. Cases cover bf16 and fp16, the fused and the
-// cuBLASLt local engine and every save policy. Exits 77 (skipped) with fewer than two GPUs.
+// cuBLASLt local engine, every save policy and a token mask. Exits 77 (skipped) with fewer than two GPUs.
 #include <nccl.h>
 
 #include <thread>
@@ -108,6 +108,12 @@ int main() {
       // DeepSeek-V3's routing: sigmoid, an expert bias, 2 of 4 expert groups, route scale 2.5.
       {"deepseek-routing", 8LL * P, 4, 128, 64, MOEBLAZE_ACTIVATION_SWIGLU, false, {250, 99, 300, 0, 64, 128, 17, 200},
        0, false, MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 4, 2, 2.5, true, true},
+      // A token mask: about a third of each rank's tokens not routed (router, fused engine).
+      {"masked", 8LL * P, 4, 128, 64, MOEBLAZE_ACTIVATION_SWIGLU, false, {250, 99, 300, 0, 64, 128, 17, 200}, 0, false,
+       MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, false, false, true},
+      // ...with caller routing on the cuBLASLt local engine.
+      {"masked-ids-cublaslt", 2LL * P, 2, 128, 64, MOEBLAZE_ACTIVATION_SILU, true, {129, 0, 64, 200, 5, 33, 0, 97}, 0,
+       false, MOEBLAZE_ENGINE_CUDA_CUBLASLT, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, false, false, true},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) run_case(cases[i], P, comms.data(), seed + i);
   refusals(cases[0], P, comms.data());

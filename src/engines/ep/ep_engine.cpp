@@ -45,11 +45,6 @@ namespace {
 constexpr int32_t kDefaultCtas = 64;
 constexpr int32_t kLocalFailed = 32;      // the local experts' engine flagged its call
 
-// Before anything is enqueued (every rank passes the same argument kinds, so every rank refuses).
-void refuse_token_mask(const CallArgs& a) {
-  if (a.token_mask.present) fail(Status::kNotSupported, "TOKEN_MASK is not supported on an expert-parallel layer yet");
-}
-
 int64_t recv_bound(const LayerConfig& g, int32_t P, int64_t max_recv) {
   return max_recv > 0 ? max_recv : static_cast<int64_t>(P) * g.max_tokens;
 }
@@ -237,7 +232,6 @@ EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
 void EpEngine::route(const CallArgs& a, void* ws, void* stream) const {
   cuda::DeviceGuard guard(g_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  refuse_token_mask(a);
   EpWork w = carve_work(Pass::kRoute, a.num_tokens, ws);
   router_->route_and_plan(a, w.inference.plan, w.router, s);
   router_->write_outputs(a, w.inference.plan, w.router, s);
@@ -261,7 +255,6 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
   cuda::DeviceGuard guard(g_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   refuse_capture_if_local_syncs(s, "forward");
-  refuse_token_mask(a);
   const int64_t L = a.num_tokens;
   const int32_t k = static_cast<int32_t>(g_.top_k);
   EpWork w = carve_work(pass, L, ws);
@@ -303,7 +296,8 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
 
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int32_t), s));
   cuda::check_saved_header_cuda(make_saved_header(g_, L), sv.header, flag, routing::kSavedHeaderInvalid, s);
-  routing::validate_plan_cuda(sv.plan, L, k, g_.num_experts, false, flag, s);
+  // Empty slots: a TOKEN_MASK's masked tokens (they reach no rank and get zero rows).
+  routing::validate_plan_cuda(sv.plan, L, k, g_.num_experts, true, flag, s);
   // Where the rows go is derived again from the checked routing, not read from the saved bytes.
   ep::build_send_plan_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, w.send, w.send_scratch, s);
   ep::exchange_counts_cuda(x, w.send.dest_start, R_, s);
