@@ -11,6 +11,9 @@ tokens; bf16 SwiGLU, fwd+bwd with every gradient):
                  shared expert's slices of width n (gate 1); only where n divides hs.
 Part 2, what a user times: MoELayer (router inside) with shared_expert_overlap off and on.
 
+Part 3, under torchrun (one process per GPU): the expert-parallel MoELayer with the shared expert
+in line or beside (where the exchanges leave the GPU idle), every rank's tokens the shape's.
+
 Each variant is timed in interleaved rounds (the order rotates), median of --reps steps per round,
 median over the rounds.
 
@@ -96,16 +99,16 @@ def op_variants(shape, engine):
         variants["extra groups"] = lambda: backward(
             grouped(x, wgu_all, wdn_all, topk_indices=ids_all, topk_weights=gates_all),
             [x, wgu_all, wdn_all, gates_all])
-    return variants
+    return variants, None
 
 
-def layer_variants(shape, engine):
+def layer_variants(shape, engine, ep_group=None):
     from moeblaze.torch import MoELayer
     T, d, n, E, k, hs, gated = shape
     x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16).requires_grad_()
     dy = torch.randn_like(x)
     layer = MoELayer(d, n, E, k, max_tokens=T, dtype=torch.bfloat16, device="cuda", shared_expert_hidden=hs,
-                     shared_expert_gate=gated, engine=engine, aux_loss_coeff=1e-3)
+                     shared_expert_gate=gated, engine=engine, aux_loss_coeff=1e-3, ep_group=ep_group)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 1.0)
@@ -119,7 +122,7 @@ def layer_variants(shape, engine):
             for p in layer.parameters():
                 p.grad = None
         return run
-    return {"MoELayer, shared after": step(False), "MoELayer, shared beside": step(True)}
+    return {"MoELayer, shared after": step(False), "MoELayer, shared beside": step(True)}, layer
 
 
 def rounds_of(variants, reps, rounds):
@@ -139,7 +142,10 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    import os
     import moeblaze
+    if "WORLD_SIZE" in os.environ:
+        return main_ep(args)
     engine_ids = {"auto": 0, "fused": int(moeblaze.Engine.CUDA_FUSED), "cublaslt": int(moeblaze.Engine.CUDA_CUBLASLT)}
     print("# %s" % torch.cuda.get_device_name())
     print("| shape (T, d, n, E, k, hs) | engine | variant | fwd+bwd ms | the shared expert's added ms |")
@@ -149,7 +155,7 @@ def main():
         for engine in args.engines.split(","):
             label = "%s %s" % (name, shape[:6])
             for make in (op_variants, layer_variants):
-                variants = make(shape, engine_ids[engine])
+                variants, _ = make(shape, engine_ids[engine])
                 ms = rounds_of(variants, args.reps, args.rounds)
                 ref = ms.get("routed")
                 for variant, t in ms.items():
@@ -160,6 +166,38 @@ def main():
                     print("| %s | %s | beside / after | %.3f | |" % (label, engine, b / a), flush=True)
                 del variants
                 torch.cuda.empty_cache()
+
+
+def main_ep(args):
+    """Part 3: every rank times the EP layer; rank 0 prints the median over the rounds of the
+    slowest rank's step."""
+    import os
+    import torch.distributed as dist
+    dist.init_process_group("nccl")
+    rank, P = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if rank == 0:
+        print("# %s, expert parallelism over %d GPUs" % (torch.cuda.get_device_name(), P))
+        print("| shape (T per rank, d, n, E, k, hs) | in line ms | beside ms | beside / in line |")
+        print("|---|---|---|---|")
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        variants, layer = layer_variants(shape, 0, ep_group=dist.group.WORLD)
+        times = {v: [] for v in variants}
+        for r in range(args.rounds):
+            for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                dist.barrier()
+                t = torch.tensor([median_ms(variants[v], args.reps)], device="cuda")
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times[v].append(t.item())
+        a, b = (statistics.median(times[v]) for v in variants)
+        if rank == 0:
+            print("| %s %s | %.3f | %.3f | %.3f |" % (name, shape[:6], a, b, b / a), flush=True)
+        layer.close()  # collective
+        del variants, layer
+        torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -104,6 +104,30 @@ def main():
     check(rel(g_router, ref.router_weight.grad.float()) < tol, "d router_weight summed over ranks",
           rel(g_router, ref.router_weight.grad.float()))
 
+    # A token mask and a shared expert on its own stream, beside the exchanges: against one GPU
+    # with the same mask (the shared expert's gradients summed over the ranks).
+    torch.manual_seed(3)
+    kw = dict(dtype=dtype, device=dev, normalize_topk=1, shared_expert_hidden=192, aux_loss_coeff=0.01)
+    ref_s = MoELayer(d, h, E, k, **kw)
+    ep_s = MoELayer(d, h, E, k, ep_group=group, shared_expert_overlap=True, **kw)
+    ep_s.load_state_dict(ref_s.state_dict())
+    mask_all = (torch.rand(total, generator=gen) > 0.3).to(dev)
+    xr = x_all.clone().requires_grad_()
+    y_ref = ref_s(xr, token_mask=mask_all)[0]
+    y_ref.backward(dy_all)
+    xe = x_all[mine].clone().requires_grad_()
+    y = ep_s(xe, token_mask=mask_all[mine])[0]
+    y.backward(dy_all[mine])
+    check(rel(y, y_ref[mine]) < tol, "masked, shared expert beside: y vs single GPU", rel(y, y_ref[mine]))
+    check(rel(xe.grad, xr.grad[mine]) < tol, "masked, shared expert beside: dx vs single GPU", rel(xe.grad, xr.grad[mine]))
+    check(rel(ep_s.w_down.grad, ref_s.w_down.grad[e0:e0 + El]) < tol, "masked: d w_down (local experts) vs single GPU",
+          rel(ep_s.w_down.grad, ref_s.w_down.grad[e0:e0 + El]))
+    g_shared = ep_s.shared_w_down.grad.float().clone()
+    dist.all_reduce(g_shared)
+    check(rel(g_shared, ref_s.shared_w_down.grad.float()) < tol, "masked: d shared_w_down summed over ranks",
+          rel(g_shared, ref_s.shared_w_down.grad.float()))
+    ep_s.close()
+
     # The state_dict round trip.
     sd = ep.state_dict()
     check(sd._metadata[""]["moeblaze_experts"] == (e0, El, E), "state_dict records the expert range")
