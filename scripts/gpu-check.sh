@@ -8,8 +8,8 @@
 # subset under those tools too), then what each option costs (perf/routing_options_cost.py, ROUTING_COST_ARGS;
 # "skip" runs none); not part of "all" (the tests mode runs the test through ctest).
 # shared: where a shared expert runs best (perf/shared_expert_overlap.py, SHARED_ARGS): after the
-# routed experts, beside them on a second stream, or as more groups of their grouped GEMM; not
-# part of "all".
+# routed experts, beside them on a second stream, or as more groups of their grouped GEMM; on a
+# machine of several GPUs, in line or beside on the expert-parallel layer; not part of "all".
 # ep: the expert-parallel layer on every GPU of the machine (at least 2) against the single-GPU
 # layer (tests/ep/test_ep_gpu.cpp, tests/ep/test_ep_processes.cpp); EP_SANITIZE="memcheck racecheck"
 # runs the one-process-per-rank test on two GPUs under those tools too;
@@ -188,8 +188,11 @@ if want routing; then
   fi
 fi
 if want shared; then
+  gpus=$(nvidia-smi -L | wc -l)
+  launch=(python3)  # several GPUs: the expert-parallel layer, one process per GPU
+  [ "$gpus" -gt 1 ] && launch=(torchrun --standalone --nproc_per_node="$gpus")
   MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \
-    timeout 500 python3 perf/shared_expert_overlap.py ${SHARED_ARGS:-} > "$OUT/shared-expert.md" 2> "$OUT/shared-expert.err"
+    timeout 500 "${launch[@]}" perf/shared_expert_overlap.py ${SHARED_ARGS:-} > "$OUT/shared-expert.md" 2> "$OUT/shared-expert.err"
   rc=$?
   cat "$OUT/shared-expert.md"; tail -5 "$OUT/shared-expert.err"
   summary+=("shared expert placement: rc=$rc (table above)")
