@@ -619,7 +619,7 @@ class TestConvertersOnCuda(unittest.TestCase):
         """ref: the fp32 reference, holding the bf16 layer's values."""
         torch = _torch()
         x = torch.randn(4, 96, block_hidden(ref), device="cuda", dtype=torch.bfloat16)
-        xa, xb = x.float().requires_grad_(), x.clone().requires_grad_()
+        xa, xb = x.float().clone().requires_grad_(), x.clone().requires_grad_()
         want = ref(xa)
         got = layer(xb)[0]
         self.assertLess(_rel(got, want), 3e-2)
@@ -685,6 +685,66 @@ class TestConvertersOnCuda(unittest.TestCase):
                     ("router", layer.router_weight.grad, ref.gate.weight.grad),
                     ("shared gate", layer.shared_gate_weight.grad, ref.shared_expert_gate.weight.grad),
                     ("shared down", layer.shared_w_down.grad[0].t(), ref.shared_expert.down_proj.weight.grad)])
+
+
+class TestRoutedConverters(unittest.TestCase):
+    """from_mixtral and from_qwen3_moe (transformers 5's fused experts) on a CUDA device in bf16
+    against the fp32 blocks, as TestConvertersOnCuda; _compare also runs on the CPU (fp32 layer)
+    so that CI checks the comparison itself."""
+
+    def _compare(self, device, dtype, make_block, convert, tol):
+        import copy
+        torch = _torch()
+        torch.manual_seed(0)
+        block = make_block().to(device)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.05)
+        block = block.to(dtype)
+        ref = copy.deepcopy(block).float()
+        layer = convert(block)
+        x = torch.randn(4, 96, block_hidden(ref), device=device).to(dtype)
+        xa, xb = x.float().clone().requires_grad_(), x.clone().requires_grad_()
+        want = ref(xa)
+        want = want[0] if isinstance(want, tuple) else want
+        got = layer(xb)[0]
+        self.assertLess(_rel(got, want), tol)
+        dy = torch.randn_like(want).to(dtype)
+        want.backward(dy.float())
+        got.backward(dy)
+        self.assertLess(_rel(xb.grad, xa.grad), tol)
+        self.assertLess(_rel(layer.router_weight.grad, ref.gate.weight.grad), tol)
+        self.assertLess(_rel(layer.w_down.grad, ref.experts.down_proj.grad.transpose(1, 2)
+                             if layer.weight_layout == "in_out" else ref.experts.down_proj.grad), tol)
+
+    def _blocks(self):
+        try:
+            from transformers import MixtralConfig, Qwen3MoeConfig
+            from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        except ImportError:
+            self.skipTest("transformers with Mixtral and Qwen3-MoE is not installed")
+        from moeblaze.torch import MoELayer
+        common = dict(hidden_size=256, num_experts_per_tok=4, hidden_act="silu", num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+        return [
+            (lambda: MixtralSparseMoeBlock(MixtralConfig(intermediate_size=128, num_local_experts=16, **common)),
+             lambda b: MoELayer.from_mixtral(b, max_tokens=512)),
+            (lambda: Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(moe_intermediate_size=128, num_experts=16,
+                                                           norm_topk_prob=True, **common)),
+             lambda b: MoELayer.from_qwen3_moe(b, max_tokens=512)),
+        ]
+
+    def test_on_cuda(self):
+        torch = _torch()
+        if not torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
+            self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
+        for make_block, convert in self._blocks():
+            self._compare("cuda", torch.bfloat16, make_block, convert, 3e-2)
+
+    def test_on_cpu(self):
+        for make_block, convert in self._blocks():
+            self._compare("cpu", _torch().float32, make_block, convert, 1e-5)
 
 
 def block_hidden(block):
