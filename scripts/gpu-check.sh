@@ -26,7 +26,8 @@
 # ones (SwiGLU), one table per engine and config file (not part of "all": about 6 minutes;
 # ENGINES_ONLY=name,... limits it to those configs).
 # pytorch: the Python binding's tests with torch on the GPU (CUDA autograd, MoELayer on the fused
-# engine under torch.compile and CUDA graphs).
+# engine under torch.compile and CUDA graphs; the converters against transformers, and against
+# torchtitan when .pylib is carried: scripts/pack-pylib.sh).
 # example: examples/moe_lm.py in bf16, on the engine AUTO picks and on the fused engine under
 # torch.compile(reduce-overhead); matplotlib from wheels carried in .whl/ when the image has none.
 # gemm: the sm_90a grouped GEMMs alone: their kernel tests (the stage pipeline, the tile
@@ -69,6 +70,11 @@ if [ -d .deps ]; then
   export LD_LIBRARY_PATH=$libdir:${LD_LIBRARY_PATH:-}
   export LIBRARY_PATH=$libdir:${LIBRARY_PATH:-}
 fi
+
+# Pure-Python packages the image lacks (scripts/pack-pylib.sh: torchtitan and its imports), after
+# the image's own site-packages.
+pylib=""
+[ -d .pylib ] && pylib=:$(python3 -c "import site; print(':'.join(site.getsitepackages()))"):$PWD/.pylib
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 t0=$(date +%s)
@@ -282,7 +288,7 @@ if want torch; then
   tail -45 "$OUT/torch.md"
 fi
 if want pytorch; then  # the Python tests with torch on the GPU (CUDA autograd, fused engine + CUDA graphs)
-  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python$pylib PYTHONUNBUFFERED=1 \
     timeout 600 python3 -m unittest discover -s bindings/python/tests -v > "$OUT/pytorch-tests.log" 2>&1
   summary+=("python tests with torch: rc=$?; $(tail -1 "$OUT/pytorch-tests.log"); $(grep -cE 'skipped' "$OUT/pytorch-tests.log") skipped")
   grep -E 'Cuda|cuda|FAIL|ERROR' "$OUT/pytorch-tests.log" | head -20

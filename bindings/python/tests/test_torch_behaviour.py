@@ -293,6 +293,49 @@ class TestTorchtitanLayouts(unittest.TestCase):
             yr = moe(x)
         self.assertLess(_rel(layer(x)[0], yr), 3e-2)
 
+    def test_torchtitan_package_on_cuda(self):
+        """MoELayer.from_torchtitan of the real torchtitan 0.3 MoE (DeepSeek-V3-style routing:
+        sigmoid, 2 of 4 groups, a scale and a bias), the layer in bf16 on a CUDA device (the engine
+        AUTO picks) against the module on the CPU with the same bf16 values."""
+        torch = _torch()
+        if not torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
+            self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
+        try:
+            from torchtitan.models.common.linear import Linear
+            from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+            from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+        except Exception as e:  # not installed, or a release with another layout
+            self.skipTest("torchtitan 0.3 is not importable: %s" % e)
+        import copy
+        import warnings
+        import moeblaze.torch as mt
+        E, d, h, k = 16, 256, 128, 4
+        experts = RoutedExperts.Config(inner_experts=GroupedExperts.Config(dim=d, hidden_dim=h, num_experts=E),
+                                       token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k))
+        router = TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=d, out_features=E),
+                                              top_k=k, score_func="sigmoid", route_norm=True, route_scale=2.0,
+                                              num_expert_groups=4, num_limited_groups=2)
+        torch.manual_seed(0)
+        moe = MoE.Config(num_experts=E, routed_experts=experts, router=router, load_balance_coeff=1e-3).build()
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_((torch.randn_like(p) * 0.05).to(torch.bfloat16).float())
+            moe.expert_bias_E.normal_(0, 0.02)
+        layer = mt.MoELayer.from_torchtitan(copy.deepcopy(moe).cuda().to(torch.bfloat16))
+        self.assertTrue(layer.has_expert_bias)
+        x = torch.randn(4, 64, d).to(torch.bfloat16)
+        xr, xm = x.float().requires_grad_(), x.cuda().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torchtitan's fp32 autocast on the CPU
+            yr = moe(xr)
+        ym = layer(xm)[0]
+        self.assertLess(_rel(ym.cpu(), yr), 3e-2)
+        dy = torch.randn_like(yr).to(torch.bfloat16)
+        (yr * dy.float()).sum().backward()
+        (ym * dy.cuda()).sum().backward()
+        self.assertLess(_rel(xm.grad.cpu(), xr.grad), 3e-2)
+        self.assertLess(_rel(layer.router_weight.grad.cpu(), moe.router.gate.weight.grad), 3e-2)
+
     def _moe(self, new_layout, score_func="softmax", route_norm=True):
         torch = _torch()
         import torch.nn as nn
