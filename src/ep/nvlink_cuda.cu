@@ -148,7 +148,7 @@ __global__ void take_received_kernel(Exchange x, char* rows_out) {
       for (int32_t p = lane; p < lay.row_slots; p += 32) ids[p] = -1;
       continue;
     }
-    copy_row(rows_out + i * lay.row_bytes, x.local + lay.rows + i * lay.row_bytes, lay.row_bytes, lane);
+    if (rows_out) copy_row(rows_out + i * lay.row_bytes, x.local + lay.rows + i * lay.row_bytes, lay.row_bytes, lane);
   }
 }
 

@@ -75,8 +75,9 @@ void dispatch_rows_cuda(const Exchange& x, const char* rows, int64_t row_stride_
                         int32_t experts_per_rank, cudaStream_t s);
 
 // The receiving side after a forward dispatch: copies the received rows into `rows_out` (the
-// saved buffer: backward needs them after the window is reused) and marks the local expert
-// slots of the rows past the received count empty (-1).
+// saved buffer: backward needs them after the window is reused; null: no copy, as inference
+// reads them in the window) and marks the local expert slots of the rows past the received
+// count empty (-1).
 void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s);
 
 // return: received row i of `rows` ([R, d], contiguous; null: none) and, when given, its gate

@@ -139,8 +139,8 @@ class EpEngine final : public Engine {
   void refuse_capture_if_local_syncs(cudaStream_t s, const char* what) const;
 
  private:
-  // The saved regions (saved_buffer), or, for inference, the same in the workspace; a route
-  // needs the plan alone.
+  // The saved regions (saved_buffer), or, for inference, the plan in the workspace (the local
+  // experts read the received rows in the window); a route needs the plan alone.
   EpSaved carve_ep_saved_into(Carver& c, int64_t L, void* base, bool saved_buffer, bool plan_only = false) const {
     EpSaved sv;
     const size_t start = c.size();
@@ -152,8 +152,12 @@ class EpEngine final : public Engine {
       sv.bytes = c.size() - start;
       return sv;
     }
-    sv.recv_x = c.take<char>(static_cast<size_t>(R_ * layout_.row_bytes));
-    if (saved_buffer) sv.local = c.take<char>(local_->saved_size(l_, R_));
+    // Inference reads the received rows in the window, where nothing overwrites them before
+    // the next step's count exchange; training keeps a copy for backward.
+    if (saved_buffer) {
+      sv.recv_x = c.take<char>(static_cast<size_t>(R_ * layout_.row_bytes));
+      sv.local = c.take<char>(local_->saved_size(l_, R_));
+    }
     sv.bytes = c.size() - start;
     return sv;
   }
@@ -270,7 +274,7 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
   ep::dispatch_rows_cuda(x, a.x.data, a.x.stride[0] * static_cast<int64_t>(a.x.elem()), w.send.dest_start,
                          w.send.send_token, sv.plan.token_expert_indices, sv.plan.gates, k, epr_, s);
   ep::take_received_cuda(x, sv.recv_x, s);
-  CallArgs la = local_args(a, w, sv.recv_x);
+  CallArgs la = local_args(a, w, sv.recv_x ? sv.recv_x : comm_->local() + layout_.rows);
   la.y = dense(w.rows, g_.act_dtype, R_, g_.hidden);
   local_->forward(pass, la, w.local_ws, sv.local, s);
   cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
