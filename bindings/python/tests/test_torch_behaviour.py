@@ -730,6 +730,7 @@ class TestConvertersOnCuda(unittest.TestCase):
                     ("shared down", layer.shared_w_down.grad[0].t(), ref.shared_expert.down_proj.weight.grad)])
 
 
+@unittest.skipIf(_torch() is None, "torch is not installed")
 class TestRoutedConverters(unittest.TestCase):
     """from_mixtral and from_qwen3_moe (transformers 5's fused experts) on a CUDA device in bf16
     against the fp32 blocks, as TestConvertersOnCuda; _compare also runs on the CPU (fp32 layer)
