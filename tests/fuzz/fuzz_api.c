@@ -2,6 +2,8 @@
  * choices; a missing byte reads as 0 and 0 always means "the valid choice", so short inputs are
  * valid forward/backward runs and every byte steers one thing away from valid:
  *   config: every attribute, in and out of range, unknown attributes, setters of the wrong type;
+ *   routing options: expert groups, the route scale and the loss form; the EXPERT_BIAS,
+ *           SEQUENCE_LENGTHS (valid splits of the tokens, then corrupted) and TOKEN_MASK arguments;
  *   calls:  forward (training, inference), backward (after a real forward, or on a foreign
  *           saved buffer: zeros, 0xFF, fuzz bytes, a valid one with flipped bytes), route,
  *           check_args with any pass value;
@@ -95,7 +97,7 @@ static void free_pool(pool* p) {
 }
 
 /* ---- the layer ---- */
-typedef struct layer { int64_t E, k, d, h, gh, L; moeblaze_dtype_t at, wt; int caller_i64; } layer;
+typedef struct layer { int64_t E, k, d, h, gh, L, seqs; moeblaze_dtype_t at, wt; int caller_i64; } layer;
 
 static const moeblaze_dtype_t kDtypes[6] = {{2, 32, 1}, {4, 16, 1}, {2, 16, 1}, {0, 32, 1}, {2, 64, 1}, {7, 8, 2}};
 
@@ -125,6 +127,12 @@ static moeblaze_handle_t make_handle(rd* r, layer* ly) {
   moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_THREADS, pick(r, 1 + u8(r) % 4)); /* 1 by default: fast */
   moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_AUX_LOSS_COEFF, u8(r) % 3 == 1 ? 0.01 : (u8(r) == 7 ? NAN : 0.0));
   moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_Z_LOSS_COEFF, u8(r) % 3 == 1 ? 0.001 : (u8(r) == 7 ? -INFINITY : 0.0));
+  if (u8(r) % 4 == 1) {  /* the routing options of current models (docs/routing.md) */
+    moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERT_GROUPS, pick(r, ly->E % 2 ? 1 : 2));
+    moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOPK_GROUPS, pick(r, 1));
+    moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_ROUTE_SCALE, (double)pick(r, 5) / 2.0);
+    moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_AUX_LOSS_FORM, u8(r) % 3);
+  }
   moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_ACTIVATION_DTYPE, ly->at);
   moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, ly->wt);
   /* free-form attribute writes and reads, any attribute number, any setter */
@@ -178,7 +186,9 @@ static int shape_of(const layer* ly, int32_t kind, int64_t* s) {
     case MOEBLAZE_ARG_W_DOWN: case MOEBLAZE_ARG_GRAD_W_DOWN: s[0] = E; s[1] = h; s[2] = d; return 3;
     case MOEBLAZE_ARG_TOPK_INDICES: case MOEBLAZE_ARG_TOPK_WEIGHTS: case MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS:
       s[0] = L; s[1] = k; return 2;
-    case MOEBLAZE_ARG_TOKENS_PER_EXPERT: s[0] = E; return 1;
+    case MOEBLAZE_ARG_TOKENS_PER_EXPERT: case MOEBLAZE_ARG_EXPERT_BIAS: s[0] = E; return 1;
+    case MOEBLAZE_ARG_SEQUENCE_LENGTHS: s[0] = ly->seqs; return 1;
+    case MOEBLAZE_ARG_TOKEN_MASK: s[0] = L; return 1;
     default: return 0;  /* scalars */
   }
 }
@@ -190,7 +200,8 @@ static moeblaze_dtype_t dtype_of(const layer* ly, int32_t kind) {
     case MOEBLAZE_ARG_ROUTER_WEIGHT: case MOEBLAZE_ARG_GRAD_ROUTER_WEIGHT: case MOEBLAZE_ARG_W_GATE_UP:
     case MOEBLAZE_ARG_GRAD_W_GATE_UP: case MOEBLAZE_ARG_W_DOWN: case MOEBLAZE_ARG_GRAD_W_DOWN: return ly->wt;
     case MOEBLAZE_ARG_TOPK_INDICES: return ly->caller_i64 ? i64 : i32;
-    case MOEBLAZE_ARG_TOKENS_PER_EXPERT: return i32;
+    case MOEBLAZE_ARG_TOKENS_PER_EXPERT: case MOEBLAZE_ARG_TOKEN_MASK: return i32;
+    case MOEBLAZE_ARG_SEQUENCE_LENGTHS: return i64;
     default: return f32;
   }
 }
@@ -205,8 +216,9 @@ static void add(slot* s, size_t* n, const layer* ly, int32_t kind) {
   x->a.tensor.dtype = dtype_of(ly, kind);
 }
 
-/* The canonical argument list of a call: mode 0 logits, 1 router weight, 2 caller top-k. */
-static size_t canonical(slot* s, const layer* ly, int pass, int mode) {
+/* The canonical argument list of a call: mode 0 logits, 1 router weight, 2 caller top-k; extras
+ * (bits): 1 EXPERT_BIAS, 2 SEQUENCE_LENGTHS, 4 TOKEN_MASK. */
+static size_t canonical(slot* s, const layer* ly, int pass, int mode, int extras) {
   size_t n = 0;
   const int fwd = pass == MOEBLAZE_PASS_FORWARD_TRAINING || pass == MOEBLAZE_PASS_FORWARD_INFERENCE;
   if (pass != MOEBLAZE_PASS_ROUTE || mode == 1) add(s, &n, ly, MOEBLAZE_ARG_INPUT);
@@ -220,6 +232,9 @@ static size_t canonical(slot* s, const layer* ly, int pass, int mode) {
     add(s, &n, ly, MOEBLAZE_ARG_TOPK_INDICES);
     add(s, &n, ly, MOEBLAZE_ARG_TOPK_WEIGHTS);
   }
+  if ((extras & 1) && mode != 2) add(s, &n, ly, MOEBLAZE_ARG_EXPERT_BIAS);
+  if (extras & 2) add(s, &n, ly, MOEBLAZE_ARG_SEQUENCE_LENGTHS);
+  if (extras & 4) add(s, &n, ly, MOEBLAZE_ARG_TOKEN_MASK);
   if (fwd) {
     add(s, &n, ly, MOEBLAZE_ARG_OUTPUT);
     add(s, &n, ly, MOEBLAZE_ARG_TOKENS_PER_EXPERT);
@@ -238,7 +253,7 @@ static size_t canonical(slot* s, const layer* ly, int pass, int mode) {
   return n;
 }
 
-static const int32_t kKinds[] = {1, 2, 3, 5, 6, 7, 8, 32, 33, 34, 35, 36, 64, 65, 66, 96, 97, 98, 100, 101, 102, 0, 4, 99, -5};
+static const int32_t kKinds[] = {1, 2, 3, 5, 6, 7, 8, 9, 10, 32, 33, 34, 35, 36, 64, 65, 66, 96, 97, 98, 100, 101, 102, 0, 4, 99, -5};
 
 static void mutate(rd* r, slot* s, size_t* n) {
   for (int m = u8(r) % 5; m > 0 && *n > 0; --m) {
@@ -315,10 +330,17 @@ static uint32_t next(rng* g) {
 static void fill(rd* r, rng* g, const slot* x, unsigned char* data, size_t bytes, const layer* ly) {
   const moeblaze_dtype_t t = x->a.tensor.dtype;
   const size_t es = t.bits / 8 ? t.bits / 8 : 1, n = bytes / es;
+  const int32_t kind = x->a.kind;
   for (size_t i = 0; i < n; ++i) {
     unsigned char* at = data + i * es;
-    if (t.code == 0) {  /* integers: ids */
-      const int64_t id = ((int64_t)(i / (size_t)ly->k) + (int64_t)(i % (size_t)ly->k)) % ly->E;
+    if (t.code == 0) {  /* integers: ids; sequence lengths splitting L; a mask keeping 2 of 3 */
+      int64_t id = ((int64_t)(i / (size_t)ly->k) + (int64_t)(i % (size_t)ly->k)) % ly->E;
+      if (kind == MOEBLAZE_ARG_SEQUENCE_LENGTHS) {
+        const int64_t B = ly->seqs > 0 ? ly->seqs : 1, q = (int64_t)i;
+        id = ly->L / B + (q < ly->L % B ? 1 : 0);
+      } else if (kind == MOEBLAZE_ARG_TOKEN_MASK) {
+        id = i % 3 != 1;
+      }
       if (es == 8) memcpy(at, &id, 8);
       else if (es == 4) { int32_t v = (int32_t)id; memcpy(at, &v, 4); }
       else memset(at, (int)id, es);
@@ -403,11 +425,13 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const int op = u8(&r) % 6, mode = u8(&r) % 3;
     ly.caller_i64 = u8(&r) % 2;
     ly.L = pick(&r, ly.L);
+    const int extras = u8(&r) % 8;
+    ly.seqs = ly.L > 0 ? 1 + u8(&r) % (ly.L < 4 ? ly.L : 4) : 1;
     slot s[kMaxArgs];
     size_t n = 0, ws_bytes = 0, need = 0;
     if (op == 4) {  /* check_args: any pass value, any arguments, no data read */
       const int pass = (int)pick(&r, u8(&r) % 4);
-      n = canonical(s, &ly, pass < 0 || pass > 3 ? 0 : pass, mode);
+      n = canonical(s, &ly, pass < 0 || pass > 3 ? 0 : pass, mode, extras);
       mutate(&r, s, &n);
       back(&r, &g, &p, s, n, &ly);
       moeblaze_check_args(h, (moeblaze_pass_t)pass, args_of(s, n), n);
@@ -418,7 +442,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } else {
       const int pass = op == 1 ? MOEBLAZE_PASS_FORWARD_INFERENCE : op == 2 ? MOEBLAZE_PASS_ROUTE
                      : op == 3 ? MOEBLAZE_PASS_BACKWARD : MOEBLAZE_PASS_FORWARD_TRAINING;
-      n = canonical(s, &ly, pass, mode);
+      n = canonical(s, &ly, pass, mode, extras);
       mutate(&r, s, &n);
       const int runnable = back(&r, &g, &p, s, n, &ly);
       const moeblaze_arg_t* a = args_of(s, n);
@@ -455,7 +479,7 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
               default: break;
             }
             slot b[kMaxArgs];
-            size_t nb = canonical(b, &ly, MOEBLAZE_PASS_BACKWARD, mode);
+            size_t nb = canonical(b, &ly, MOEBLAZE_PASS_BACKWARD, mode, extras);
             mutate(&r, b, &nb);
             size_t bneed = 0, bws_bytes = 0;
             if (back(&r, &g, &p, b, nb, &ly) &&
