@@ -40,6 +40,7 @@ inline const moeblaze_dtype_t kBf16 = {MOEBLAZE_DTYPE_CODE_BFLOAT, 16, 1};
 inline const moeblaze_dtype_t kF16 = {MOEBLAZE_DTYPE_CODE_FLOAT, 16, 1};
 inline const moeblaze_dtype_t kF32 = {MOEBLAZE_DTYPE_CODE_FLOAT, 32, 1};
 inline const moeblaze_dtype_t kI32 = {MOEBLAZE_DTYPE_CODE_INT, 32, 1};
+inline const moeblaze_dtype_t kI64 = {MOEBLAZE_DTYPE_CODE_INT, 64, 1};
 
 struct Case {
   const char* name;
@@ -58,6 +59,11 @@ struct Case {
   bool sigmoid = false;          // SCORE_FUNCTION
   bool bias = false;             // an EXPERT_BIAS [E]
   bool mask = false;             // a TOKEN_MASK: about a third of each rank's tokens masked
+  // The sequence-wise balance loss: this many SEQUENCE_LENGTHS per rank (each rank's tokens
+  // split at random), AUX_LOSS_COEFF `aux` on one GPU and aux / P on each of the P ranks, so
+  // that the ranks' losses and router gradients sum to the single-GPU layer's on all tokens.
+  int64_t seqs = 0;
+  double aux = 0.0;
 };
 
 inline int64_t gated(const Case& c) {
@@ -73,6 +79,7 @@ struct Host {
   std::vector<float> gates;                   // [L, k]
   std::vector<float> bias;                    // [E] expert score bias (Case::bias)
   std::vector<int32_t> mask;                  // [L] TOKEN_MASK (Case::mask)
+  std::vector<int64_t> lens;                  // [B] SEQUENCE_LENGTHS (Case::seqs)
 };
 
 inline std::vector<uint16_t> random16(const Case& c, tu_rng* r, size_t n, double scale) {
@@ -104,7 +111,7 @@ inline std::vector<T> to_host(const void* d, size_t n) {
 }
 
 struct Shapes {
-  int64_t s[8][3];
+  int64_t s[16][3];
   int n = 0;
   const int64_t* add(int64_t a, int64_t b = -1, int64_t c = -1) {
     s[n][0] = a, s[n][1] = b, s[n][2] = c;
@@ -128,6 +135,7 @@ struct Run {
   std::vector<uint16_t> y_inference;  // with a router: forward inference's y,
   std::vector<int32_t> route_ids;     // and route's top-k ids and gates
   std::vector<float> route_gates;
+  float aux = 0.f;                    // forward's AUX_LOSS
 };
 
 // Forward (training) and backward of `h` on the given host inputs; experts [e0, e0 + Eh).
@@ -135,8 +143,9 @@ struct Layer {
   moeblaze_handle_t h = nullptr;
   const Case* c = nullptr;
   int64_t L = 0, Eh = 0, gh = 0;
-  void *x, *dy, *wgu, *wd, *wg, *ids, *gates, *bias, *mask, *y, *dx, *dwgu, *dwd, *dwg, *dgates, *ws_f, *ws_b, *saved,
-      *status;
+  void *x, *dy, *wgu, *wd, *wg, *ids, *gates, *bias, *mask, *lens, *aux, *y, *dx, *dwgu, *dwd, *dwg, *dgates, *ws_f,
+      *ws_b, *saved, *status;
+  int64_t B = 0;  // sequences
   void *y_inf, *ws_i, *route_ids, *route_gates, *ws_r;
   size_t ws_f_bytes = 0, ws_b_bytes = 0, saved_bytes = 0, ws_i_bytes = 0, ws_r_bytes = 0;
 
@@ -153,6 +162,9 @@ struct Layer {
     gates = to_device(in.gates.data(), in.gates.size() * 4);
     bias = to_device(in.bias.data(), in.bias.size() * 4);
     mask = to_device(in.mask.data(), in.mask.size() * 4);
+    B = static_cast<int64_t>(in.lens.size());
+    lens = to_device(in.lens.data(), in.lens.size() * 8);
+    aux = poisoned(4);
     y = poisoned(static_cast<size_t>(L * d * 2));
     dx = poisoned(static_cast<size_t>(L * d * 2));
     dwgu = poisoned(static_cast<size_t>(Eh * d * gh * 2));
@@ -196,6 +208,10 @@ struct Layer {
       if (c->bias) f.push_back(arg(MOEBLAZE_ARG_EXPERT_BIAS, bias, kF32, sh, E));
     }
     if (c->mask) f.push_back(arg(MOEBLAZE_ARG_TOKEN_MASK, mask, kI32, sh, L));
+    if (c->seqs && !c->caller_ids) {
+      f.push_back(arg(MOEBLAZE_ARG_SEQUENCE_LENGTHS, lens, kI64, sh, B));
+      f.push_back(arg(MOEBLAZE_ARG_AUX_LOSS, aux, kF32, sh, -1));
+    }
     if (fwd_status) {
       *fwd_status = moeblaze_forward(h, MOEBLAZE_PASS_FORWARD_TRAINING, f.data(), f.size(), ws_f, ws_f_bytes, saved,
                                      saved_bytes, s);
@@ -221,6 +237,7 @@ struct Layer {
     } else {
       b.push_back(arg(MOEBLAZE_ARG_ROUTER_WEIGHT, wg, t, sc, E, d));
       b.push_back(arg(MOEBLAZE_ARG_GRAD_ROUTER_WEIGHT, dwg, t, sc, E, d));
+      if (c->seqs) b.push_back(arg(MOEBLAZE_ARG_SEQUENCE_LENGTHS, lens, kI64, sc, B));
     }
     MB(moeblaze_backward(h, b.data(), b.size(), saved, saved_bytes, ws_b, ws_b_bytes, s));
   }
@@ -255,6 +272,7 @@ struct Layer {
     r.dwgu = to_host<uint16_t>(dwgu, static_cast<size_t>(Eh * c->d * gh));
     r.dwd = to_host<uint16_t>(dwd, static_cast<size_t>(Eh * c->h * c->d));
     r.status = to_host<int32_t>(status, 4);
+    if (c->seqs && !c->caller_ids) r.aux = to_host<float>(aux, 1)[0];
     if (c->caller_ids) r.dgates = to_host<float>(dgates, static_cast<size_t>(L * c->k));
     else r.dwg = to_host<uint16_t>(dwg, static_cast<size_t>(c->E * c->d));
     return r;
@@ -266,14 +284,15 @@ struct Layer {
     r->status = to_host<int32_t>(status, 4);
   }
   void release() {
-    for (void* p : {x, dy, wgu, wd, wg, ids, gates, bias, mask, y, dx, dwgu, dwd, dwg, dgates, ws_f, ws_b, saved, status, y_inf, ws_i,
+    for (void* p : {x, dy, wgu, wd, wg, ids, gates, bias, mask, lens, aux, y, dx, dwgu, dwd, dwg, dgates, ws_f, ws_b, saved, status, y_inf, ws_i,
                     route_ids, route_gates, ws_r})
       cudaFree(p);
     moeblaze_destroy(h);
   }
 };
 
-inline moeblaze_config_t config(const Case& c, int64_t max_tokens, int device, int64_t max_recv = 0) {
+// ranks: the EP size the handle is for (1: the single-GPU reference), which scales AUX_LOSS_COEFF.
+inline moeblaze_config_t config(const Case& c, int64_t max_tokens, int device, int64_t max_recv = 0, int ranks = 1) {
   moeblaze_config_t cfg = nullptr;
   MB(moeblaze_config_create(&cfg));
   MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_NUM_EXPERTS, c.E));
@@ -294,6 +313,7 @@ inline moeblaze_config_t config(const Case& c, int64_t max_tokens, int device, i
   MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_TOPK_GROUPS, c.keep));
   MB(moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_ROUTE_SCALE, c.route_scale));
   MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SCORE_FUNCTION, c.sigmoid ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX));
+  MB(moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_AUX_LOSS_COEFF, c.aux / ranks));
   return cfg;
 }
 
@@ -332,6 +352,8 @@ struct Problem {
     h.ids.assign(all.ids.begin() + a * k, all.ids.begin() + (a + n) * k);
     h.gates.assign(all.gates.begin() + a * k, all.gates.begin() + (a + n) * k);
     h.mask.assign(all.mask.begin() + a, all.mask.begin() + a + n);
+    const int64_t b = cs->seqs;
+    h.lens.assign(all.lens.begin() + r * b, all.lens.begin() + (r + 1) * b);
     return h;
   }
 };
@@ -376,8 +398,17 @@ inline Problem make_problem(const Case& cs, int P, uint64_t seed) {
       all.gates[t * k + j] = static_cast<float>(0.25 + tu_rng_uniform(&rng));
     }
   }
+  for (int r = 0; r < P && cs.seqs > 0; ++r) {  // Case::seqs random lengths >= 1 per rank, summing to its tokens
+    std::vector<int64_t> n(static_cast<size_t>(cs.seqs), 1);
+    for (int64_t t = cs.seqs; t < cs.tokens[r]; ++t) n[tu_rng_below(&rng, static_cast<uint64_t>(cs.seqs))] += 1;
+    all.lens.insert(all.lens.end(), n.begin(), n.end());
+  }
   all.mask.resize(static_cast<size_t>(total));
   for (auto& m : all.mask) m = tu_rng_uniform(&rng) < 0.3 ? 0 : 1;
+  // Every sequence keeps its first token: a wholly masked one would leave the mean over one
+  // rank's sequences and over all of them with different counts.
+  for (int64_t t = 0, q = 0; q < static_cast<int64_t>(all.lens.size()); t += all.lens[static_cast<size_t>(q++)])
+    all.mask[static_cast<size_t>(t)] = 1;
   for (int r = 0; r < P; ++r) pb.new_x.push_back(random16(cs, &rng, static_cast<size_t>(cs.tokens[r] * d), 1.0));
   return pb;
 }

@@ -5,7 +5,7 @@
 // that a second run gives the same bits, and that forward + backward captured in a CUDA graph and
 // replayed on new inputs equals the eager call on them; with a router, that inference and route on
 // the EP handle agree with the single-GPU layer. Cases cover bf16 and fp16, the fused and the
-// cuBLASLt local engine, every save policy and a token mask. Exits 77 (skipped) with fewer than two GPUs.
+// cuBLASLt local engine, every save policy, a token mask and the sequence-wise loss. Exits 77 (skipped) with fewer than two GPUs.
 #include <nccl.h>
 
 #include <thread>
@@ -28,7 +28,7 @@ void run_case(const Case& cs, int P, ncclComm_t* comms, uint64_t seed) {
       CK(cudaSetDevice(r));
       cudaStream_t s;
       CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      moeblaze_config_t cfg = config(cs, pb.maxL, r, cs.max_recv);
+      moeblaze_config_t cfg = config(cs, pb.maxL, r, cs.max_recv, P);
       moeblaze_handle_t h = nullptr;
       MB(moeblaze_create_ep(&h, cfg, comms[r], s));
       moeblaze_config_destroy(cfg);
@@ -41,6 +41,12 @@ void run_case(const Case& cs, int P, ncclComm_t* comms, uint64_t seed) {
   std::vector<double> dwg_sum(static_cast<size_t>(cs.E * cs.d), 0.0);
   for (int r = 0; r < P; ++r) check_rank(pb, ref, runs[r], r, &dwg_sum);
   if (!cs.caller_ids && cs.max_recv == 0) check_router_sum(pb, ref, dwg_sum);
+  if (cs.seqs && !cs.caller_ids) {  // each rank's sequence-wise loss, summed: the single-GPU one
+    double sum = 0;
+    for (int r = 0; r < P; ++r) sum += runs[r].first.aux;
+    const double e = std::fabs(sum - ref.aux) / std::max(std::fabs(static_cast<double>(ref.aux)), 1e-30);
+    expect(e < 1e-2 && ref.aux > 0, "AUX_LOSS (sequence-wise) summed over ranks", cs.name, -1, e);
+  }
 }
 
 // Refused on every rank before any collective call: an EP_SIZE or EP_RANK the communicator
@@ -114,6 +120,10 @@ int main() {
       // ...with caller routing on the cuBLASLt local engine.
       {"masked-ids-cublaslt", 2LL * P, 2, 128, 64, MOEBLAZE_ACTIVATION_SILU, true, {129, 0, 64, 200, 5, 33, 0, 97}, 0,
        false, MOEBLAZE_ENGINE_CUDA_CUBLASLT, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, false, false, true},
+      // The sequence-wise balance loss (3 sequences per rank, coefficient 1 so that it weighs in
+      // the router gradient), with a token mask.
+      {"sequences-masked", 8LL * P, 4, 128, 64, MOEBLAZE_ACTIVATION_SWIGLU, false, {250, 99, 300, 17, 64, 128, 17, 200},
+       0, false, MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, true, false, true, 3, 1.0},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) run_case(cases[i], P, comms.data(), seed + i);
   refusals(cases[0], P, comms.data());
