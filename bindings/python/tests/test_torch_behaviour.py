@@ -240,35 +240,49 @@ class TestTorchtitanLayouts(unittest.TestCase):
     """torchtitan 0.3's MoE (routed_experts.inner_experts.w1_EFD / w2_EDF / w3_EFD, expert_bias_E)
     beside the earlier layout, against the same math in plain PyTorch."""
 
-    def test_torchtitan_package(self):
-        """The real torchtitan 0.3 MoE (when the package imports): MoELayer.from_torchtitan
-        matches its output and input gradient within bf16 noise
-        (torchtitan runs its experts in bf16 whatever the parameters' dtype)."""
-        torch = _torch()
+    def _titan_moe(self, E, d, h, k, seed, **router_options):
+        """torchtitan 0.3's MoE of E experts (d, h, top-k), its router built with
+        router_options (score_func, route_norm, route_scale, groups); skips when torchtitan 0.3
+        does not import."""
         try:
             from torchtitan.models.common.linear import Linear
             from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
             from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
         except Exception as e:  # not installed, or a release with another layout
             self.skipTest("torchtitan 0.3 is not importable: %s" % e)
-        import warnings
-        import moeblaze.torch as mt
-        E, d, h, k = 8, 32, 64, 2
         experts = RoutedExperts.Config(inner_experts=GroupedExperts.Config(dim=d, hidden_dim=h, num_experts=E),
                                        token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k))
         router = TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=d, out_features=E),
-                                              top_k=k, score_func="softmax", route_norm=True)
-        torch.manual_seed(0)
-        moe = MoE.Config(num_experts=E, routed_experts=experts, router=router, load_balance_coeff=1e-3).build()
+                                              top_k=k, **router_options)
+        _torch().manual_seed(seed)
+        return MoE.Config(num_experts=E, routed_experts=experts, router=router, load_balance_coeff=1e-3).build()
+
+    @staticmethod
+    def _titan_forward(moe, x):
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torchtitan's fp32 autocast on the CPU
+            return moe(x)
+
+    # DeepSeek-V3-style routing: sigmoid scores, 4 groups with 2 kept, a scale (and a bias).
+    _DEEPSEEK_ROUTING = dict(score_func="sigmoid", route_norm=True, route_scale=2.0, num_expert_groups=4,
+                             num_limited_groups=2)
+
+    def test_torchtitan_package(self):
+        """The real torchtitan 0.3 MoE (when the package imports): MoELayer.from_torchtitan
+        matches its output and input gradient within bf16 noise
+        (torchtitan runs its experts in bf16 whatever the parameters' dtype)."""
+        torch = _torch()
+        import moeblaze.torch as mt
+        E, d, h, k = 8, 32, 64, 2
+        moe = self._titan_moe(E, d, h, k, 0, score_func="softmax", route_norm=True)
         with torch.no_grad():
             for p in moe.parameters():
                 p.normal_(0, 0.1)
         layer = mt.MoELayer.from_torchtitan(moe)
         x = torch.randn(2, 16, d)
         xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torchtitan's fp32 autocast on the CPU
-            yr = moe(xr)
+        yr = self._titan_forward(moe, xr)
         ym = layer(xm)
         ym = ym[0] if isinstance(ym, tuple) else ym
         self.assertLess(_rel(ym, yr), 3e-2)
@@ -276,22 +290,14 @@ class TestTorchtitanLayouts(unittest.TestCase):
         (yr * dy).sum().backward()
         (ym * dy).sum().backward()
         self.assertLess(_rel(xm.grad, xr.grad), 3e-2)
-        # DeepSeek-V3-style routing: sigmoid scores, 4 groups of 2 with 2 kept, a scale, a bias.
-        router = TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=d, out_features=E),
-                                              top_k=k, score_func="sigmoid", route_norm=True, route_scale=2.0,
-                                              num_expert_groups=4, num_limited_groups=2)
-        torch.manual_seed(1)
-        moe = MoE.Config(num_experts=E, routed_experts=experts, router=router, load_balance_coeff=1e-3).build()
+        moe = self._titan_moe(E, d, h, k, 1, **self._DEEPSEEK_ROUTING)
         with torch.no_grad():
             for p in moe.parameters():
                 p.normal_(0, 0.1)
             moe.expert_bias_E.normal_(0, 0.05)
         layer = mt.MoELayer.from_torchtitan(moe)
         self.assertTrue(layer.has_expert_bias)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yr = moe(x)
-        self.assertLess(_rel(layer(x)[0], yr), 3e-2)
+        self.assertLess(_rel(layer(x)[0], self._titan_forward(moe, x)), 3e-2)
 
     def test_torchtitan_package_on_cuda(self):
         """MoELayer.from_torchtitan of the real torchtitan 0.3 MoE (DeepSeek-V3-style routing:
@@ -300,23 +306,10 @@ class TestTorchtitanLayouts(unittest.TestCase):
         torch = _torch()
         if not torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
             self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
-        try:
-            from torchtitan.models.common.linear import Linear
-            from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
-            from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-        except Exception as e:  # not installed, or a release with another layout
-            self.skipTest("torchtitan 0.3 is not importable: %s" % e)
         import copy
-        import warnings
         import moeblaze.torch as mt
         E, d, h, k = 16, 256, 128, 4
-        experts = RoutedExperts.Config(inner_experts=GroupedExperts.Config(dim=d, hidden_dim=h, num_experts=E),
-                                       token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k))
-        router = TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=d, out_features=E),
-                                              top_k=k, score_func="sigmoid", route_norm=True, route_scale=2.0,
-                                              num_expert_groups=4, num_limited_groups=2)
-        torch.manual_seed(0)
-        moe = MoE.Config(num_experts=E, routed_experts=experts, router=router, load_balance_coeff=1e-3).build()
+        moe = self._titan_moe(E, d, h, k, 0, **self._DEEPSEEK_ROUTING)
         with torch.no_grad():
             for p in moe.parameters():
                 p.copy_((torch.randn_like(p) * 0.05).to(torch.bfloat16).float())
@@ -325,9 +318,7 @@ class TestTorchtitanLayouts(unittest.TestCase):
         self.assertTrue(layer.has_expert_bias)
         x = torch.randn(4, 64, d).to(torch.bfloat16)
         xr, xm = x.float().requires_grad_(), x.cuda().requires_grad_()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torchtitan's fp32 autocast on the CPU
-            yr = moe(xr)
+        yr = self._titan_forward(moe, xr)
         ym = layer(xm)[0]
         self.assertLess(_rel(ym.cpu(), yr), 3e-2)
         dy = torch.randn_like(yr).to(torch.bfloat16)
