@@ -649,23 +649,7 @@ class TestConvertersOnCuda(unittest.TestCase):
         if not torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
             self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
 
-    def _check(self, ref, layer, grads):
-        """ref: the fp32 reference, holding the bf16 layer's values."""
-        torch = _torch()
-        x = torch.randn(4, 96, block_hidden(ref), device="cuda", dtype=torch.bfloat16)
-        xa, xb = x.float().clone().requires_grad_(), x.clone().requires_grad_()
-        want = ref(xa)
-        got = layer(xb)[0]
-        self.assertLess(_rel(got, want), 3e-2)
-        dy = torch.randn_like(want).to(torch.bfloat16)
-        want.backward(dy.float())
-        got.backward(dy)
-        self.assertLess(_rel(xb.grad, xa.grad), 3e-2)
-        for name, mine, theirs in grads():
-            self.assertLess(_rel(mine, theirs), 3e-2, name)
-
     def test_deepseek_v3_block(self):
-        import copy
         torch = _torch()
         try:
             from transformers import DeepseekV3Config
@@ -678,23 +662,18 @@ class TestConvertersOnCuda(unittest.TestCase):
                                num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                                n_shared_experts=1, norm_topk_prob=True, hidden_act="silu", num_hidden_layers=1,
                                num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
-        block = DeepseekV3MoE(cfg).cuda().to(torch.bfloat16)
-        with torch.no_grad():
-            for p in block.parameters():
-                p.normal_(0, 0.05)
-            block.gate.e_score_correction_bias.normal_(0, 0.02)
-        ref = copy.deepcopy(block).float()
+        block, ref = _block_and_fp32_copy(DeepseekV3MoE(cfg), "cuda", torch.bfloat16,
+                                          lambda b: b.gate.e_score_correction_bias.normal_(0, 0.02))
         for overlap in (False, True):
             with self.subTest(shared_expert_overlap=overlap):
                 ref.zero_grad(set_to_none=True)
                 layer = MoELayer.from_deepseek_v3(block, max_tokens=512, shared_expert_overlap=overlap)
-                self._check(ref, layer, lambda: [
+                _check_converted(self, ref, layer, 3e-2, lambda: [
                     ("router", layer.router_weight.grad, ref.gate.weight.grad),
                     ("experts", layer.w_gate_up.grad.transpose(1, 2), ref.experts.gate_up_proj.grad),
                     ("shared down", layer.shared_w_down.grad[0].t(), ref.shared_experts.down_proj.weight.grad)])
 
     def test_qwen2_moe_block(self):
-        import copy
         torch = _torch()
         try:
             from transformers import Qwen2MoeConfig
@@ -706,16 +685,12 @@ class TestConvertersOnCuda(unittest.TestCase):
         cfg = Qwen2MoeConfig(hidden_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=384,
                              num_experts=16, num_experts_per_tok=4, norm_topk_prob=False, hidden_act="silu",
                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
-        block = Qwen2MoeSparseMoeBlock(cfg).cuda().to(torch.bfloat16)
-        with torch.no_grad():
-            for p in block.parameters():
-                p.normal_(0, 0.05)
-        ref = copy.deepcopy(block).float()
+        block, ref = _block_and_fp32_copy(Qwen2MoeSparseMoeBlock(cfg), "cuda", torch.bfloat16)
         for overlap in (False, True):
             with self.subTest(shared_expert_overlap=overlap):
                 ref.zero_grad(set_to_none=True)
                 layer = MoELayer.from_qwen2_moe(block, max_tokens=512, shared_expert_overlap=overlap)
-                self._check(ref, layer, lambda: [
+                _check_converted(self, ref, layer, 3e-2, lambda: [
                     ("router", layer.router_weight.grad, ref.gate.weight.grad),
                     ("shared gate", layer.shared_gate_weight.grad, ref.shared_expert_gate.weight.grad),
                     ("shared down", layer.shared_w_down.grad[0].t(), ref.shared_expert.down_proj.weight.grad)])
@@ -725,32 +700,16 @@ class TestConvertersOnCuda(unittest.TestCase):
 class TestRoutedConverters(unittest.TestCase):
     """from_mixtral and from_qwen3_moe (transformers 5's fused experts) on a CUDA device in bf16
     against the fp32 blocks, as TestConvertersOnCuda; _compare also runs on the CPU (fp32 layer)
-    so that CI checks the comparison itself."""
+    so that CI checks the comparison (_check_converted) itself."""
 
     def _compare(self, device, dtype, make_block, convert, tol):
-        import copy
-        torch = _torch()
-        torch.manual_seed(0)
-        block = make_block().to(device)
-        with torch.no_grad():
-            for p in block.parameters():
-                p.normal_(0, 0.05)
-        block = block.to(dtype)
-        ref = copy.deepcopy(block).float()
+        _torch().manual_seed(0)
+        block, ref = _block_and_fp32_copy(make_block(), device, dtype)
         layer = convert(block)
-        x = torch.randn(4, 96, block_hidden(ref), device=device).to(dtype)
-        xa, xb = x.float().clone().requires_grad_(), x.clone().requires_grad_()
-        want = ref(xa)
-        want = want[0] if isinstance(want, tuple) else want
-        got = layer(xb)[0]
-        self.assertLess(_rel(got, want), tol)
-        dy = torch.randn_like(want).to(dtype)
-        want.backward(dy.float())
-        got.backward(dy)
-        self.assertLess(_rel(xb.grad, xa.grad), tol)
-        self.assertLess(_rel(layer.router_weight.grad, ref.gate.weight.grad), tol)
-        self.assertLess(_rel(layer.w_down.grad, ref.experts.down_proj.grad.transpose(1, 2)
-                             if layer.weight_layout == "in_out" else ref.experts.down_proj.grad), tol)
+        _check_converted(self, ref, layer, tol, lambda: [
+            ("router", layer.router_weight.grad, ref.gate.weight.grad),
+            ("down", layer.w_down.grad, ref.experts.down_proj.grad.transpose(1, 2)
+             if layer.weight_layout == "in_out" else ref.experts.down_proj.grad)])
 
     def _blocks(self):
         try:
@@ -785,6 +744,41 @@ class TestRoutedConverters(unittest.TestCase):
 def block_hidden(block):
     """The hidden size of a transformers MoE block (its router's input width)."""
     return block.gate.weight.shape[1]
+
+
+def _block_and_fp32_copy(block, device, dtype, init=None):
+    """A transformers MoE block on `device` in `dtype`, its parameters drawn from N(0, 0.05) (then
+    init(block)), and an fp32 copy holding the same values: the reference a converted layer is
+    checked against."""
+    import copy
+    torch = _torch()
+    block = block.to(device).to(dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.05)
+        if init is not None:
+            init(block)
+    return block, copy.deepcopy(block).float()
+
+
+def _check_converted(tc, ref, layer, tol, grads):
+    """The converted layer against the fp32 reference block on the same inputs (x in the layer's
+    dtype): y and dx within tol, then each (name, layer gradient, reference gradient) of grads()."""
+    torch = _torch()
+    dtype = next(layer.parameters()).dtype
+    device = next(layer.parameters()).device
+    x = torch.randn(4, 96, block_hidden(ref), device=device).to(dtype)
+    xa, xb = x.float().clone().requires_grad_(), x.clone().requires_grad_()
+    want = ref(xa)
+    want = want[0] if isinstance(want, tuple) else want
+    got = layer(xb)[0]
+    tc.assertLess(_rel(got, want), tol)
+    dy = torch.randn_like(want).to(dtype)
+    want.backward(dy.float())
+    got.backward(dy)
+    tc.assertLess(_rel(xb.grad, xa.grad), tol)
+    for name, mine, theirs in grads():
+        tc.assertLess(_rel(mine, theirs), tol, name)
 
 
 @unittest.skipIf(_torch() is None, "torch is not installed")
