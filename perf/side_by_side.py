@@ -116,22 +116,66 @@ def profile(cfg):
     torch.cuda.synchronize()
     host_profile(step)
     from torch.profiler import ProfilerActivity, profile as prof
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
+    flush = Timer().flush_buf
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        flush.zero_()  # as the timed steps: the host enqueues while the GPU flushes L2
         step()
         torch.cuda.synchronize()
+    idle_gaps(p)
     rows = {}
-    for e in p.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            r = rows.setdefault(e.name, [0, 0.0])
-            r[0] += 1
-            r[1] += e.device_time_total / 1000.0
+    kernels = sorted((e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    for e in kernels[1:]:  # not the flush
+        r = rows.setdefault(e.name, [0, 0.0])
+        r[0] += 1
+        r[1] += e.device_time_total / 1000.0
     total = sum(v[1] for v in rows.values())
     print("# profile of one MoEBlaze fwd+bwd at %s: %.3f ms of GPU time" % (cfg, total))
     print("| kernel | calls | ms |")
     print("|---|---|---|")
     for name, (calls, ms) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
         print("| %s | %d | %.3f |" % (name[:110], calls, ms))
+    print("# the step's kernels in order (over 5 us; a template's arguments after the name)")
+    for e in kernels[1:]:
+        if e.device_time_total >= 5:
+            print("%8.3f ms  %s" % (e.device_time_total / 1000.0, short_kernel_name(e.name)))
     mb.close()
+
+
+def short_kernel_name(name):
+    """A kernel's own name and its template arguments, without namespaces and parameter lists."""
+    name = name.replace("(anonymous namespace)::", "")
+    head = name[:name.find(">(") + 1] if ">(" in name else name.split("(")[0]
+    for ns in ("moeblaze::v0::", "gemm::sm90::", "grouped_gemm_detail::", "weight_grad_detail::", "routing::",
+               "combine::", "experts::", "cuda::"):
+        head = head.replace(ns, "")
+    return head[:200]
+
+
+def idle_gaps(p, top=12):
+    """Where the GPU waits for the host within one step: the step's span from the end of the
+    L2 flush to its last kernel, the time no kernel or copy runs, and the largest gaps with the
+    work on either side."""
+    ev = sorted((e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    if not ev:
+        return
+    flush_end = ev[0].time_range.end  # the first kernel is the flush
+    ev = [e for e in ev if e.time_range.start >= flush_end]
+    gaps, end, prev = [], flush_end, "(L2 flush)"
+    for e in ev:
+        if e.time_range.start > end:
+            gaps.append((e.time_range.start - end, prev, e.name))
+        if e.time_range.end > end:
+            end, prev = e.time_range.end, e.name
+    span = (end - flush_end) / 1000.0
+    idle = sum(g[0] for g in gaps) / 1000.0
+    print("# one step from the end of the L2 flush to its last kernel: %.3f ms, of it %.3f ms with the GPU idle "
+          "(%d gaps)" % (span, idle, len(gaps)))
+    print("| idle us | after | before |")
+    print("|---|---|---|")
+    for us, a, b in sorted(gaps, reverse=True)[:top]:
+        print("| %.1f | %s | %s |" % (us, a[:60], b[:60]))
 
 
 def host_profile(step, reps=20):

@@ -7,7 +7,26 @@
 namespace moeblaze {
 inline namespace v0 {
 
-RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, int64_t window, void* gemm_ws) const {
+size_t CudaRouter::window_rows_bytes(int64_t window) const {
+  RouterWork w;
+  Carver c(nullptr);
+  take_window_rows(c, w, window);
+  return c.size();
+}
+
+void CudaRouter::place_window_rows(RouterWork& w, int64_t window, void* at) const {
+  Carver c(at);
+  take_window_rows(c, w, window);
+}
+
+void CudaRouter::take_window_rows(Carver& c, RouterWork& w, int64_t window) const {
+  const int64_t E = cfg_.num_experts, d = cfg_.hidden;
+  if (tensor_core_backward()) w.dlogits_pair = c.take<uint16_t>(static_cast<size_t>(window * 2 * E));
+  else w.x_f32 = c.take<float>(static_cast<size_t>(window * d));
+  w.router_dx = c.take<float>(static_cast<size_t>(window * d));
+}
+
+RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, int64_t window, void* gemm_ws, bool own_window_rows) const {
   const int64_t E = cfg_.num_experts, d = cfg_.hidden;
   RouterWork w;
   w.gemm_ws = gemm_ws;
@@ -23,22 +42,18 @@ RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, int64_t window, vo
     w.plan_scratch = c.take<char>(routing::plan_scratch_bytes_cuda(L, E));
   } else {
     w.dlogits = c.take<float>(static_cast<size_t>(L * E));
-    if (tensor_core_backward()) {
-      w.dlogits_pair = c.take<uint16_t>(static_cast<size_t>(window * 2 * E));
-      w.wg_pair = c.take<uint16_t>(static_cast<size_t>(2 * E * d));
-    } else {
-      w.x_f32 = c.take<float>(static_cast<size_t>(window * d));
-      w.wg_f32 = c.take<float>(static_cast<size_t>(E * d));
-    }
-    w.router_dx = c.take<float>(static_cast<size_t>(window * d));
+    if (tensor_core_backward()) w.wg_pair = c.take<uint16_t>(static_cast<size_t>(2 * E * d));
+    else w.wg_f32 = c.take<float>(static_cast<size_t>(E * d));
     w.dwg_f32 = c.take<float>(static_cast<size_t>(E * d));
+    if (own_window_rows) take_window_rows(c, w, window);
   }
   return w;
 }
 
-RouterWork CudaRouter::carve_head(Carver& c, Pass pass, int64_t L, int64_t window, void* base, RoutingPlan& plan) const {
+RouterWork CudaRouter::carve_head(Carver& c, Pass pass, int64_t L, int64_t window, void* base, RoutingPlan& plan,
+                                  bool own_window_rows) const {
   void* gemm_ws = c.take<char>(gemm::CublasLtGemm::kWorkspaceBytes);
-  RouterWork w = carve(c, pass, L, window, gemm_ws);
+  RouterWork w = carve(c, pass, L, window, gemm_ws, own_window_rows);
   if (pass == Pass::kForwardInference || pass == Pass::kRoute) {
     SavedRegions r = carve_saved(cfg_, L, base ? static_cast<char*>(base) + c.size() : nullptr, false);
     c.take<char>(r.bytes);
@@ -47,9 +62,7 @@ RouterWork CudaRouter::carve_head(Carver& c, Pass pass, int64_t L, int64_t windo
   return w;
 }
 
-bool CudaRouter::tensor_core_backward() const {
-  return cfg_.act_dtype == DType::kBF16 && cfg_.weight_dtype == DType::kBF16;
-}
+bool CudaRouter::tensor_core_backward() const { return router_backward_on_tensor_cores(cfg_); }
 
 void CudaRouter::gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
                       const RouterWork& w, cudaStream_t s, float beta) const {

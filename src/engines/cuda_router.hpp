@@ -11,6 +11,7 @@
 #include "core/config.hpp"
 #include "core/memory_layout.hpp"
 #include "core/needs.hpp"
+#include "engines/router_window_rows.hpp"
 #include "gemm/cublaslt.hpp"
 #include "routing/router_cuda.hpp"
 #include "util/align.hpp"
@@ -45,12 +46,20 @@ class CudaRouter {
   CudaRouter(const LayerConfig& cfg, const gemm::CublasLtGemm& gemm) : cfg_(cfg), gemm_(gemm) {}
 
   // Appends the router's regions for `pass` to a carve (the engine's workspace layout); the
-  // backward's [W, d] regions serve windows of at most `window` tokens.
-  RouterWork carve(Carver& c, Pass pass, int64_t L, int64_t window, void* gemm_ws) const;
+  // backward's per-window regions serve windows of at most `window` tokens. With
+  // own_window_rows false they are left out (null) for the engine to place (place_window_rows).
+  RouterWork carve(Carver& c, Pass pass, int64_t L, int64_t window, void* gemm_ws, bool own_window_rows = true) const;
   // The head of every CUDA engine's workspace (base: its start, or null to measure): the
   // cuBLASLt workspace (router.gemm_ws, shared with the engine's own cuBLASLt GEMMs), the
   // router's regions and, for inference and route (no saved buffer), the plan.
-  RouterWork carve_head(Carver& c, Pass pass, int64_t L, int64_t window, void* base, RoutingPlan& plan) const;
+  RouterWork carve_head(Carver& c, Pass pass, int64_t L, int64_t window, void* base, RoutingPlan& plan,
+                        bool own_window_rows = true) const;
+  // The backward's per-window rows (dx's router part in fp32, and the d-logit pairs or the fp32
+  // x rows): live only inside backward_window and the combine that follows it, so an engine
+  // may place them in memory its window is done with. Their bytes for windows of `window`
+  // tokens, and their placement from `at` (256-byte aligned; null measures).
+  size_t window_rows_bytes(int64_t window) const;
+  void place_window_rows(RouterWork& w, int64_t window, void* at) const;
 
   // Zeroes the error flag, routes (or imports and checks the caller's ids) into plan's ids and
   // gates, and builds the plan.
@@ -74,6 +83,7 @@ class CudaRouter {
   void backward_finish(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const;
 
  private:
+  void take_window_rows(Carver& c, RouterWork& w, int64_t window) const;
   void logits(const CallArgs& a, const RouterWork& w, cudaStream_t s) const;
   // The sequence-wise loss's device view (count 0 without SEQUENCE_LENGTHS); t0: a window's start.
   routing::SequenceBalance sequences(const CallArgs& a, const RoutingPlan& plan, const RouterWork& w, int64_t t0) const;

@@ -371,10 +371,8 @@ __device__ __forceinline__ int64_t sequence_tokens(const SequenceBalance& sb, co
   return static_cast<int64_t>(group_sum(picks, g.width)) / k;
 }
 
-// Whether a TOKEN_MASK left tokens out of this call's plan.
-__device__ __forceinline__ bool plan_has_masked(const SequenceBalance& sb, int64_t L, int64_t E, int64_t k) {
-  return routed_tokens(sb.offsets, L, E, k) < L;
-}
+// Whether a TOKEN_MASK left tokens out of this call's plan (`routed`: routed_tokens of it).
+__device__ __forceinline__ bool plan_has_masked(int64_t routed, int64_t L) { return routed < L; }
 
 // *sb.routed: the sequences with a routed token. One block; a warp per sequence, its lanes
 // reading 32 tokens' first ids at a time until one is routed (at once without a mask).
@@ -469,7 +467,8 @@ __global__ void sequence_terms_kernel(ScoreFn fn, const float* logits, const flo
     acc += static_cast<double>(counts.picks(sb, e, a, b)) * static_cast<double>(s);
   });
   acc = group_sum(acc, g.width);
-  const double T = static_cast<double>(sequence_tokens<kPer>(sb, counts, g, E, k, a, b, plan_has_masked(sb, L, E, k)));
+  const bool any_masked = plan_has_masked(routed_tokens(sb.offsets, L, E, k), L);
+  const double T = static_cast<double>(sequence_tokens<kPer>(sb, counts, g, E, k, a, b, any_masked));
   const bool masked = sb.token_ids[t * k] < 0;
   if (g.live && g.sub == 0)
     terms[t] = masked || T <= 0.0 ? 0.0 : acc * static_cast<double>(E) / (static_cast<double>(k) * T * T);
@@ -522,8 +521,9 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
   const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
   const float gaux = grad_aux ? *grad_aux : 1.f, gz = grad_z ? *grad_z : 1.f;
   // The losses are means over the routed tokens; a masked token (its ids -1) gets zero d logits.
-  const bool any_masked = routed_tokens(offsets, L, E, k) < L;
-  L = max(routed_tokens(offsets, L, E, k), int64_t{1});
+  const int64_t routed = routed_tokens(offsets, L, E, k);
+  const bool any_masked = plan_has_masked(routed, L);
+  L = max(routed, int64_t{1});
   const bool empty = g.live && ids[t * k] < 0;
   const float aux_scale = aux_coeff * gaux * static_cast<float>(E) / (static_cast<float>(L) * static_cast<float>(L * k));
   const float z_scale = z_coeff * gz * 2.f / static_cast<float>(L);

@@ -177,7 +177,12 @@ FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
   const size_t es = dtype_size(cfg_.act_dtype);
   w.windows = fused_windows(cfg_, L);
   const size_t Pw = static_cast<size_t>(w.windows.tokens * k);
-  w.router = router_->carve_head(c, pass, L, w.windows.tokens, base, w.plan);
+  const size_t dpre_bytes = align_up(Pw * static_cast<size_t>(gh) * es);
+  // Rows in memory the window is done with (window.hpp says when; both checked here exactly).
+  const bool router_in_dpre = pass == Pass::kBackward && fused_router_rows_in_dpre(cfg_) &&
+                              router_->window_rows_bytes(w.windows.tokens) <= dpre_bytes;
+  const bool dx_in_act = fused_dx_parts_in_act(cfg_);  // never with pregather_
+  w.router = router_->carve_head(c, pass, L, w.windows.tokens, base, w.plan, !router_in_dpre);
   if (pass == Pass::kRoute) {
     w.bytes = c.size();
     return w;
@@ -187,8 +192,9 @@ FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
   if (pass == Pass::kBackward) {
     if (cfg_.save_policy == SavePolicy::kRecomputeUp) w.pre = c.take<char>(Pw * static_cast<size_t>(gh) * es);
     w.act = c.take<char>(Pw * static_cast<size_t>(h) * es);
-    w.dpre = c.take<char>(Pw * static_cast<size_t>(gh) * es);
-    w.dx_part = c.take<char>(Pw * static_cast<size_t>(d) * es);
+    w.dpre = c.take<char>(dpre_bytes);
+    if (router_in_dpre && w.dpre) router_->place_window_rows(w.router, w.windows.tokens, w.dpre);
+    w.dx_part = dx_in_act ? w.act : c.take<char>(Pw * static_cast<size_t>(d) * es);
     w.dg_pos = c.take<float>(Pw * static_cast<size_t>(fused_dg_parts(cfg_)));
     w.dg_tok = c.take<float>(static_cast<size_t>(L * k));
     if (w.windows.count > 1) {  // fused_weight_grad_sum_bytes

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/config.hpp"
+#include "engines/router_window_rows.hpp"
 #include "gemm/sm90/heuristics.hpp"
 #include "gemm/sm90/tile_config.hpp"
 #include "util/align.hpp"
@@ -20,14 +21,28 @@ inline namespace v0 {
 // backward (gemm/sm90/tile_config.hpp).
 inline int64_t fused_dg_parts(const LayerConfig& cfg) { return gemm::sm90::act_backward_dg_parts(cfg.ffn_hidden); }
 
+// Backward rows that live in memory a window is done with (the fused engine's carve). The dx
+// parts take g * act's rows unless dy's and x's rows are copied into them (the pregather rule):
+// dW_down reads g * act for the last time before the dx GEMM writes them.
+inline bool fused_dx_parts_in_act(const LayerConfig& cfg) {
+  return !gemm::sm90::pregather(cfg.gate_up_cols(), cfg.ffn_hidden) && cfg.hidden <= cfg.ffn_hidden;
+}
+// The router backward's rows (engines/router_window_rows.hpp) take dpre's where they fit: the
+// dx GEMM reads dpre for the last time before the window's router backward.
+inline bool fused_router_rows_in_dpre(const LayerConfig& cfg) {
+  return router_window_row_bytes_per_token(cfg) <=
+         cfg.top_k * cfg.gate_up_cols() * static_cast<int64_t>(dtype_size(cfg.act_dtype));
+}
+
 // Bytes of a backward window's row buffers per token: recomputed pre (RECOMPUTE_UP), g * act,
-// dpre, the dx parts and the dg partial sums per position, the window plan, and the router
-// backward's fp32 dx rows and a second fp32 row (its x rows in fp32, or, bf16 layers, the
-// smaller bf16 d-logit pairs when E <= d).
+// dpre, the dx parts (unless in g * act's rows) and the dg partial sums per position, the
+// window plan, and the router backward's rows (unless in dpre's).
 inline int64_t fused_window_bytes_per_token(const LayerConfig& cfg) {
   const int64_t es = static_cast<int64_t>(dtype_size(cfg.act_dtype)), gh = cfg.gate_up_cols();
-  const int64_t rows = cfg.ffn_hidden + gh + cfg.hidden + (cfg.save_policy == SavePolicy::kRecomputeUp ? gh : 0);
-  return cfg.top_k * (rows * es + 4 * 4 + 4 * fused_dg_parts(cfg)) + 2 * 4 * cfg.hidden;
+  const int64_t rows = cfg.ffn_hidden + gh + (fused_dx_parts_in_act(cfg) ? 0 : cfg.hidden) +
+                       (cfg.save_policy == SavePolicy::kRecomputeUp ? gh : 0);
+  return cfg.top_k * (rows * es + 4 * 4 + 4 * fused_dg_parts(cfg)) +
+         (fused_router_rows_in_dpre(cfg) ? 0 : router_window_row_bytes_per_token(cfg));
 }
 
 struct FusedWindows {
