@@ -117,7 +117,7 @@ def profile(cfg):
     host_profile(step)
     from torch.profiler import ProfilerActivity, profile as prof
     flush = Timer().flush_buf
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+    with prof(activities=[ProfilerActivity.CUDA]) as p:  # CPU events would slow the host it measures
         flush.zero_()  # as the timed steps: the host enqueues while the GPU flushes L2
         step()
         torch.cuda.synchronize()
@@ -180,9 +180,12 @@ def idle_gaps(p, top=12):
 
 def host_profile(step, reps=20):
     """Where the host's time goes: one fwd+bwd enqueued (GPU idle, synchronised before and
-    after), split into the library calls and the rest (Python, torch, the binding)."""
+    after), split into the library calls and the rest (Python, torch, the binding), and when
+    each library call starts and ends after the step starts (median over the steps)."""
+    import statistics
     import time
-    spent = {}
+    spent, marks = {}, {}
+    start = [0.0]
 
     def timed(name, fn):
         def wrapper(*a, **kw):
@@ -190,7 +193,9 @@ def host_profile(step, reps=20):
             try:
                 return fn(*a, **kw)
             finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+                t1 = time.perf_counter()
+                spent[name] = spent.get(name, 0.0) + t1 - t0
+                marks.setdefault(name, []).append((t0 - start[0], t1 - start[0]))
         return wrapper
     H = moeblaze.Handle
     saved = {n: getattr(H, n) for n in ("forward", "backward", "workspace_size", "saved_size", "assert_status")}
@@ -200,7 +205,7 @@ def host_profile(step, reps=20):
         total = 0.0
         for _ in range(reps):
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = start[0] = time.perf_counter()
             step()
             total += time.perf_counter() - t0
         torch.cuda.synchronize()
@@ -209,6 +214,10 @@ def host_profile(step, reps=20):
             setattr(H, n, fn)
     print("# host time per fwd+bwd enqueue: %.3f ms; of it in Handle.%s" % (
         1e3 * total / reps, ", ".join("%s %.3f ms" % (n, 1e3 * v / reps) for n, v in sorted(spent.items()))))
+    calls = sorted((statistics.median(a for a, _ in m[i::len(m) // reps]), statistics.median(b for _, b in m[i::len(m) // reps]), n)
+                   for n, m in marks.items() for i in range(len(m) // reps))
+    print("# host timeline of a step (ms from its start, medians): " +
+          ", ".join("%s %.3f-%.3f" % (n, a * 1e3, b * 1e3) for a, b, n in calls))
 
 
 def make_inputs(T, d, n, E):
