@@ -418,9 +418,9 @@ typedef enum moeblaze_attr {
 
 /** @brief How an expert-parallel layer moves rows (value of #MOEBLAZE_ATTR_EP_TRANSPORT). */
 typedef enum moeblaze_ep_transport {
-  MOEBLAZE_EP_TRANSPORT_AUTO = 0,   /**< NVLINK (the only one built so far). */
+  MOEBLAZE_EP_TRANSPORT_AUTO = 0,   /**< NVLINK where every rank is a load/store peer, else HOST. */
   MOEBLAZE_EP_TRANSPORT_NVLINK = 1, /**< Load/store through NCCL's device API; every rank a peer. */
-  MOEBLAZE_EP_TRANSPORT_HOST = 2,   /**< ncclSend/ncclRecv; synchronises. Not built yet: NOT_SUPPORTED. */
+  MOEBLAZE_EP_TRANSPORT_HOST = 2,   /**< Grouped ncclSend/ncclRecv; one host sync per pass, no capture. */
   MOEBLAZE_EP_TRANSPORT__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_ep_transport_t;
 
@@ -651,7 +651,8 @@ MOEBLAZE_API moeblaze_status_t moeblaze_create_ep_from_unique_id(moeblaze_handle
 /**
  * @brief Bytes of symmetric memory (ncclMemAlloc, registered with NCCL) that
  *        moeblaze_create_ep() allocates on each rank for @p cfg over @p ep_size ranks; a
- *        function of the shapes alone (docs/ep.md, "Memory").
+ *        function of the shapes alone (docs/ep.md, "Memory"). With EP_TRANSPORT = HOST, the
+ *        plain device memory it allocates instead (the same receive layout and a staging area).
  * @param[in] cfg The config the layer would be created with.
  * @param[in] ep_size The number of ranks P.
  * @param[out] bytes Receives the size.

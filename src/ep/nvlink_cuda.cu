@@ -41,17 +41,10 @@ __device__ void copy_row(char* dst, const char* src, int64_t bytes, int lane) {
   }
 }
 
-__global__ void __launch_bounds__(256) exchange_counts_kernel(Exchange x, const int32_t* dest_start, int64_t bound) {
-  const int32_t P = x.layout.ranks, me = x.comm.rank, W = P + 1;
-  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, 0};
-  // Row `me` of every peer's matrix: this rank's counts per destination, then its flag.
-  for (int32_t i = threadIdx.x; i < P * W; i += blockDim.x) {
-    const int32_t peer = i / W, j = i % W;
-    const int32_t v = j < P ? dest_start[j + 1] - dest_start[j] : *x.flag;
-    reinterpret_cast<int32_t*>(peer_part(x, x.layout.counts, peer))[me * W + j] = v;
-  }
-  __syncthreads();
-  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+// From the counts matrix in this rank's window part: matrix, the step's flag, and the send and
+// receive offsets (thread 0 writes the scalars).
+__device__ void derive_offsets(const Exchange& x, int64_t bound) {
+  const int32_t P = x.layout.ranks, me = x.rank, W = P + 1;
   const int32_t* m = reinterpret_cast<const int32_t*>(x.local + x.layout.counts);
   for (int32_t i = threadIdx.x; i < P * W; i += blockDim.x) x.matrix[i] = m[i];
   if (threadIdx.x == 0) {
@@ -79,21 +72,49 @@ __global__ void __launch_bounds__(256) exchange_counts_kernel(Exchange x, const 
   }
 }
 
-// One warp per send, the sends spread over the grid; metadata only with ids (forward).
+// This rank's row of the counts matrix: its rows per destination, then its flag.
+__device__ int32_t counts_entry(const Exchange& x, const int32_t* dest_start, int32_t j) {
+  return j < x.layout.ranks ? dest_start[j + 1] - dest_start[j] : *x.flag;
+}
+
+__global__ void __launch_bounds__(256) exchange_counts_kernel(Exchange x, const int32_t* dest_start, int64_t bound) {
+  const int32_t P = x.layout.ranks, me = x.rank, W = P + 1;
+  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, 0};
+  // Row `me` of every peer's matrix.
+  for (int32_t i = threadIdx.x; i < P * W; i += blockDim.x) {
+    const int32_t peer = i / W, j = i % W;
+    reinterpret_cast<int32_t*>(peer_part(x, x.layout.counts, peer))[me * W + j] = counts_entry(x, dest_start, j);
+  }
+  __syncthreads();
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  derive_offsets(x, bound);
+}
+
+__global__ void __launch_bounds__(256) counts_row_kernel(Exchange x, const int32_t* dest_start) {
+  int32_t* row = reinterpret_cast<int32_t*>(x.stage + x.stage_layout.counts);
+  for (int32_t j = threadIdx.x; j <= x.layout.ranks; j += blockDim.x) row[j] = counts_entry(x, dest_start, j);
+}
+
+__global__ void __launch_bounds__(256) derive_offsets_kernel(Exchange x, int64_t bound) { derive_offsets(x, bound); }
+
+// One warp per send, the sends spread over the grid; metadata only with ids. Into the
+// destination's window part at its receive row (NVLink), or, kStaged (HOST), into this rank's
+// staging in send order, which ncclSend then moves (the same bytes at the same receive rows).
+template <bool kStaged>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Exchange x, const char* rows, int64_t stride_bytes,
                                                             const int32_t* dest_start, const int32_t* send_token,
                                                             const int32_t* ids, const float* gates, int32_t k,
                                                             int32_t epr) {
-  const WindowLayout& lay = x.layout;
+  const WindowLayout& lay = kStaged ? x.stage_layout : x.layout;
   const int32_t P = lay.ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, blockIdx.x + 1};
   const bool send = (*x.flag & kRecvOverflow) == 0;
   const int64_t sends = send ? dest_start[P] : 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + warp; i < sends; i += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int32_t q = last_at_or_below(dest_start, P, i);  // the destination
     const int32_t t = send_token[i];
-    const int64_t r = x.send_offset[q] + (i - dest_start[q]);  // the row at the destination
-    copy_row(peer_part(x, lay.rows + r * lay.row_bytes, q), rows + t * stride_bytes, lay.row_bytes, lane);
+    const int64_t r = kStaged ? i : x.send_offset[q] + (i - dest_start[q]);  // the row where it is written
+    auto part = [&](size_t offset) { return kStaged ? x.stage + offset : peer_part(x, offset, q); };
+    copy_row(part(lay.rows + r * lay.row_bytes), rows + t * stride_bytes, lay.row_bytes, lane);
     if (!ids) continue;
     // The token's experts on q, in id order, and its place among the ranks it reaches.
     uint64_t ranks = 0;
@@ -102,8 +123,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Exchange x, const ch
       if (o >= 0) ranks |= uint64_t{1} << o;
     }
     for (int o = 16; o > 0; o /= 2) ranks |= __shfl_xor_sync(0xffffffffu, ranks, o);
-    int32_t* rid = reinterpret_cast<int32_t*>(peer_part(x, lay.ids + r * lay.row_slots * 4, q));
-    float* rg = reinterpret_cast<float*>(peer_part(x, lay.gates + r * lay.row_slots * 4, q));
+    int32_t* rid = reinterpret_cast<int32_t*>(part(lay.ids + r * lay.row_slots * 4));
+    float* rg = reinterpret_cast<float*>(part(lay.gates + r * lay.row_slots * 4));
     int32_t mine = 0;  // experts on q among all lanes
     for (int32_t j0 = 0; j0 < k; j0 += 32) {
       const int32_t j = j0 + lane;
@@ -130,11 +151,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Exchange x, const ch
       rg[p] = 0.f;
     }
     if (lane == 0)
-      *reinterpret_cast<int2*>(peer_part(x, lay.meta + r * sizeof(int2), q)) =
-          make_int2(t, __popcll(ranks & ((uint64_t{1} << q) - 1)));
+      *reinterpret_cast<int2*>(part(lay.meta + r * sizeof(int2))) = make_int2(t, __popcll(ranks & ((uint64_t{1} << q) - 1)));
   }
-  __syncthreads();
-  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  if constexpr (!kStaged) {
+    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier,
+                                           blockIdx.x + 1};
+    __syncthreads();
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  }
 }
 
 __global__ void take_received_kernel(Exchange x, char* rows_out) {
@@ -173,6 +197,28 @@ __global__ void __launch_bounds__(kThreads) return_kernel(Exchange x, const char
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
 }
 
+// HOST: the rows (and gate gradients) that came back into the staging in send order go to the
+// token's return rows at (token, place), which the staged dispatch recorded for each send.
+__global__ void __launch_bounds__(kThreads) place_returned_kernel(Exchange x, const int32_t* dest_start, bool rows,
+                                                                  bool gates) {
+  const WindowLayout& lay = x.layout;
+  const WindowLayout& st = x.stage_layout;
+  const int32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const bool sent = (*x.flag & kRecvOverflow) == 0;
+  const int64_t sends = sent ? dest_start[lay.ranks] : 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(warps) + warp; i < sends; i += static_cast<int64_t>(gridDim.x) * warps) {
+    const int2 m = reinterpret_cast<const int2*>(x.stage + st.meta)[i];
+    if (m.x < 0 || m.x >= lay.max_tokens || m.y < 0 || m.y >= lay.token_slots) continue;
+    const int64_t r = static_cast<int64_t>(m.x) * lay.token_slots + m.y;
+    if (rows) copy_row(x.local + lay.ret_rows + r * lay.row_bytes, x.stage + st.rows + i * st.row_bytes, lay.row_bytes, lane);
+    if (gates) {
+      const float* src = reinterpret_cast<const float*>(x.stage + st.gates) + i * st.row_slots;
+      float* dst = reinterpret_cast<float*>(x.local + lay.ret_gates) + r * lay.row_slots;
+      for (int32_t p = lane; p < lay.row_slots; p += 32) dst[p] = src[p];
+    }
+  }
+}
+
 size_t part(size_t& at, size_t bytes) {
   const size_t here = at;
   at = align_up(at + bytes, size_t{256});
@@ -202,6 +248,10 @@ WindowLayout window_layout(int32_t P, int64_t R, int64_t Lmax, int64_t row_bytes
   return l;
 }
 
+WindowLayout stage_layout(const WindowLayout& l) {
+  return window_layout(l.ranks, l.max_tokens * l.token_slots, 0, l.row_bytes, l.row_slots, l.token_slots);
+}
+
 int32_t exchange_barriers(int32_t ctas) { return ctas + 1; }
 
 void exchange_counts_cuda(const Exchange& x, const int32_t* dest_start, int64_t bound, cudaStream_t s) {
@@ -212,9 +262,27 @@ void exchange_counts_cuda(const Exchange& x, const int32_t* dest_start, int64_t 
 void dispatch_rows_cuda(const Exchange& x, const char* rows, int64_t stride_bytes, const int32_t* dest_start,
                         const int32_t* send_token, const int32_t* ids, const float* gates, int32_t k, int32_t epr,
                         cudaStream_t s) {
-  dispatch_kernel<<<static_cast<unsigned>(x.ctas), kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, ids,
-                                                                     gates, k, epr);
+  const unsigned ctas = static_cast<unsigned>(x.ctas);
+  if (x.stage)
+    dispatch_kernel<true><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, ids, gates, k, epr);
+  else
+    dispatch_kernel<false><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, ids, gates, k, epr);
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch");
+}
+
+void counts_row_cuda(const Exchange& x, const int32_t* dest_start, cudaStream_t s) {
+  counts_row_kernel<<<1, 256, 0, s>>>(x, dest_start);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_counts_row");
+}
+
+void derive_offsets_cuda(const Exchange& x, int64_t recv_bound, cudaStream_t s) {
+  derive_offsets_kernel<<<1, 256, 0, s>>>(x, recv_bound);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_derive_offsets");
+}
+
+void place_returned_cuda(const Exchange& x, const int32_t* dest_start, bool rows, bool gates, cudaStream_t s) {
+  place_returned_kernel<<<static_cast<unsigned>(x.ctas), kThreads, 0, s>>>(x, dest_start, rows, gates);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_place_returned");
 }
 
 void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s) {

@@ -49,16 +49,25 @@ WindowLayout window_layout(int32_t ranks, int64_t recv_rows, int64_t max_tokens,
 
 // The device arrays a step's exchanges read and write on this rank.
 struct Exchange {
-  ncclDevComm comm;
-  ncclWindow_t window = nullptr;
+  ncclDevComm comm;                   // NVLink only
+  ncclWindow_t window = nullptr;      // NVLink only
+  int32_t rank = 0;
   char* local = nullptr;              // this rank's window part (its local address)
   WindowLayout layout;
+  // HOST: this rank's staging, laid out as a window part of L_max c rows with no return parts:
+  // a send's row and metadata in send order (then the rows coming back, in the same order), and
+  // in `counts` this rank's row of the counts matrix. Null on NVLink.
+  char* stage = nullptr;
+  WindowLayout stage_layout;
   int32_t ctas = 1;                   // CTAs that move rows (each with its own LSA barrier)
   int32_t* flag = nullptr;            // the step's error flag
   int32_t* matrix = nullptr;          // [P (P + 1)] the counts matrix (saved)
   int32_t* send_offset = nullptr;     // [P] where this rank's rows start in each destination
   int32_t* recv_offset = nullptr;     // [P + 1] received rows by source rank
 };
+
+// The staging a HOST exchange needs: window_layout(ranks, L_max c, 0, ...) of `layout`.
+WindowLayout stage_layout(const WindowLayout& layout);
 
 // The LSA barriers the exchanges need (the device communicator's lsaBarrierCount).
 int32_t exchange_barriers(int32_t ctas);
@@ -68,8 +77,15 @@ int32_t exchange_barriers(int32_t ctas);
 // every rank (and then nothing is sent); another rank's flag sets kPeerFailed.
 void exchange_counts_cuda(const Exchange& x, const int32_t* dest_start, int64_t recv_bound, cudaStream_t s);
 
+// HOST counts, around ncclAllGather of the row into the matrix: counts_row writes this rank's
+// row (its rows per destination, then *flag) into the staging; derive_offsets fills matrix,
+// send_offset and recv_offset from the gathered matrix, as exchange_counts does.
+void counts_row_cuda(const Exchange& x, const int32_t* dest_start, cudaStream_t s);
+void derive_offsets_cuda(const Exchange& x, int64_t recv_bound, cudaStream_t s);
+
 // dispatch: send i carries row send_token[i] of `rows` (stride in elements, es bytes each) to its
-// destination; with ids (the token's global top-k ids [L, k]) and gates, the metadata too.
+// destination (HOST: to the staging, send order); with ids (the token's global top-k ids [L, k])
+// and gates, the metadata too.
 void dispatch_rows_cuda(const Exchange& x, const char* rows, int64_t row_stride_bytes, const int32_t* dest_start,
                         const int32_t* send_token, const int32_t* ids, const float* gates, int32_t k,
                         int32_t experts_per_rank, cudaStream_t s);
@@ -84,6 +100,10 @@ void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s);
 // gradients ([R, k_loc]) to the return rows of the token's rank, at the place the row's
 // metadata in the window names.
 void return_rows_cuda(const Exchange& x, const char* rows, const float* gates, cudaStream_t s);
+
+// HOST, after the rows (and gate gradients) of this rank's sends came back into the staging in
+// send order: each goes to the token's return rows at the place its dispatch recorded.
+void place_returned_cuda(const Exchange& x, const int32_t* dest_start, bool rows, bool gates, cudaStream_t s);
 
 }  // namespace ep
 }  // namespace v0

@@ -64,7 +64,14 @@ struct Case {
   // that the ranks' losses and router gradients sum to the single-GPU layer's on all tokens.
   int64_t seqs = 0;
   double aux = 0.0;
+  // EP_TRANSPORT: HOST moves the rows with ncclSend/ncclRecv after the counts reach the host,
+  // so its calls refuse a capture (as the cuBLASLt local engine's do).
+  int64_t transport = MOEBLAZE_EP_TRANSPORT_AUTO;
 };
+
+inline bool syncs(const Case& c) {
+  return c.engine == MOEBLAZE_ENGINE_CUDA_CUBLASLT || c.transport == MOEBLAZE_EP_TRANSPORT_HOST;
+}
 
 inline int64_t gated(const Case& c) {
   return c.activation == MOEBLAZE_ACTIVATION_SWIGLU || c.activation == MOEBLAZE_ACTIVATION_GEGLU ? 2 : 1;
@@ -314,6 +321,7 @@ inline moeblaze_config_t config(const Case& c, int64_t max_tokens, int device, i
   MB(moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_ROUTE_SCALE, c.route_scale));
   MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_SCORE_FUNCTION, c.sigmoid ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX));
   MB(moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_AUX_LOSS_COEFF, c.aux / ranks));
+  MB(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_EP_TRANSPORT, c.transport));
   return cfg;
 }
 
@@ -452,7 +460,7 @@ inline Run reference(const Problem& pb, int device) {
 // step eagerly.
 struct RankRuns {
   Run first, second, graphed, eager_new;
-  bool refused_capture = false;  // cuBLASLt local engine: capture refused, capture intact
+  bool refused_capture = false;  // syncs(): capture refused, capture intact
 };
 
 // Rank r's sequence of calls on `h` (an EP handle this function destroys), on the caller's stream `s`.
@@ -482,12 +490,12 @@ inline RankRuns run_rank(const Problem& pb, moeblaze_handle_t h, int r, cudaStre
   l.step(s);
   CK(cudaStreamSynchronize(s));
   out.second = l.results();
-  // Captured once, replayed on new x; then the same call eagerly. The cuBLASLt local engine
-  // refuses the capture before enqueuing anything, and the capture stays usable.
+  // Captured once, replayed on new x; then the same call eagerly. The cuBLASLt local engine and
+  // the HOST transport refuse the capture before enqueuing anything, and the capture stays usable.
   cudaGraph_t g;
   cudaGraphExec_t ge;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  if (cs.engine == MOEBLAZE_ENGINE_CUDA_CUBLASLT) {
+  if (syncs(cs)) {
     moeblaze_status_t st = MOEBLAZE_STATUS_SUCCESS;
     l.step(s, &st);
     const cudaError_t end = cudaStreamEndCapture(s, &g);
@@ -596,7 +604,7 @@ inline void check_rank(const Problem& pb, const Run& ref, const RankRuns& runs, 
     const Run& e = runs.eager_new;
     const bool graph_same = g.y == e.y && g.dx == e.dx && g.dwgu == e.dwgu && g.dwd == e.dwd && g.dwg == e.dwg &&
                             g.dgates == e.dgates && (cs.tokens[r] == 0 || g.y != a.y);
-    if (cs.engine == MOEBLAZE_ENGINE_CUDA_CUBLASLT)
+    if (syncs(cs))
       expect(runs.refused_capture && (cs.tokens[r] == 0 || e.y != a.y), "capture refused, capture intact", cs.name, r, 0);
     else
       expect(graph_same, "graph replay on new x == eager", cs.name, r, 0);

@@ -5,7 +5,8 @@
 // that a second run gives the same bits, and that forward + backward captured in a CUDA graph and
 // replayed on new inputs equals the eager call on them; with a router, that inference and route on
 // the EP handle agree with the single-GPU layer. Cases cover bf16 and fp16, the fused and the
-// cuBLASLt local engine, every save policy, a token mask and the sequence-wise loss. Exits 77 (skipped) with fewer than two GPUs.
+// cuBLASLt local engine, every save policy, a token mask, the sequence-wise loss and both
+// transports (NVLink, HOST). Exits 77 (skipped) with fewer than two GPUs.
 #include <nccl.h>
 
 #include <thread>
@@ -16,11 +17,8 @@ namespace {
 
 using namespace ep_test;
 
-void run_case(const Case& cs, int P, ncclComm_t* comms, uint64_t seed) {
-  const Problem pb = make_problem(cs, P, seed);
-  print_problem(pb);
-  const Run ref = reference(pb, 0);
-  // The EP layer: one thread per rank, each running the same sequence of collective calls.
+// The EP layer: one thread per rank, each running the same sequence of collective calls.
+std::vector<RankRuns> run_ep(const Case& cs, const Problem& pb, int P, ncclComm_t* comms) {
   std::vector<RankRuns> runs(P);
   std::vector<std::thread> threads;
   for (int r = 0; r < P; ++r) {
@@ -38,6 +36,27 @@ void run_case(const Case& cs, int P, ncclComm_t* comms, uint64_t seed) {
     });
   }
   for (auto& t : threads) t.join();
+  return runs;
+}
+
+void run_case(const Case& cs, int P, ncclComm_t* comms, uint64_t seed) {
+  const Problem pb = make_problem(cs, P, seed);
+  print_problem(pb);
+  const Run ref = reference(pb, 0);
+  const std::vector<RankRuns> runs = run_ep(cs, pb, P, comms);
+  if (cs.transport == MOEBLAZE_EP_TRANSPORT_HOST) {  // the same rows in the same places: NVLink's bits
+    Case nvlink = cs;
+    nvlink.transport = MOEBLAZE_EP_TRANSPORT_NVLINK;
+    Problem pn = pb;
+    pn.cs = &nvlink;
+    const std::vector<RankRuns> nv = run_ep(nvlink, pn, P, comms);
+    for (int r = 0; r < P; ++r) {
+      const Run &a = runs[r].first, &b = nv[r].first;
+      const bool same = a.y == b.y && a.dx == b.dx && a.dwgu == b.dwgu && a.dwd == b.dwd && a.dwg == b.dwg &&
+                        a.dgates == b.dgates && a.status == b.status;
+      expect(same, "HOST == NVLink, bitwise", cs.name, r, 0);
+    }
+  }
   std::vector<double> dwg_sum(static_cast<size_t>(cs.E * cs.d), 0.0);
   for (int r = 0; r < P; ++r) check_rank(pb, ref, runs[r], r, &dwg_sum);
   if (!cs.caller_ids && cs.max_recv == 0) check_router_sum(pb, ref, dwg_sum);
@@ -50,7 +69,7 @@ void run_case(const Case& cs, int P, ncclComm_t* comms, uint64_t seed) {
 }
 
 // Refused on every rank before any collective call: an EP_SIZE or EP_RANK the communicator
-// contradicts, the HOST transport (not built).
+// contradicts.
 void refusals(const Case& cs, int P, ncclComm_t* comms) {
   std::vector<std::thread> th;
   std::vector<int> bad(P, 0);
@@ -62,8 +81,7 @@ void refusals(const Case& cs, int P, ncclComm_t* comms) {
         int64_t value;
         moeblaze_status_t want;
       } probes[] = {{MOEBLAZE_ATTR_EP_SIZE, P + 1, MOEBLAZE_STATUS_INVALID_ARGUMENT},
-                    {MOEBLAZE_ATTR_EP_RANK, (r + 1) % P, MOEBLAZE_STATUS_INVALID_ARGUMENT},
-                    {MOEBLAZE_ATTR_EP_TRANSPORT, MOEBLAZE_EP_TRANSPORT_HOST, MOEBLAZE_STATUS_NOT_SUPPORTED}};
+                    {MOEBLAZE_ATTR_EP_RANK, (r + 1) % P, MOEBLAZE_STATUS_INVALID_ARGUMENT}};
       for (const auto& p : probes) {
         moeblaze_config_t cfg = config(cs, 64, r);
         MB(moeblaze_config_set_i64(cfg, p.attr, p.value));
@@ -73,7 +91,7 @@ void refusals(const Case& cs, int P, ncclComm_t* comms) {
       }
     });
   for (auto& t : th) t.join();
-  for (int r = 0; r < P; ++r) expect(bad[r] == 0, "refusals (EP_SIZE, EP_RANK, HOST)", cs.name, r, bad[r]);
+  for (int r = 0; r < P; ++r) expect(bad[r] == 0, "refusals (EP_SIZE, EP_RANK)", cs.name, r, bad[r]);
 }
 
 }  // namespace
@@ -124,6 +142,18 @@ int main() {
       // the router gradient), with a token mask.
       {"sequences-masked", 8LL * P, 4, 128, 64, MOEBLAZE_ACTIVATION_SWIGLU, false, {250, 99, 300, 17, 64, 128, 17, 200},
        0, false, MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, true, false, true, 3, 1.0},
+      // The HOST transport (grouped ncclSend/ncclRecv): the router on the fused engine with a mask
+      // and a rank without tokens, caller ids skewed onto rank 0 on the cuBLASLt engine in fp16,
+      // and the overflow report.
+      {"host-masked", 8LL * P, 4, 256, 128, MOEBLAZE_ACTIVATION_SWIGLU, false, {300, 0, 256, 77, 300, 12, 190, 64}, 0,
+       false, MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, false, false, true, 0, 0.0,
+       MOEBLAZE_EP_TRANSPORT_HOST},
+      {"host-ids-f16-cublaslt", 2LL * P, std::min<int64_t>(2LL * P, 3), 128, 64, MOEBLAZE_ACTIVATION_SILU, true,
+       {129, 7, 64, 200, 5, 33, 0, 97}, 0, true, MOEBLAZE_ENGINE_CUDA_CUBLASLT, MOEBLAZE_SAVE_ALL, 1, 0, 1.0, false,
+       false, false, 0, 0.0, MOEBLAZE_EP_TRANSPORT_HOST},
+      {"host-overflow", 2LL * P, 2, 128, 64, MOEBLAZE_ACTIVATION_SILU, true, {100, 90, 80, 70, 60, 50, 40, 30}, 40,
+       false, MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, false, false, false, 0, 0.0,
+       MOEBLAZE_EP_TRANSPORT_HOST},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); ++i) run_case(cases[i], P, comms.data(), seed + i);
   refusals(cases[0], P, comms.data());

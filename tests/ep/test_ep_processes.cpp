@@ -119,6 +119,9 @@ int child(int r, int P, char** ids, uint64_t seed, int steps) {
       {"proc-swiglu-router", 8LL * P, 4, 256, 128, MOEBLAZE_ACTIVATION_SWIGLU, false, {300, 173, 256, 77, 300, 12, 190, 64}},
       {"proc-silu-ids-skewed", 2LL * P, std::min<int64_t>(2LL * P, 3), 128, 64, MOEBLAZE_ACTIVATION_SILU, true,
        {129, 0, 64, 200, 5, 33, 0, 97}},
+      {"proc-host-router", 4LL * P, 4, 128, 64, MOEBLAZE_ACTIVATION_SWIGLU, false, {200, 64, 0, 150, 33, 7, 90, 5}, 0,
+       false, MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, false, false, false, 0, 0.0,
+       MOEBLAZE_EP_TRANSPORT_HOST},
   };
   const int n = static_cast<int>(sizeof(cases) / sizeof(cases[0]));
   for (int i = 0; i < n; ++i) {
@@ -141,7 +144,7 @@ int child(int r, int P, char** ids, uint64_t seed, int steps) {
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IONBF, 0);
-  const int kLayers = 3;  // two checked cases and the soak: one communicator each
+  const int kLayers = 4;  // three checked cases and the soak: one communicator each
   if (argc == 6 + kLayers && std::strcmp(argv[1], "--rank") == 0)
     return child(std::atoi(argv[2]), std::atoi(argv[3]), argv + 6, std::strtoull(argv[4], nullptr, 10), std::atoi(argv[5]));
   int n = 0;

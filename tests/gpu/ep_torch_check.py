@@ -2,7 +2,8 @@
 single-GPU MoELayer on all ranks' tokens, from the same weights:
 
   * eager forward + backward: y and dx (this rank's tokens), the local experts' gradients, the
-    router weight's gradient summed over the ranks, within bf16 tolerance;
+    router weight's gradient summed over the ranks, within bf16 tolerance; the HOST transport's
+    equal to NVLink's, bit for bit;
   * the state_dict: loaded from the single-GPU layout, saved with its expert range, gathered back
     by full_state_dict() equal to the original;
   * torch.compile(fullgraph=True) forward + backward equal to eager, bit for bit;
@@ -103,6 +104,17 @@ def main():
     dist.all_reduce(g_router)
     check(rel(g_router, ref.router_weight.grad.float()) < tol, "d router_weight summed over ranks",
           rel(g_router, ref.router_weight.grad.float()))
+
+    # The HOST transport (ncclSend/ncclRecv on the process group's communicator): the same rows
+    # in the same places as NVLink, so the same bits.
+    ep_h = MoELayer(d, h, E, k, dtype=dtype, device=dev, normalize_topk=1, ep_group=group, ep_transport=2)
+    ep_h.load_state_dict(ref.state_dict())
+    xh = x_all[mine].clone().requires_grad_()
+    yh = ep_h(xh)[0]
+    yh.backward(dy_all[mine])
+    check(torch.equal(yh, y) and torch.equal(xh.grad, xe.grad) and torch.equal(ep_h.w_down.grad, ep.w_down.grad)
+          and torch.equal(ep_h.router_weight.grad, ep.router_weight.grad), "HOST transport == NVLink, bitwise")
+    ep_h.close()
 
     # A token mask and a shared expert on its own stream, beside the exchanges: against one GPU
     # with the same mask (the shared expert's gradients summed over the ranks).

@@ -1,5 +1,7 @@
 // The expert-parallel engine: a thin orchestrator over the shared GPU router (on the token's
-// rank), the device send plan (ep/send_plan_cuda), the NVLink exchanges (ep/nvlink_cuda) and a
+// rank), the device send plan (ep/send_plan_cuda), the exchanges (ep/nvlink_cuda: NVLink
+// through NCCL's device API, or HOST: the same kernels into a staging area and grouped
+// ncclSend/ncclRecv, after the counts reach the host) and a
 // single-GPU engine for the rank's E / P experts, which runs on the received rows as a layer of
 // R = EP_MAX_RECV_TOKENS tokens whose slots may be empty (LayerConfig::empty_slots):
 //   forward:  route + plan, send plan, counts, dispatch x (rows and their experts), take the
@@ -8,12 +10,14 @@
 //             dispatch dy (and the row metadata again, so nothing the caller hands back decides
 //             where a row is written), local backward (weight gradients complete), return the
 //             dx parts and gate gradients, router backward, sum the dx parts in rank order.
-// All on the caller's stream, no host synchronisation, no allocation: capturable.
+// All on the caller's stream, no allocation; on NVLink no host synchronisation (capturable),
+// on HOST one per pass (the counts, which size the NCCL transfers).
 #include "engines/ep/ep_engine.hpp"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 
@@ -117,6 +121,12 @@ struct EpWork {
   size_t bytes = 0;
 };
 
+// What the HOST transport knows on the host after a step's count exchange: the rows this rank
+// sends to and receives from each rank, at which offsets (in rows), or nothing after an overflow.
+struct HostCounts {
+  std::array<int64_t, 65> send_start{}, recv_start{};  // [P + 1] prefix sums
+};
+
 class EpEngine final : public Engine {
  public:
   EpEngine(const LayerConfig& g, const LayerConfig& l, std::unique_ptr<Engine> local,
@@ -126,9 +136,14 @@ class EpEngine final : public Engine {
     epr_ = static_cast<int32_t>(g_.num_experts / P_);
     c_ = static_cast<int32_t>(std::min<int64_t>(g_.top_k, P_));
     layout_ = layout_of(g_, P_, R_);
+    stage_layout_ = ep::stage_layout(layout_);
     cuda::DeviceGuard guard(g_.device_id);
     gemm_ = std::make_unique<gemm::CublasLtGemm>();
     router_ = std::make_unique<CudaRouter>(g_, *gemm_);
+    if (host()) MOEBLAZE_CUDA_CHECK(cudaMallocHost(&host_matrix_, sizeof(int32_t) * P_ * (P_ + 1)));
+  }
+  ~EpEngine() override {
+    if (host_matrix_) cudaFreeHost(host_matrix_);
   }
   EngineKind kind() const override { return local_->kind(); }
   size_t workspace_size(Pass pass, int64_t L) const override { return carve_work(pass, L, nullptr).bytes; }
@@ -166,12 +181,18 @@ class EpEngine final : public Engine {
     return carve_ep_saved_into(c, L, base, true);
   }
   EpWork carve_work(Pass pass, int64_t L, void* base) const;
+  bool host() const { return comm_->transport() == comm::EpTransport::kHost; }
   ep::Exchange exchange(const EpWork& w) const {
     ep::Exchange x;
     x.comm = comm_->device_comm();
     x.window = comm_->window();
+    x.rank = comm_->rank();
     x.local = comm_->local();
     x.layout = layout_;
+    if (host()) {
+      x.stage = comm_->local() + layout_.bytes;
+      x.stage_layout = stage_layout_;
+    }
     x.ctas = ctas_;
     x.flag = w.router.error_flag;
     x.matrix = w.matrix;
@@ -193,12 +214,20 @@ class EpEngine final : public Engine {
     return la;
   }
 
+  // The step's three exchanges on either transport (ep/nvlink_cuda.hpp says what each moves).
+  HostCounts exchange_counts(const ep::Exchange& x, const EpWork& w, cudaStream_t s) const;
+  void dispatch(const ep::Exchange& x, const EpWork& w, const HostCounts& hc, const View& rows, const RoutingPlan& plan,
+                cudaStream_t s) const;
+  void give_back(const ep::Exchange& x, const EpWork& w, const HostCounts& hc, const char* rows, const float* gates,
+                 cudaStream_t s) const;
+
   LayerConfig g_, l_;
   std::unique_ptr<Engine> local_;
   std::unique_ptr<comm::EpComm> comm_;
   int64_t R_;
   int32_t ctas_, P_ = 1, epr_ = 1, c_ = 1;
-  ep::WindowLayout layout_;
+  ep::WindowLayout layout_, stage_layout_;
+  int32_t* host_matrix_ = nullptr;  // HOST: pinned [P (P + 1)], the step's counts matrix
   std::unique_ptr<gemm::CublasLtGemm> gemm_;
   std::unique_ptr<CudaRouter> router_;
 };
@@ -233,6 +262,82 @@ EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
   return w;
 }
 
+HostCounts EpEngine::exchange_counts(const ep::Exchange& x, const EpWork& w, cudaStream_t s) const {
+  HostCounts hc;
+  if (!host()) {
+    ep::exchange_counts_cuda(x, w.send.dest_start, R_, s);
+    return hc;
+  }
+  const int32_t W = P_ + 1, me = comm_->rank();
+  ep::counts_row_cuda(x, w.send.dest_start, s);
+  comm_->all_gather_bytes(x.stage + stage_layout_.counts, x.local + layout_.counts, sizeof(int32_t) * W, s);
+  ep::derive_offsets_cuda(x, R_, s);
+  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(host_matrix_, w.matrix, sizeof(int32_t) * P_ * W, cudaMemcpyDeviceToHost, s));
+  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));  // the transfers' sizes
+  // As derive_offsets decides on the device: after an overflow nothing moves.
+  bool overflow = false;
+  for (int32_t q = 0; q < P_; ++q) {
+    int64_t into_q = 0;
+    for (int32_t src = 0; src < P_; ++src) into_q += std::max(host_matrix_[src * W + q], 0);
+    overflow |= into_q > R_;
+  }
+  for (int32_t q = 0; q < P_; ++q) {
+    hc.send_start[q + 1] = hc.send_start[q] + (overflow ? 0 : std::max(host_matrix_[me * W + q], 0));
+    hc.recv_start[q + 1] = hc.recv_start[q] + (overflow ? 0 : std::max(host_matrix_[q * W + me], 0));
+  }
+  return hc;
+}
+
+// HOST: blocks of `unit` bytes per row, [start[q], start[q + 1]) of `base` for each rank q.
+static int add_blocks(comm::EpComm::Block* out, int n, char* base, const std::array<int64_t, 65>& start, int32_t P,
+                      size_t unit) {
+  for (int32_t q = 0; q < P; ++q)
+    out[n++] = {base + start[q] * unit, static_cast<size_t>(start[q + 1] - start[q]) * unit, q};
+  return n;
+}
+
+void EpEngine::dispatch(const ep::Exchange& x, const EpWork& w, const HostCounts& hc, const View& rows,
+                        const RoutingPlan& plan, cudaStream_t s) const {
+  ep::dispatch_rows_cuda(x, rows.data, rows.stride[0] * static_cast<int64_t>(rows.elem()), w.send.dest_start,
+                         w.send.send_token, plan.token_expert_indices, plan.gates, static_cast<int32_t>(g_.top_k), epr_,
+                         s);
+  if (!host()) return;
+  // The staged rows and their experts and gates, each rank's block at its receive rows.
+  std::array<comm::EpComm::Block, 3 * 64> sends, recvs;
+  const size_t slots = static_cast<size_t>(layout_.row_slots) * 4, rb = static_cast<size_t>(layout_.row_bytes);
+  int ns = 0, nr = 0;
+  for (const auto& [stage_part, recv_part, unit] : {std::tuple{stage_layout_.rows, layout_.rows, rb},
+                                                     std::tuple{stage_layout_.ids, layout_.ids, slots},
+                                                     std::tuple{stage_layout_.gates, layout_.gates, slots}}) {
+    ns = add_blocks(sends.data(), ns, x.stage + stage_part, hc.send_start, P_, unit);
+    nr = add_blocks(recvs.data(), nr, x.local + recv_part, hc.recv_start, P_, unit);
+  }
+  comm_->send_recv(sends.data(), ns, recvs.data(), nr, s);
+}
+
+void EpEngine::give_back(const ep::Exchange& x, const EpWork& w, const HostCounts& hc, const char* rows,
+                         const float* gates, cudaStream_t s) const {
+  if (!host()) {
+    ep::return_rows_cuda(x, rows, gates, s);
+    return;
+  }
+  // Each received block back to its source, which takes it into its staging in send order.
+  std::array<comm::EpComm::Block, 2 * 64> sends, recvs;
+  int ns = 0, nr = 0;
+  if (rows) {
+    ns = add_blocks(sends.data(), ns, const_cast<char*>(rows), hc.recv_start, P_, static_cast<size_t>(layout_.row_bytes));
+    nr = add_blocks(recvs.data(), nr, x.stage + stage_layout_.rows, hc.send_start, P_,
+                    static_cast<size_t>(layout_.row_bytes));
+  }
+  if (gates) {
+    const size_t slots = static_cast<size_t>(layout_.row_slots) * 4;
+    ns = add_blocks(sends.data(), ns, reinterpret_cast<char*>(const_cast<float*>(gates)), hc.recv_start, P_, slots);
+    nr = add_blocks(recvs.data(), nr, x.stage + stage_layout_.gates, hc.send_start, P_, slots);
+  }
+  comm_->send_recv(sends.data(), ns, recvs.data(), nr, s);
+  ep::place_returned_cuda(x, w.send.dest_start, rows != nullptr, gates != nullptr, s);
+}
+
 void EpEngine::route(const CallArgs& a, void* ws, void* stream) const {
   cuda::DeviceGuard guard(g_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -242,17 +347,24 @@ void EpEngine::route(const CallArgs& a, void* ws, void* stream) const {
   cuda::write_status(w.router.error_flag, a.status, s);
 }
 
-// The cuBLASLt local engine reads its expert offsets on the host, which a capture forbids: refuse
-// before the route and the exchanges are enqueued, so the caller's capture stays intact.
+// The HOST transport reads the counts on the host, and the cuBLASLt local engine its expert
+// offsets, which a capture forbids: refuse before the route and the exchanges are enqueued, so
+// the caller's capture stays intact.
 void EpEngine::refuse_capture_if_local_syncs(cudaStream_t s, const char* what) const {
-  if (local_->kind() != EngineKind::kCudaCublasLt) return;
+  const bool lt = local_->kind() == EngineKind::kCudaCublasLt;
+  if (!lt && !host()) return;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MOEBLAZE_CUDA_CHECK(cudaStreamIsCapturing(s, &capture));
-  if (capture != cudaStreamCaptureStatusNone)
+  if (capture == cudaStreamCaptureStatusNone) return;
+  if (host())
     fail(Status::kNotSupported,
-         "the expert-parallel %s on the cuBLASLt local engine synchronises the stream (expert offsets to the host) "
-         "and cannot be captured in a CUDA graph; nothing was enqueued and the capture is intact (the fused engine "
-         "is capturable)", what);
+         "the expert-parallel %s on the HOST transport synchronises the stream (the row counts to the host, which "
+         "size the ncclSend/ncclRecv transfers) and cannot be captured in a CUDA graph; nothing was enqueued and the "
+         "capture is intact (the NVLink transport is capturable)", what);
+  fail(Status::kNotSupported,
+       "the expert-parallel %s on the cuBLASLt local engine synchronises the stream (expert offsets to the host) "
+       "and cannot be captured in a CUDA graph; nothing was enqueued and the capture is intact (the fused engine "
+       "is capturable)", what);
 }
 
 void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const {
@@ -270,15 +382,14 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
   router_->route_and_plan(a, sv.plan, w.router, s);
   router_->write_outputs(a, sv.plan, w.router, s);
   ep::build_send_plan_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, w.send, w.send_scratch, s);
-  ep::exchange_counts_cuda(x, w.send.dest_start, R_, s);
-  ep::dispatch_rows_cuda(x, a.x.data, a.x.stride[0] * static_cast<int64_t>(a.x.elem()), w.send.dest_start,
-                         w.send.send_token, sv.plan.token_expert_indices, sv.plan.gates, k, epr_, s);
+  const HostCounts hc = exchange_counts(x, w, s);
+  dispatch(x, w, hc, a.x, sv.plan, s);
   ep::take_received_cuda(x, sv.recv_x, s);
   CallArgs la = local_args(a, w, sv.recv_x ? sv.recv_x : comm_->local() + layout_.rows);
   la.y = dense(w.rows, g_.act_dtype, R_, g_.hidden);
   local_->forward(pass, la, w.local_ws, sv.local, s);
   cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
-  ep::return_rows_cuda(x, static_cast<const char*>(w.rows), nullptr, s);
+  give_back(x, w, hc, static_cast<const char*>(w.rows), nullptr, s);
   combine::combine_rows_cuda(w.send.return_map, nullptr, L, c_, g_.hidden, comm_->local() + layout_.ret_rows, nullptr,
                              a.y, s);
   if (sv.header) cuda::store_saved_header(make_saved_header(g_, L), sv.header, s, flag);
@@ -304,9 +415,8 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
   routing::validate_plan_cuda(sv.plan, L, k, g_.num_experts, true, flag, s);
   // Where the rows go is derived again from the checked routing, not read from the saved bytes.
   ep::build_send_plan_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, w.send, w.send_scratch, s);
-  ep::exchange_counts_cuda(x, w.send.dest_start, R_, s);
-  ep::dispatch_rows_cuda(x, a.dy.data, a.dy.stride[0] * static_cast<int64_t>(a.dy.elem()), w.send.dest_start,
-                         w.send.send_token, sv.plan.token_expert_indices, sv.plan.gates, k, epr_, s);
+  const HostCounts hc = exchange_counts(x, w, s);
+  dispatch(x, w, hc, a.dy, sv.plan, s);
   CallArgs la = local_args(a, w, sv.recv_x);
   la.dy = dense(comm_->local() + layout_.rows, g_.act_dtype, R_, g_.hidden);
   if (a.dx.present) la.dx = dense(w.rows, g_.act_dtype, R_, g_.hidden);
@@ -315,7 +425,7 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
   la.d_topk_weights = dense(w.dg_recv, DType::kF32, R_, l_.top_k);
   local_->backward(la, sv.local, w.local_ws, s);
   cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
-  ep::return_rows_cuda(x, a.dx.present ? static_cast<const char*>(w.rows) : nullptr, w.dg_recv, s);
+  give_back(x, w, hc, a.dx.present ? static_cast<const char*>(w.rows) : nullptr, w.dg_recv, s);
   ep::gather_returned_gates_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, static_cast<int32_t>(l_.top_k),
                                  reinterpret_cast<const float*>(comm_->local() + layout_.ret_gates), w.dg_tok, s);
   const bool router_dx = router_->backward(a, needs, sv.plan, w.dg_tok, w.router, s);
@@ -332,7 +442,9 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
 
 size_t ep_symmetric_bytes(const LayerConfig& cfg, int32_t ranks) {
   check_placement(ranks, cfg.num_experts);
-  return layout_of(cfg, ranks, recv_bound(cfg, ranks, cfg.ep_max_recv_tokens)).bytes;
+  const ep::WindowLayout lay = layout_of(cfg, ranks, recv_bound(cfg, ranks, cfg.ep_max_recv_tokens));
+  return cfg.ep_transport == static_cast<int32_t>(comm::EpTransport::kHost) ? lay.bytes + ep::stage_layout(lay).bytes
+                                                                             : lay.bytes;
 }
 
 std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, std::string* decision) {
@@ -360,8 +472,6 @@ std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, s
     fail(Status::kInvalidArgument, "EP_SIZE = %d but the communicator has %d ranks", cfg.ep_size, P);
   if (cfg.ep_rank != -1 && cfg.ep_rank != rank)
     fail(Status::kInvalidArgument, "EP_RANK = %d but this is rank %d of the communicator", cfg.ep_rank, rank);
-  if (cfg.ep_transport == 2)
-    fail(Status::kNotSupported, "EP_TRANSPORT = HOST is not built yet (NVLINK and AUTO are)");
   const int64_t R = recv_bound(cfg, P, cfg.ep_max_recv_tokens);
   if (R * std::min<int64_t>(cfg.top_k, cfg.num_experts / P) > 2147483647LL)
     fail(Status::kInvalidArgument, "the receive bound (%lld rows) times the local slots must stay below 2^31",
@@ -380,11 +490,14 @@ std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, s
     const ncclResult_t r = api.comm_init_rank(&nc, P, id, rank);
     if (r != ncclSuccess) fail(Status::kInternalError, "NCCL ncclCommInitRank failed: %s", api.get_error_string(r));
   }
-  auto comm = std::make_unique<comm::EpComm>(nc, own, layout_of(cfg, P, R).bytes, ep::exchange_barriers(ctas),
+  const ep::WindowLayout lay = layout_of(cfg, P, R);
+  auto comm = std::make_unique<comm::EpComm>(nc, own, static_cast<comm::EpTransport>(cfg.ep_transport), lay.bytes,
+                                             lay.bytes + ep::stage_layout(lay).bytes, ep::exchange_barriers(ctas),
                                              cfg.device_id);
   // Every rank must have passed the same configuration.
   const uint64_t digest = saved_fingerprint(cfg) ^ (static_cast<uint64_t>(cfg.max_tokens) * 0x9e3779b97f4a7c15ull) ^
-                          (static_cast<uint64_t>(R) << 17) ^ (static_cast<uint64_t>(ctas) << 48);
+                          (static_cast<uint64_t>(R) << 17) ^ (static_cast<uint64_t>(ctas) << 48) ^
+                          (static_cast<uint64_t>(comm->transport()) << 60);
   const std::vector<uint64_t> all = comm->all_gather(digest, s);
   for (int r = 0; r < P; ++r)
     if (all[r] != all[0])
@@ -392,7 +505,8 @@ std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, s
                                      "expert-parallel layer must pass the same one)", r);
   if (decision)
     *decision += ", expert-parallel rank " + std::to_string(comm->rank()) + " of " + std::to_string(P) + " (" +
-                 std::to_string(cfg.num_experts / P) + " local experts, NVLink transport)";
+                 std::to_string(cfg.num_experts / P) + " local experts, " +
+                 (comm->transport() == comm::EpTransport::kHost ? "HOST" : "NVLink") + " transport)";
   return std::make_unique<EpEngine>(cfg, l, std::move(local), std::move(comm), R, ctas);
 }
 
