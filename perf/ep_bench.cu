@@ -3,7 +3,8 @@
 // the host's GPUs (one thread and one communicator rank each). Bf16, SwiGLU, routing by a random
 // router weight (near-uniform), fwd+bwd with dx, the expert weights' and the router weight's
 // gradients. Per P: the median step time of the slowest rank, TFLOP/s per GPU, and the
-// weak-scaling efficiency (EP-1 time / EP-P time).
+// weak-scaling efficiency (EP-1 time / EP-P time). EP_BENCH_HOST=1 also times each P > 1 on the
+// HOST transport (grouped ncclSend/ncclRecv, a host synchronisation per pass).
 // Usage: ep-bench [tokens per rank, default 16384] [iterations, default 20] [shape names...]
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -148,7 +149,7 @@ double run_layer(moeblaze_handle_t h, const Shape& sh, int64_t L, int64_t expert
   return ms[ms.size() / 2];
 }
 
-moeblaze_config_t config(const Shape& sh, int64_t L, int device) {
+moeblaze_config_t config(const Shape& sh, int64_t L, int device, int64_t transport = MOEBLAZE_EP_TRANSPORT_AUTO) {
   moeblaze_config_t c = nullptr;
   MB(moeblaze_config_create(&c));
   MB(moeblaze_config_set_i64(c, MOEBLAZE_ATTR_NUM_EXPERTS, sh.E));
@@ -158,6 +159,7 @@ moeblaze_config_t config(const Shape& sh, int64_t L, int device) {
   MB(moeblaze_config_set_i64(c, MOEBLAZE_ATTR_MAX_TOKENS, L));
   MB(moeblaze_config_set_i64(c, MOEBLAZE_ATTR_NORMALIZE_TOPK, 1));
   MB(moeblaze_config_set_i64(c, MOEBLAZE_ATTR_DEVICE_ID, device));
+  MB(moeblaze_config_set_i64(c, MOEBLAZE_ATTR_EP_TRANSPORT, transport));
   return c;
 }
 
@@ -173,15 +175,19 @@ int main(int argc, char** argv) {
   for (int p = 2; p <= gpus; p *= 2) sizes.push_back(p);
   std::printf("ep-bench: %d GPUs, %lld tokens per rank, median of %d fwd+bwd steps (bf16, SwiGLU, router weight)\n\n",
               gpus, static_cast<long long>(L), iters);
-  std::printf("| shape (d, h, E, k) | P | fwd+bwd ms (slowest rank) | TFLOP/s per GPU | weak-scaling efficiency |\n");
-  std::printf("|---|---|---|---|---|\n");
+  const bool with_host = std::getenv("EP_BENCH_HOST") && std::atoi(std::getenv("EP_BENCH_HOST"));
+  std::printf("| shape (d, h, E, k) | P | transport | fwd+bwd ms (slowest rank) | TFLOP/s per GPU | weak-scaling efficiency |\n");
+  std::printf("|---|---|---|---|---|---|\n");
   for (const Shape& sh : kShapes) {
     bool wanted = argc <= 3;
     for (int a = 3; a < argc; ++a) wanted |= std::strcmp(argv[a], sh.name) == 0;
     if (!wanted) continue;
     const double flops = 18.0 * static_cast<double>(L) * sh.k * sh.d * sh.h;  // per rank: its tokens' GEMMs
     double base = 0;
-    for (int P : sizes) {
+    for (int run = 0; run < 2 * static_cast<int>(sizes.size()); ++run) {
+      const int P = sizes[static_cast<size_t>(run / 2)];
+      const bool host = run % 2 == 1;
+      if (host && (P == 1 || !with_host)) continue;
       std::vector<double> ms(static_cast<size_t>(P));
       if (P == 1) {
         CK(cudaSetDevice(0));
@@ -206,7 +212,8 @@ int main(int argc, char** argv) {
             CK(cudaSetDevice(r));
             cudaStream_t s;
             CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-            moeblaze_config_t c = config(sh, L, r);
+            moeblaze_config_t c =
+                config(sh, L, r, host ? MOEBLAZE_EP_TRANSPORT_HOST : MOEBLAZE_EP_TRANSPORT_AUTO);
             moeblaze_handle_t h = nullptr;
             MB(moeblaze_create_ep(&h, c, comms[static_cast<size_t>(r)], s));
             moeblaze_config_destroy(c);
@@ -218,8 +225,9 @@ int main(int argc, char** argv) {
         for (ncclComm_t c : comms) ncclCommDestroy(c);
       }
       const double worst = *std::max_element(ms.begin(), ms.end());
-      std::printf("| %s (%lld, %lld, %lld, %lld) | %d | %.3f | %.1f | %.1f%% |\n", sh.name, static_cast<long long>(sh.d),
-                  static_cast<long long>(sh.h), static_cast<long long>(sh.E), static_cast<long long>(sh.k), P, worst,
+      std::printf("| %s (%lld, %lld, %lld, %lld) | %d | %s | %.3f | %.1f | %.1f%% |\n", sh.name,
+                  static_cast<long long>(sh.d), static_cast<long long>(sh.h), static_cast<long long>(sh.E),
+                  static_cast<long long>(sh.k), P, P == 1 ? "-" : host ? "HOST" : "NVLink", worst,
                   flops / (worst * 1e-3) / 1e12, 100.0 * base / worst);
     }
   }
