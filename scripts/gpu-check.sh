@@ -2,7 +2,7 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|eptorch|epbench|routing|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|eptorch|epbench|epexchange|routing|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
 # routing: the routing options on both CUDA engines against the CPU engine
 # (tests/gpu/test_gpu_routing_options.c; ROUTING_SANITIZE="memcheck racecheck" runs its quick
 # subset under those tools too), then what each option costs (perf/routing_options_cost.py, ROUTING_COST_ARGS;
@@ -16,8 +16,11 @@
 # not part of "all" (the tests mode runs it through ctest).
 # eptorch: MoELayer(ep_group=...) on every GPU (tests/gpu/ep_torch_check.py) and
 # examples/moe_lm_ep.py on 2 GPUs against one GPU's loss curve.
-# epbench: perf/ep-bench, the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS), then
-# perf/ep_torch_baselines.py (all_to_all_single + MoEBlaze, torchtitan-style) on 2, 4, ... GPUs.
+# epbench: perf/ep-bench, the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS;
+# EP_BENCH_HOST=1 adds the HOST transport), then perf/ep_torch_baselines.py (all_to_all_single +
+# MoEBlaze, torchtitan-style) on 2, 4, ... GPUs.
+# epexchange: perf/ep_exchange_bw.py, the exchanges' GB/s per GPU inside a step against the SMs
+# they take, on every GPU of the machine (EP_EXCHANGE_ARGS); not part of "all".
 # sidebyside: perf/side_by_side.py on SonicMoE's configs (SIDE_CONFIGS), with SonicMoE run first
 # through .peers/run_sonic.sh when its bundle is carried in .peers/sonic/site (not part of "all").
 # profile: the CUDA kernels of one MoEBlaze fwd+bwd through moeblaze.torch (PROFILE_CONFIG).
@@ -53,7 +56,8 @@ want() {
   for w in "${what[@]}"; do
     [ "$w" = "$1" ] && return 0
     [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && [ "$1" != sidebyside ] \
-      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != routing ] && [ "$1" != shared ] && [ "$1" != epbench ] && [ "$1" != eptorch ] && return 0
+      && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != routing ] && [ "$1" != shared ] && [ "$1" != epbench ] && [ "$1" != eptorch ] \
+      && [ "$1" != epexchange ] && return 0
   done
   return 1
 }
@@ -155,6 +159,15 @@ if want eptorch; then
   rc=$?
   grep -vE '^W[0-9]' "$OUT/moe-lm-ep.log" | tail -30
   summary+=("examples/moe_lm_ep.py on 2 GPUs: rc=$rc; $(grep -E '^(PASS|FAIL)' "$OUT/moe-lm-ep.log" | tail -1)")
+fi
+if want epexchange; then
+  gpus=$(nvidia-smi -L | wc -l)
+  MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \
+    timeout ${EP_TIMEOUT:-300} torchrun --standalone --nproc_per_node="$gpus" perf/ep_exchange_bw.py ${EP_EXCHANGE_ARGS:-} \
+    > "$OUT/ep-exchange.md" 2> "$OUT/ep-exchange.err"
+  rc=$?
+  cat "$OUT/ep-exchange.md"; grep -E 'Error|error' "$OUT/ep-exchange.err" | tail -3
+  summary+=("ep exchange bandwidth: rc=$rc (table above)")
 fi
 if want epbench; then
   # the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS: tokens per rank,

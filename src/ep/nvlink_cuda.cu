@@ -30,11 +30,29 @@ __device__ int32_t last_at_or_below(const int32_t* start, int32_t P, int64_t i) 
   return lo;
 }
 
-// One warp copies a row of `bytes` bytes: 16 bytes a lane where both ends allow it.
+// One warp copies a row of `bytes` bytes: 16 bytes a lane where both ends allow it, each lane
+// issuing kInFlight loads before its stores, so that a warp keeps 4 KiB of loads in flight
+// instead of 512 bytes: one load at a time held a warp to a load latency per 512 bytes (about
+// 9 GB/s per SM, perf/NOTES.md).
+constexpr int kInFlight = 8;
 __device__ void copy_row(char* dst, const char* src, int64_t bytes, int lane) {
   if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes)) % 16 == 0) {
-    for (int64_t v = lane; v < bytes / 16; v += 32)
-      reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
+    const int64_t n = bytes / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int64_t base = 0; base < n; base += 32 * kInFlight) {
+      uint4 r[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v < n) r[u] = s[v];
+      }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v < n) d[v] = r[u];
+      }
+    }
   } else {
     for (int64_t b = lane * 2; b < bytes; b += 64)  // rows of 2- and 4-byte elements: even lengths
       *reinterpret_cast<uint16_t*>(dst + b) = *reinterpret_cast<const uint16_t*>(src + b);
