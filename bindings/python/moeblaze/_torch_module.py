@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from ._torch_ops import ROUTE_CALLER, ROUTE_WEIGHT, LayerSpec, moe_forward
+from ._torch_ops import ROUTE_CALLER, ROUTE_WEIGHT, LayerSpec, call_moe_forward
 
 _GATED = ("swiglu", "geglu")
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -256,8 +256,8 @@ class MoELayer(torch.nn.Module):
                 shared = _SideStream(x2.device, self._shared_expert, x2, s_gate_up, s_down, s_gate)
             else:
                 shared = _InLine(self._shared_expert(x2, s_gate_up, s_down, s_gate))
-        y, aux, z, _ids, _gates, counts = moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None, w_gate_up,
-                                                      w_down, bias, sequence_lengths, token_mask)[:6]
+        y, aux, z, _ids, _gates, counts = call_moe_forward(spec.id, ROUTE_WEIGHT, x2, router, None, None,
+                                                           w_gate_up, w_down, bias, sequence_lengths, token_mask)[:6]
         if self.has_expert_bias:
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
@@ -293,7 +293,7 @@ class MoELayer(torch.nn.Module):
             gates = torch.sigmoid(torch.nn.functional.linear(x2, gate_weight).float())
         else:
             gates = torch.ones((L, 1), dtype=torch.float32, device=x2.device)
-        return moe_forward(self.shared_spec.id, ROUTE_CALLER, x2, None, ids, gates, w_gate_up, w_down)[0]
+        return call_moe_forward(self.shared_spec.id, ROUTE_CALLER, x2, None, ids, gates, w_gate_up, w_down)[0]
 
     # ---- the weight layout in the state_dict -------------------------------------------------
     # The state_dict records the layout in its metadata (state_dict._metadata, which torch.save

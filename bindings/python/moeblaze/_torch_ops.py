@@ -24,15 +24,16 @@ Each operator has a fake (meta) implementation for tracing and the pair is tied 
 ``register_autograd``; gradients not needed come back as empty tensors internally and as None
 to autograd.
 """
+import struct
 import threading
 import weakref
-from ctypes import c_int64
+from ctypes import addressof, c_int64, sizeof
 from typing import List, Optional, Tuple
 
 import torch
 
 from ._core import ArgList, Config, Handle
-from ._types import BUFFER_ALIGNMENT, ArgKind, Attr, DeviceType, Pass, Tensor, dtype_from_name
+from ._types import BUFFER_ALIGNMENT, Arg, ArgKind, Attr, DeviceType, Pass, Tensor, dtype_from_name
 
 ROUTE_LOGITS = 1
 ROUTE_WEIGHT = 2
@@ -181,6 +182,7 @@ def _spec_from_attrs(attrs):
 
 
 _DTYPE_STRUCTS = {t: dtype_from_name(name) for t, name in _DTYPES.items()}
+_DTYPE_FIELDS = {t: (d.code, d.bits, d.lanes) for t, d in _DTYPE_STRUCTS.items()}
 
 
 def tensor_descriptor(t):
@@ -213,6 +215,66 @@ def tensor_descriptor(t):
         keep.append(st)
     desc._keepalive = keep
     return desc
+
+
+# moeblaze_arg_t as bytes (LP64, native order; asserted against the ctypes layout below): kind,
+# flags, then the tensor: data, device type and id, ndim, dtype code, bits and lanes, shape and
+# strides pointers, byte offset.
+_ARG_FORMAT = struct.Struct("=iIQiiiBBHQQQ")
+assert _ARG_FORMAT.size == sizeof(Arg) and Arg.tensor.offset == 8 and Tensor.shape.offset == 24
+
+
+class TorchArgs(ArgList):
+    """A call's arguments straight from torch tensors: ``add(kind, tensor)`` keeps the tensor, and
+    ``to_array`` packs every moeblaze_arg_t in one pass with one int64 array for all shapes and
+    strides (building a ctypes Tensor per argument took most of the binding's host time of a
+    step). A moeblaze Tensor is taken as ArgList takes it. The tensors stay alive as long as
+    this list, and the array's shapes as long as the last ``to_array``."""
+
+    def __init__(self):
+        super().__init__()
+        self._dims = None
+
+    def add(self, kind, tensor, flags=0):
+        if isinstance(tensor, torch.Tensor):
+            self._items.append((int(kind), tensor, int(flags)))
+            return self
+        return super().add(kind, tensor, flags)
+
+    def to_array(self):
+        items = self._items
+        n = len(items)
+        dims = []
+        for _, t, _ in items:
+            if isinstance(t, torch.Tensor):
+                dims.extend(t.shape)
+                dims.extend(t.stride())
+                if t.dim() == 0:
+                    dims.append(0)  # a 0-d tensor's shape pointer points at a slot, as tensor_descriptor's
+        ints = (c_int64 * max(len(dims), 1))(*dims)
+        arr = (Arg * max(n, 1))()
+        self._dims = ints  # alive until the next to_array (the call that uses arr is over by then)
+        at, base = 0, addressof(ints)
+        for i, (kind, t, flags) in enumerate(items):
+            if not isinstance(t, torch.Tensor):
+                arr[i].kind, arr[i].flags, arr[i].tensor = kind, flags, t
+                continue
+            dt = _DTYPE_FIELDS.get(t.dtype)
+            if dt is None:
+                raise TypeError("moeblaze: unsupported dtype %s" % t.dtype)
+            if t.is_cuda:
+                dev_type, dev_id = int(DeviceType.CUDA), t.get_device()
+            elif t.device.type == "cpu":
+                dev_type, dev_id = int(DeviceType.CPU), 0
+            else:
+                raise ValueError("moeblaze supports CPU and CUDA tensors, not %s" % t.device)
+            nd = t.dim()
+            shape_at = base + 8 * at
+            strides_at = shape_at + 8 * nd if nd else 0
+            at += 2 * nd if nd else 1
+            _ARG_FORMAT.pack_into(arr, i * _ARG_FORMAT.size, kind, flags, t.data_ptr(), dev_type, dev_id, nd,
+                                  dt[0], dt[1], dt[2], shape_at, strides_at, 0)
+        return arr
 
 
 def _strides_accepted(shape, strides):
@@ -286,7 +348,7 @@ def _device_status(args, dev):
     if dev.type != "cuda":
         return None
     status = torch.empty((), dtype=torch.int32, device=dev)
-    args.add(ArgKind.STATUS, tensor_descriptor(status))
+    args.add(ArgKind.STATUS, status)
     return status
 
 
@@ -301,12 +363,12 @@ def _check_device_status(handle, status, pass_, dev):
 
 def _routing_args(args, mode, router, topk_ids, topk_weights):
     if mode == ROUTE_LOGITS:
-        args.add(ArgKind.ROUTER_LOGITS, tensor_descriptor(router))
+        args.add(ArgKind.ROUTER_LOGITS, router)
     elif mode == ROUTE_WEIGHT:
-        args.add(ArgKind.ROUTER_WEIGHT, tensor_descriptor(router))
+        args.add(ArgKind.ROUTER_WEIGHT, router)
     else:
-        args.add(ArgKind.TOPK_INDICES, tensor_descriptor(topk_ids))
-        args.add(ArgKind.TOPK_WEIGHTS, tensor_descriptor(topk_weights))
+        args.add(ArgKind.TOPK_INDICES, topk_ids)
+        args.add(ArgKind.TOPK_WEIGHTS, topk_weights)
 
 
 def _check_tensors(x, real=True, **named):
@@ -336,8 +398,7 @@ def _check_mode(mode, router, topk_ids, topk_weights):
         raise ValueError("moeblaze: unknown routing mode %d" % mode)
 
 
-@torch.library.custom_op("moeblaze::moe_forward", mutates_args=())
-def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.Tensor],
+def _forward_impl(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.Tensor],
                 topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                 w_gate_up: torch.Tensor, w_down: torch.Tensor, expert_bias: Optional[torch.Tensor] = None,
                 sequence_lengths: Optional[torch.Tensor] = None, token_mask: Optional[torch.Tensor] = None
@@ -355,31 +416,31 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
     L, d = x.shape
     dev = x.device
     E, k = spec.num_experts, spec.top_k
-    args = ArgList()
-    args.add(ArgKind.INPUT, tensor_descriptor(x))
-    args.add(ArgKind.W_GATE_UP, tensor_descriptor(w_gate_up))
-    args.add(ArgKind.W_DOWN, tensor_descriptor(w_down))
+    args = TorchArgs()
+    args.add(ArgKind.INPUT, x)
+    args.add(ArgKind.W_GATE_UP, w_gate_up)
+    args.add(ArgKind.W_DOWN, w_down)
     _routing_args(args, mode, router, topk_ids, topk_weights)
     if expert_bias is not None:
-        args.add(ArgKind.EXPERT_BIAS, tensor_descriptor(expert_bias))
+        args.add(ArgKind.EXPERT_BIAS, expert_bias)
     if sequence_lengths is not None:
-        args.add(ArgKind.SEQUENCE_LENGTHS, tensor_descriptor(_rowmajor(sequence_lengths)))
+        args.add(ArgKind.SEQUENCE_LENGTHS, _rowmajor(sequence_lengths))
     if token_mask is not None:
-        args.add(ArgKind.TOKEN_MASK, tensor_descriptor(_rowmajor(token_mask)))
+        args.add(ArgKind.TOKEN_MASK, _rowmajor(token_mask))
     y = torch.empty((L, d), dtype=x.dtype, device=dev)
     aux = torch.zeros((), dtype=torch.float32, device=dev)
     z = torch.zeros((), dtype=torch.float32, device=dev)
-    args.add(ArgKind.OUTPUT, tensor_descriptor(y))
+    args.add(ArgKind.OUTPUT, y)
     routed = mode != ROUTE_CALLER
     ids = torch.empty((L, k) if routed else (0,), dtype=torch.int64, device=dev)
     gates = torch.empty((L, k) if routed else (0,), dtype=torch.float32, device=dev)
     counts = torch.empty((E,) if routed else (0,), dtype=torch.int64, device=dev)
     if routed:  # every routing output at once: no second routing pass
-        args.add(ArgKind.TOPK_INDICES, tensor_descriptor(ids))
-        args.add(ArgKind.TOPK_WEIGHTS, tensor_descriptor(gates))
-        args.add(ArgKind.TOKENS_PER_EXPERT, tensor_descriptor(counts))
-        args.add(ArgKind.AUX_LOSS, tensor_descriptor(aux))
-        args.add(ArgKind.Z_LOSS, tensor_descriptor(z))
+        args.add(ArgKind.TOPK_INDICES, ids)
+        args.add(ArgKind.TOPK_WEIGHTS, gates)
+        args.add(ArgKind.TOKENS_PER_EXPERT, counts)
+        args.add(ArgKind.AUX_LOSS, aux)
+        args.add(ArgKind.Z_LOSS, z)
     saved_bytes = handle.saved_size(L)
     saved = torch.empty(saved_bytes, dtype=torch.uint8, device=dev)
     target = saved if saved.data_ptr() % BUFFER_ALIGNMENT == 0 else aligned_bytes(saved_bytes, dev)
@@ -391,6 +452,9 @@ def moe_forward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.T
     if target is not saved:
         saved.copy_(target)
     return y, aux, z, ids, gates, counts, saved
+
+
+moe_forward = torch.library.custom_op("moeblaze::moe_forward", mutates_args=())(_forward_impl)
 
 
 @moe_forward.register_fake
@@ -417,8 +481,7 @@ def _moe_forward_fake(layer, mode, x, router, topk_ids, topk_weights, w_gate_up,
             x.new_empty((saved_len,), dtype=torch.uint8))
 
 
-@torch.library.custom_op("moeblaze::moe_backward", mutates_args=())
-def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.Tensor],
+def _backward_impl(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.Tensor],
                  topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                  w_gate_up: torch.Tensor, w_down: torch.Tensor, saved: torch.Tensor,
                  dy: torch.Tensor, d_aux: torch.Tensor, d_z: torch.Tensor, needs: List[bool],
@@ -442,17 +505,17 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
         raise ValueError("moeblaze: saved must be the uint8 tensor of %d bytes that moe_forward "
                          "returned for %d tokens" % (saved_bytes, L))
     saved = _realigned(saved)
-    args = ArgList()
-    args.add(ArgKind.INPUT, tensor_descriptor(x))
-    args.add(ArgKind.W_GATE_UP, tensor_descriptor(w_gate_up))
-    args.add(ArgKind.W_DOWN, tensor_descriptor(w_down))
+    args = TorchArgs()
+    args.add(ArgKind.INPUT, x)
+    args.add(ArgKind.W_GATE_UP, w_gate_up)
+    args.add(ArgKind.W_DOWN, w_down)
     _routing_args(args, mode, router, topk_ids, topk_weights)
-    args.add(ArgKind.GRAD_OUTPUT, tensor_descriptor(dy))
+    args.add(ArgKind.GRAD_OUTPUT, dy)
     if sequence_lengths is not None:
-        args.add(ArgKind.SEQUENCE_LENGTHS, tensor_descriptor(_rowmajor(sequence_lengths)))
+        args.add(ArgKind.SEQUENCE_LENGTHS, _rowmajor(sequence_lengths))
     if mode != ROUTE_CALLER:  # the library takes absent loss gradients as 1: always pass them
-        args.add(ArgKind.GRAD_AUX_LOSS, tensor_descriptor(d_aux.to(torch.float32).reshape(())))
-        args.add(ArgKind.GRAD_Z_LOSS, tensor_descriptor(d_z.to(torch.float32).reshape(())))
+        args.add(ArgKind.GRAD_AUX_LOSS, d_aux.to(torch.float32).reshape(()))
+        args.add(ArgKind.GRAD_Z_LOSS, d_z.to(torch.float32).reshape(()))
     def empty():  # one per return: outputs may not alias each other
         return x.new_empty((0,))
     dx = torch.empty_like(x) if needs[0] else empty()
@@ -461,16 +524,15 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
     d_wgu = torch.empty_like(w_gate_up) if needs[3] else empty()
     d_wd = torch.empty_like(w_down) if needs[4] else empty()
     if needs[0]:
-        args.add(ArgKind.GRAD_INPUT, tensor_descriptor(dx))
+        args.add(ArgKind.GRAD_INPUT, dx)
     if d_router.numel():
-        args.add(ArgKind.GRAD_ROUTER_LOGITS if mode == ROUTE_LOGITS else ArgKind.GRAD_ROUTER_WEIGHT,
-                 tensor_descriptor(d_router))
+        args.add(ArgKind.GRAD_ROUTER_LOGITS if mode == ROUTE_LOGITS else ArgKind.GRAD_ROUTER_WEIGHT, d_router)
     if d_weights.numel():
-        args.add(ArgKind.GRAD_TOPK_WEIGHTS, tensor_descriptor(d_weights))
+        args.add(ArgKind.GRAD_TOPK_WEIGHTS, d_weights)
     if needs[3]:
-        args.add(ArgKind.GRAD_W_GATE_UP, tensor_descriptor(d_wgu))
+        args.add(ArgKind.GRAD_W_GATE_UP, d_wgu)
     if needs[4]:
-        args.add(ArgKind.GRAD_W_DOWN, tensor_descriptor(d_wd))
+        args.add(ArgKind.GRAD_W_DOWN, d_wd)
     workspace = aligned_bytes(handle.workspace_size(Pass.BACKWARD, L), dev)
     status = _device_status(args, dev)
     handle.backward(args, saved.data_ptr(), workspace.data_ptr(),
@@ -478,6 +540,9 @@ def moe_backward(layer: int, mode: int, x: torch.Tensor, router: Optional[torch.
                     workspace_bytes=workspace.numel())
     _check_device_status(handle, status, Pass.BACKWARD, dev)
     return dx, d_router, d_weights, d_wgu, d_wd
+
+
+moe_backward = torch.library.custom_op("moeblaze::moe_backward", mutates_args=())(_backward_impl)
 
 
 @moe_backward.register_fake
@@ -511,7 +576,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, d_aux, d_z, _d_ids, _d_gates, _d_counts, _d_saved):
+def _backward(ctx, dy, d_aux, d_z, _d_ids, _d_gates, _d_counts, _d_saved, backward_fn=None):
     x, router, topk_ids, topk_weights, w_gate_up, w_down, saved = ctx.saved_tensors
     need = ctx.needs_input_grad  # (layer, mode, x, router, ids, weights, w_gate_up, w_down)
     mode = ctx.mode
@@ -522,7 +587,7 @@ def _backward(ctx, dy, d_aux, d_z, _d_ids, _d_gates, _d_counts, _d_saved):
     d_z = zero if d_z is None else d_z
     needs = [bool(need[2]), bool(need[3]) and mode != ROUTE_CALLER,
              bool(need[5]) and mode == ROUTE_CALLER, bool(need[6]), bool(need[7])]
-    dx, d_router, d_weights, d_wgu, d_wd = moe_backward(
+    dx, d_router, d_weights, d_wgu, d_wd = (backward_fn or moe_backward)(
         ctx.layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, saved, dy, d_aux,
         d_z, needs, ctx.sequence_lengths)
     return (None, None, dx if needs[0] else None, d_router if needs[1] else None, None,
@@ -531,3 +596,31 @@ def _backward(ctx, dy, d_aux, d_z, _d_ids, _d_gates, _d_counts, _d_saved):
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerMoE(torch.autograd.Function):
+    """The operators' implementations, context and backward under a plain autograd Function: what
+    an eager call runs. torch's custom-operator dispatch around each call cost about 0.1-0.2 ms
+    of host time per pass, time the GPU waited for on small layers (perf/NOTES.md); traced calls
+    (torch.compile) still go through the operators."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads, backward_fn=_backward_impl)
+
+
+def call_moe_forward(layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, expert_bias=None,
+                     sequence_lengths=None, token_mask=None):
+    """``moe_forward`` with autograd, as the modules call it: the operator when traced, else the
+    same implementation under :class:`_EagerMoE`; the same results either way."""
+    args = (layer, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down, expert_bias, sequence_lengths,
+            token_mask)
+    if torch.compiler.is_compiling():
+        return moe_forward(*args)
+    return _EagerMoE.apply(*args)

@@ -16,7 +16,7 @@ norm, the activation SiLU (SwiGLU) or the exact GELU (GeGLU). Anything else rais
 import torch
 
 from ._torch_module import _DTYPE_NAMES, _gated_activation
-from ._torch_ops import ROUTE_CALLER, LayerSpec, moe_forward
+from ._torch_ops import ROUTE_CALLER, LayerSpec, call_moe_forward
 
 __all__ = ["register", "experts_forward", "NAME"]
 
@@ -61,7 +61,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     num_tokens, top_k = top_k_index.shape
     spec = _top_k_spec(self, dtype, num_tokens, top_k, activation)
     weights = top_k_weights if top_k_weights.dtype in (torch.float32, dtype) else top_k_weights.float()
-    y = moe_forward(spec.id, ROUTE_CALLER, x, None, top_k_index, weights, w_gate_up, w_down)[0]
+    y = call_moe_forward(spec.id, ROUTE_CALLER, x, None, top_k_index, weights, w_gate_up, w_down)[0]
     return y.to(hidden_states.dtype)
 
 

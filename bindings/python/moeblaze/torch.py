@@ -20,7 +20,7 @@ import torch  # noqa: F401 - importing moeblaze.torch imports torch (and registe
 
 from ._torch_module import MoELayer
 from ._torch_ops import (ROUTE_CALLER, ROUTE_LOGITS, ROUTE_WEIGHT, LayerSpec,  # noqa: F401
-                         aligned_bytes, moe_backward, moe_forward, tensor_descriptor)
+                         aligned_bytes, call_moe_forward, moe_backward, moe_forward, tensor_descriptor)
 
 __all__ = ["MoEFunction", "MoE", "MoELayer", "moe", "tensor_descriptor", "aligned_bytes",
            "LayerSpec", "moe_forward", "moe_backward"]
@@ -40,7 +40,7 @@ class MoEFunction:
     @staticmethod
     def apply(handle, mode, x, router, topk_ids, topk_weights, w_gate_up, w_down):
         spec = LayerSpec.for_handle(handle)
-        return moe_forward(spec.id, mode, x, router, topk_ids, topk_weights, w_gate_up,
+        return call_moe_forward(spec.id, mode, x, router, topk_ids, topk_weights, w_gate_up,
                            w_down)[:6]
 
 
@@ -61,7 +61,7 @@ def moe(layer, x, w_gate_up, w_down, router_logits=None, router_weight=None,
     else:
         raise ValueError("give router_logits, router_weight, or topk_indices and topk_weights")
     spec = layer if isinstance(layer, LayerSpec) else LayerSpec.for_handle(layer)
-    return moe_forward(spec.id, mode, x, router, topk_indices, topk_weights, w_gate_up, w_down)[:6]
+    return call_moe_forward(spec.id, mode, x, router, topk_indices, topk_weights, w_gate_up, w_down)[:6]
 
 
 class MoE:

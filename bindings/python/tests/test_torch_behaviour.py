@@ -68,6 +68,46 @@ class TestMoELayerDtypes(unittest.TestCase):
 
 
 @unittest.skipIf(_torch() is None, "torch is not installed")
+class TestTorchArgs(unittest.TestCase):
+    """The operators' packed argument array holds, field by field, what a moeblaze Tensor built by
+    tensor_descriptor holds, for every rank and layout the operators pass."""
+
+    def test_packed_arguments_match_the_descriptors(self):
+        import ctypes
+        torch = _torch()
+        from moeblaze._core import ArgList
+        from moeblaze._torch_ops import TorchArgs, tensor_descriptor
+        base = torch.randn(6, 10, 12)
+        tensors = [torch.randn(5, 7).to(torch.bfloat16), torch.zeros((), dtype=torch.float32),
+                   base.transpose(1, 2), base[:, 2:9, ::1], torch.empty(0, 4, dtype=torch.int64),
+                   torch.arange(9, dtype=torch.int32), torch.ones(3, 2, dtype=torch.float16).t(),
+                   torch.empty(0, dtype=torch.uint8)]
+        fast, slow = TorchArgs(), ArgList()
+        for i, t in enumerate(tensors):
+            fast.add(i + 1, t, flags=i % 2)
+            slow.add(i + 1, tensor_descriptor(t), flags=i % 2)
+        fast.add(len(tensors) + 1, tensor_descriptor(tensors[0]))  # a moeblaze Tensor, as ArgList takes it
+        slow.add(len(tensors) + 1, tensor_descriptor(tensors[0]))
+        a, b = fast.to_array(), slow.to_array()
+        self.assertEqual(len(fast), len(slow))
+        for i in range(len(fast)):
+            x, y = a[i], b[i]
+            self.assertEqual((x.kind, x.flags), (y.kind, y.flags))
+            tx, ty = x.tensor, y.tensor
+            self.assertEqual((tx.data or 0, tx.device.device_type, tx.device.device_id, tx.ndim, tx.byte_offset),
+                             (ty.data or 0, ty.device.device_type, ty.device.device_id, ty.ndim, ty.byte_offset))
+            self.assertEqual((tx.dtype.code, tx.dtype.bits, tx.dtype.lanes), (ty.dtype.code, ty.dtype.bits, ty.dtype.lanes))
+            self.assertEqual([tx.shape[j] for j in range(tx.ndim)], [ty.shape[j] for j in range(ty.ndim)])
+            self.assertTrue(bool(tx.shape))
+            self.assertEqual(bool(tx.strides), bool(ty.strides))
+            if tx.ndim:
+                self.assertEqual([tx.strides[j] for j in range(tx.ndim)], [ty.strides[j] for j in range(ty.ndim)])
+        with self.assertRaises(TypeError):
+            TorchArgs().add(1, torch.zeros(2, dtype=torch.complex64)).to_array()
+        self.assertEqual(ctypes.sizeof(a[0]), 56)
+
+
+@unittest.skipIf(_torch() is None, "torch is not installed")
 class TestHuggingFaceActivation(unittest.TestCase):
     """The fused experts of transformers 5 (gate_up_proj, down_proj, act_fn from hidden_act)."""
 
