@@ -107,7 +107,7 @@ def main():
 
     # The HOST transport (ncclSend/ncclRecv on the process group's communicator): the same rows
     # in the same places as NVLink, so the same bits.
-    ep_h = MoELayer(d, h, E, k, dtype=dtype, device=dev, normalize_topk=1, ep_group=group, ep_transport=2)
+    ep_h = MoELayer(d, h, E, k, dtype=dtype, device=dev, normalize_topk=1, ep_group=group, ep_transport="host")
     ep_h.load_state_dict(ref.state_dict())
     xh = x_all[mine].clone().requires_grad_()
     yh = ep_h(xh)[0]

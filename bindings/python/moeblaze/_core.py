@@ -11,7 +11,7 @@ from ctypes import byref, c_char, c_double, c_int32, c_int64, c_size_t, c_void_p
 
 from . import _lib
 from ._types import (INT32, INT64, UINT32, UINT64, checked_int)
-from ._types import (BUFFER_ALIGNMENT, Activation, Arg, AttrInfo, DType, DeviceType, Engine, Pass,
+from ._types import (BUFFER_ALIGNMENT, Activation, Arg, AttrInfo, DType, DeviceType, Engine, EpTransport, Pass,
                      SavePolicy, ScoreFn, AuxLossForm, Status, Tensor, ValueType, dtype_from_name, dtype_name,
                      dtype_itemsize)
 from .errors import BindingError, MoEBlazeError
@@ -139,7 +139,7 @@ AttrSpec = namedtuple("AttrSpec", "number name value_type required min_i64 max_i
 
 _ENUM_ATTRS = {
     "activation": Activation, "score_function": ScoreFn, "save_policy": SavePolicy, "aux_loss_form": AuxLossForm,
-    "device_type": DeviceType, "engine": Engine,
+    "device_type": DeviceType, "engine": Engine, "ep_transport": EpTransport,
 }
 _attr_cache = None
 _attr_lock = threading.Lock()

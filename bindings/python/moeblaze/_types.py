@@ -15,7 +15,8 @@ from ctypes import (POINTER, Structure, c_char_p, c_double, c_int32, c_int64, c_
 __all__ = [
     "ABI_VERSION", "VERSION_MAJOR", "VERSION_MINOR", "VERSION_PATCH", "VERSION", "ATTR_COUNT",
     "BUFFER_ALIGNMENT", "ARG_FLAG_ACCUMULATE", "version_encode",
-    "Status", "LogLevel", "DeviceType", "DTypeCode", "Activation", "ScoreFn", "AuxLossForm", "SavePolicy",
+    "Status", "LogLevel", "DeviceType", "DTypeCode", "Activation", "ScoreFn", "AuxLossForm", "EpTransport",
+    "SavePolicy",
     "Engine", "ValueType", "Attr", "Pass", "ArgKind",
     "Device", "DType", "Tensor", "Arg", "AttrInfo",
     "F32", "F16", "BF16", "I32", "I64", "dtype_from_name", "dtype_name", "dtype_itemsize",
@@ -186,6 +187,14 @@ class AuxLossForm(_IntConstants):
     _PREFIX = "MOEBLAZE_AUX_LOSS_"
     SWITCH = 0
     HUGGING_FACE = 1
+
+
+class EpTransport(_IntConstants):
+    """moeblaze_ep_transport_t."""
+    _PREFIX = "MOEBLAZE_EP_TRANSPORT_"
+    AUTO = 0
+    NVLINK = 1
+    HOST = 2
 
 
 class SavePolicy(_IntConstants):
@@ -430,7 +439,7 @@ def dtype_itemsize(dt):
 
 # Module-level C names (MOEBLAZE_STATUS_SUCCESS, MOEBLAZE_ARG_INPUT, ...), for code that
 # mirrors C. They are generated from the namespaces above, so the two can never disagree.
-for _ns in (Status, LogLevel, DeviceType, DTypeCode, Activation, ScoreFn, SavePolicy, Engine,
+for _ns in (Status, LogLevel, DeviceType, DTypeCode, Activation, ScoreFn, SavePolicy, Engine, EpTransport,
             ValueType, Attr, Pass, ArgKind):
     for _k, _v in _ns.members().items():
         globals()[_ns._PREFIX + _k] = _v

@@ -321,6 +321,15 @@ class TestAttributes(unittest.TestCase):
         self.assertFalse(attrs["activation"].required)
         self.assertEqual(attrs["top_k"].since_version, _types.version_encode(0, 1, 0))
 
+    def test_ep_transport_by_name(self):
+        """EP_TRANSPORT takes its names as the other enum attributes do, with the header's values."""
+        for name, value in (("auto", 0), ("nvlink", 1), ("host", 2), ("HOST", 2)):
+            with moeblaze.Config(ep_transport=name) as cfg:
+                self.assertEqual(cfg.get(Attr.EP_TRANSPORT), value)
+        self.assertEqual(moeblaze.MOEBLAZE_EP_TRANSPORT_HOST, 2)
+        with self.assertRaises((ValueError, MoEBlazeError, moeblaze.BindingError)):
+            moeblaze.Config(ep_transport="infiniband")
+
     def test_unknown_attribute_raw(self):
         info = _types.AttrInfo()
         info.struct_size = ctypes.sizeof(info)
