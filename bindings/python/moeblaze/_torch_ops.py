@@ -293,8 +293,12 @@ def _strides_accepted(shape, strides):
 
 def _rowmajor(t):
     """``t`` when the library takes its strides, else a row-major copy: broadcast (stride 0)
-    tensors from ``expand``, negative or overlapping strides, columns of unit stride."""
-    if t is not None and t.dim() and not _strides_accepted(t.shape, t.stride()):
+    tensors from ``expand``, negative or overlapping strides, columns of unit stride. A
+    contiguous tensor with elements always meets the rule (the common case, checked first; an
+    empty one counts as contiguous whatever its strides)."""
+    if t is None or (t.is_contiguous() and t.numel()):
+        return t
+    if t.dim() and not _strides_accepted(t.shape, t.stride()):
         if t.numel() == 0:  # contiguous() keeps an empty tensor's strides; nothing to copy
             return t.new_empty(t.shape)
         return t.contiguous()
@@ -328,6 +332,14 @@ def _realigned(saved):
     copy = aligned_bytes(saved.numel(), saved.device)
     copy.copy_(saved)
     return copy
+
+
+def _workspace(nbytes, device):
+    """A call's workspace from PyTorch's allocator: the uint8 tensor of nbytes + 256 that holds
+    it (the caller keeps it until the call is enqueued) and the 256-byte boundary inside it."""
+    raw = torch.empty(int(nbytes) + BUFFER_ALIGNMENT, dtype=torch.uint8, device=device)
+    ptr = raw.data_ptr()
+    return raw, ptr + (-ptr) % BUFFER_ALIGNMENT
 
 
 def aligned_bytes(nbytes, device):
@@ -444,10 +456,11 @@ def _forward_impl(layer: int, mode: int, x: torch.Tensor, router: Optional[torch
     saved_bytes = handle.saved_size(L)
     saved = torch.empty(saved_bytes, dtype=torch.uint8, device=dev)
     target = saved if saved.data_ptr() % BUFFER_ALIGNMENT == 0 else aligned_bytes(saved_bytes, dev)
-    workspace = aligned_bytes(handle.workspace_size(Pass.FORWARD_TRAINING, L), dev)
+    ws_bytes = handle.workspace_size(Pass.FORWARD_TRAINING, L)
+    _ws, ws = _workspace(ws_bytes, dev)
     status = _device_status(args, dev)
-    handle.forward(Pass.FORWARD_TRAINING, args, workspace.data_ptr(), target.data_ptr(),
-                   stream=_stream(dev), workspace_bytes=workspace.numel(), saved_bytes=saved_bytes)
+    handle.forward(Pass.FORWARD_TRAINING, args, ws, target.data_ptr(), stream=_stream(dev), workspace_bytes=ws_bytes,
+                   saved_bytes=saved_bytes)
     _check_device_status(handle, status, Pass.FORWARD_TRAINING, dev)
     if target is not saved:
         saved.copy_(target)
@@ -533,11 +546,10 @@ def _backward_impl(layer: int, mode: int, x: torch.Tensor, router: Optional[torc
         args.add(ArgKind.GRAD_W_GATE_UP, d_wgu)
     if needs[4]:
         args.add(ArgKind.GRAD_W_DOWN, d_wd)
-    workspace = aligned_bytes(handle.workspace_size(Pass.BACKWARD, L), dev)
+    ws_bytes = handle.workspace_size(Pass.BACKWARD, L)
+    _ws, ws = _workspace(ws_bytes, dev)
     status = _device_status(args, dev)
-    handle.backward(args, saved.data_ptr(), workspace.data_ptr(),
-                    stream=_stream(dev), saved_bytes=saved_bytes,
-                    workspace_bytes=workspace.numel())
+    handle.backward(args, saved.data_ptr(), ws, stream=_stream(dev), saved_bytes=saved_bytes, workspace_bytes=ws_bytes)
     _check_device_status(handle, status, Pass.BACKWARD, dev)
     return dx, d_router, d_weights, d_wgu, d_wd
 
