@@ -56,13 +56,14 @@ __global__ void to_token_order_kernel(const int32_t* map, const float* v, int64_
   out[i] = sum;
 }
 
-__global__ void store_rows_kernel(const float* src, int64_t rows, int64_t cols, char* out, DType t, int64_t stride,
-                                  bool accumulate) {
+__global__ void store_rows_kernel(const float* src, const float* add, int64_t rows, int64_t cols, char* out, DType t,
+                                  int64_t stride, bool accumulate) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows * cols) return;
   const int64_t r = i / cols, c = i % cols;
   char* row = out + r * stride * static_cast<int64_t>(dtype_size(t));
   float v = src[i];
+  if (add) v += add[i];
   if (accumulate) v += load_f32(row, t, c);
   store_f32(row, t, c, v);
 }
@@ -96,10 +97,11 @@ void to_token_order_cuda(const int32_t* token_index_map, int64_t L, int64_t k, c
   MOEBLAZE_CUDA_LAUNCH_CHECK("to_token_order");
 }
 
-void store_f32_rows_cuda(const float* src, int64_t rows, int64_t cols, const View& out, cudaStream_t s) {
+void store_f32_rows_cuda(const float* src, int64_t rows, int64_t cols, const View& out, cudaStream_t s,
+                         const float* add) {
   if (rows * cols == 0) return;
-  store_rows_kernel<<<static_cast<unsigned>(ceil_div(rows * cols, 256)), 256, 0, s>>>(src, rows, cols, out.data, out.dtype,
-                                                                                      out.stride[0], out.accumulate);
+  store_rows_kernel<<<static_cast<unsigned>(ceil_div(rows * cols, 256)), 256, 0, s>>>(
+      src, add, rows, cols, out.data, out.dtype, out.stride[0], out.accumulate);
   MOEBLAZE_CUDA_LAUNCH_CHECK("store_rows");
 }
 

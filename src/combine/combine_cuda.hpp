@@ -25,8 +25,10 @@ void combine_rows_cuda(const int32_t* token_index_map, const float* gates, int64
 // *rows_done (when given: the rows the producing GEMM wrote) or outside [0, L k) gives 0.
 void to_token_order_cuda(const int32_t* token_index_map, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s,
                          int64_t parts = 1, int64_t ld = 0, const int32_t* rows_done = nullptr);
-// Dense fp32 [rows, cols] into a caller view (its dtype, row stride, accumulate flag).
-void store_f32_rows_cuda(const float* src, int64_t rows, int64_t cols, const View& out, cudaStream_t s);
+// Dense fp32 [rows, cols] into a caller view (its dtype, row stride, accumulate flag); with
+// `add`, src + add (the same shape) in that order.
+void store_f32_rows_cuda(const float* src, int64_t rows, int64_t cols, const View& out, cudaStream_t s,
+                         const float* add = nullptr);
 
 }  // namespace combine
 }  // namespace v0

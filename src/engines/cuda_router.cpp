@@ -44,7 +44,8 @@ RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, int64_t window, vo
     w.dlogits = c.take<float>(static_cast<size_t>(L * E));
     if (tensor_core_backward()) w.wg_pair = c.take<uint16_t>(static_cast<size_t>(2 * E * d));
     else w.wg_f32 = c.take<float>(static_cast<size_t>(E * d));
-    w.dwg_f32 = c.take<float>(static_cast<size_t>(E * d));
+    // bf16 layers: dW_g from the pair as one GEMM, its hi and lo halves [2E, d] added at the end
+    w.dwg_f32 = c.take<float>(static_cast<size_t>((tensor_core_backward() ? 2 : 1) * E * d));
     if (own_window_rows) take_window_rows(c, w, window);
   }
   return w;
@@ -167,23 +168,22 @@ bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const Ro
   float* dlogits = w.dlogits + t0 * E;
   const routing::SequenceBalance sb = sequences(a, plan, w, t0);
   if (first && sb.count > 0) routing::routed_sequences_cuda(sb, L, k, s);
+  // dW_g = dlogits^T x (summed over the windows in order), dx += dlogits W_g.
+  const bool weight_grads =
+      a.mode == RoutingMode::kRouterWeight && (a.d_router_weight.present || needs.router_adds_dx);
+  const bool pair = weight_grads && tensor_core_backward();
   routing::router_backward_cuda(cfg_, w.logits + t0 * E, rows, L, plan.token_expert_indices + t0 * k, dg_tok,
                                 a.grad_aux.present ? reinterpret_cast<const float*>(a.grad_aux.data) : nullptr,
                                 a.grad_z.present ? reinterpret_cast<const float*>(a.grad_z.data) : nullptr,
-                                plan.expert_token_offsets, sb, dlogits, s);
-  if (a.mode != RoutingMode::kRouterWeight) return false;
-  // dW_g = dlogits^T x (summed over the windows in order), dx += dlogits W_g.
-  if (!a.d_router_weight.present && !needs.router_adds_dx) return false;
-  if (tensor_core_backward()) {
+                                plan.expert_token_offsets, sb, pair && !a.d_logits.present ? nullptr : dlogits,
+                                pair ? w.dlogits_pair : nullptr, s);
+  if (!weight_grads) return false;
+  if (pair) {
     const View x = a.x.rows(t0, rows);
-    routing::split_bf16_pair_cuda(dlogits, rows, E, w.dlogits_pair, s);
     const uint16_t* hi = static_cast<const uint16_t*>(w.dlogits_pair);
-    if (a.d_router_weight.present) {
-      gemm(E, d, rows, {hi, DType::kBF16, 2 * E, true}, {x.data, DType::kBF16, x.stride[0], false}, w.dwg_f32, w, s,
+    if (a.d_router_weight.present)
+      gemm(2 * E, d, rows, {hi, DType::kBF16, 2 * E, true}, {x.data, DType::kBF16, x.stride[0], false}, w.dwg_f32, w, s,
            first ? 0.f : 1.f);
-      gemm(E, d, rows, {hi + E, DType::kBF16, 2 * E, true}, {x.data, DType::kBF16, x.stride[0], false}, w.dwg_f32, w, s,
-           1.f);
-    }
     if (!needs.router_adds_dx) return false;
     gemm(rows, d, 2 * E, {hi, DType::kBF16, 2 * E, false}, {w.wg_pair, DType::kBF16, d, false}, w.router_dx, w, s);
     return true;
@@ -201,8 +201,9 @@ void CudaRouter::backward_finish(const CallArgs& a, const Needs& needs, const Ro
   const int64_t L = a.num_tokens, E = cfg_.num_experts, d = cfg_.hidden;
   if (a.d_logits.present) combine::store_f32_rows_cuda(w.dlogits, L, E, a.d_logits, s);
   if (a.mode != RoutingMode::kRouterWeight || !a.d_router_weight.present) return;
-  if (L == 0) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.dwg_f32, 0, sizeof(float) * E * d, s));
-  combine::store_f32_rows_cuda(w.dwg_f32, E, d, a.d_router_weight, s);
+  const int64_t halves = tensor_core_backward() ? 2 : 1;
+  if (L == 0) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.dwg_f32, 0, sizeof(float) * halves * E * d, s));
+  combine::store_f32_rows_cuda(w.dwg_f32, E, d, a.d_router_weight, s, halves == 2 ? w.dwg_f32 + E * d : nullptr);
 }
 
 }  // namespace v0

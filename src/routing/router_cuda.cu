@@ -39,16 +39,6 @@ __global__ void logits_to_f32_kernel(const char* src, DType t, int64_t stride, i
   out[i] = load_f32(src + row * stride * static_cast<int64_t>(dtype_size(t)), t, col);
 }
 
-__global__ void split_bf16_pair_kernel(const float* src, int64_t rows, int64_t cols, __nv_bfloat16* out) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= rows * cols) return;
-  const int64_t row = i / cols, col = i % cols;
-  const float v = src[i];
-  const __nv_bfloat16 hi = __float2bfloat16_rn(v);
-  out[row * 2 * cols + col] = hi;
-  out[row * 2 * cols + cols + col] = __float2bfloat16_rn(v - __bfloat162float(hi));
-}
-
 // The selection values of the routing options (routing/selection.hpp): each lane's experts'
 // selection scores, plus the bias when there is one. The same bits as the CPU engine's.
 template <int kPer, class Logit>
@@ -273,31 +263,41 @@ __global__ void loss_partials_kernel(ScoreFn fn, const float* logits, const floa
   }
 }
 
+// The losses from the partials, all in fixed orders: thread (x, y) of kFinishExperts x
+// kFinishSlices sums experts x, x + kFinishExperts, ... over the chunks c = y (mod
+// kFinishSlices), each weighted by its expert's pick fraction; thread i sums partial_lse over
+// c = i (mod threads); then one tree for each.
+constexpr int kFinishExperts = 128, kFinishSlices = 8, kFinishThreads = kFinishExperts * kFinishSlices;
 __global__ void loss_finish_kernel(double aux_coeff, double z_coeff, int64_t L, int64_t E, int64_t k, int64_t chunks,
                                    const float* partial, const float* partial_lse, const int32_t* offsets, float* aux_out,
                                    float* z_out) {
-  __shared__ double red[256];
+  __shared__ double red_aux[kFinishThreads], red_z[kFinishThreads];
   // The routed tokens: all L, or those a TOKEN_MASK left (their k picks fill the plan's
   // positions [0, offsets[E])).
   L = routed_tokens(offsets, L, E, k);
+  const int x = static_cast<int>(threadIdx.x % kFinishExperts), y = static_cast<int>(threadIdx.x / kFinishExperts);
   double acc = 0.0;
-  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+  for (int64_t e = x; e < E; e += kFinishExperts) {
     double p = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) p += partial[c * E + e];
+    for (int64_t c = y; c < chunks; c += kFinishSlices) p += partial[c * E + e];
     const double f = static_cast<double>(offsets[e + 1] - offsets[e]) / static_cast<double>(L * k);
     acc += f * (p / static_cast<double>(L));
   }
-  red[threadIdx.x] = acc;
+  double z = 0.0;
+  for (int64_t c = threadIdx.x; c < chunks; c += kFinishThreads) z += partial_lse[c];
+  red_aux[threadIdx.x] = acc;
+  red_z[threadIdx.x] = z;
   __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+  for (int s = kFinishThreads / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      red_aux[threadIdx.x] += red_aux[threadIdx.x + s];
+      red_z[threadIdx.x] += red_z[threadIdx.x + s];
+    }
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    double z = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) z += partial_lse[c];
-    if (aux_out) *aux_out = L > 0 ? static_cast<float>(aux_coeff * static_cast<double>(E) * red[0]) : 0.f;
-    if (z_out) *z_out = L > 0 ? static_cast<float>(z_coeff * z / static_cast<double>(L)) : 0.f;
+    if (aux_out) *aux_out = L > 0 ? static_cast<float>(aux_coeff * static_cast<double>(E) * red_aux[0]) : 0.f;
+    if (z_out) *z_out = L > 0 ? static_cast<float>(z_coeff * red_z[0] / static_cast<double>(L)) : 0.f;
   }
 }
 
@@ -495,29 +495,34 @@ __global__ void sequence_loss_finish_kernel(double coeff, const int64_t* routed,
                                                     : 0.f;
 }
 
-// One token per group of lanes (routing/token_group.cuh). The group's lanes load the token's k
-// picks side by side into shared memory (pick ids, their scores, then the gradient each pick
-// passes on); lane 0 sums them in pick order, as the CPU engine does.
+// One token per group of lanes (routing/token_group.cuh). Pick j is loaded by lane j % width,
+// which passes its gradient on to the pick's expert through the token's ds row in shared
+// memory (E <= 32 * kMaxExpertsPerLane; larger E scans the picks per expert).
 template <int kPer>
 __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coeff, float z_coeff, float scale,
                                        const float* logits, int64_t rows, int64_t L, int64_t E, int64_t k, int width,
                                        const int32_t* ids, const float* dgates, const float* grad_aux,
                                        const float* grad_z, const int32_t* offsets, SequenceBalance sb,
-                                       float* dlogits) {
-  // [tokens per block][k] ids, then [tokens per block][k] values, then BlockCounts' [E]
+                                       float* dlogits, __nv_bfloat16* dlogits_pair) {
+  // [tokens per block][k] ids, then [tokens per block][k] values, then (kPer > 0) the tokens'
+  // [E] ds rows, then BlockCounts' [E]
   extern __shared__ float picks_smem[];
   const int tokens_per_block = kWarpsPerBlock * (32 / width);
+  const int64_t ds_floats = kPer > 0 ? tokens_per_block * E : 0;
   const BlockCounts counts = block_counts(sb, sb.t0 + static_cast<int64_t>(blockIdx.x) * tokens_per_block, E,
-                                          reinterpret_cast<int32_t*>(picks_smem + 2 * tokens_per_block * k));
+                                          reinterpret_cast<int32_t*>(picks_smem + 2 * tokens_per_block * k + ds_floats));
   const TokenGroup g = token_group(rows, width, kWarpsPerBlock);
   if (!__any_sync(0xffffffffu, g.live)) return;
   const int64_t t = g.token;
   const int slot = static_cast<int>(threadIdx.x / width);  // the group's token within the block
   int* sel = reinterpret_cast<int*>(picks_smem) + slot * k;
   float* dsel = picks_smem + tokens_per_block * k + slot * k;
+  float* ds_row = picks_smem + 2 * tokens_per_block * k + slot * E;  // kPer > 0 only
   const float* row = logits + (g.live ? g.token : 0) * E;  // a dead group's lanes read nothing
   const auto logit = lane_values<kPer>(g, E, [=](int, int64_t e) { return g.live ? row[e] : 0.f; });
-  const float lse = group_lse<kPer>(g, E, logit);
+  // Gradients need no bit-identical scores: the log-sum-exp in fp32 (the forward's picks and
+  // gates use fp64, routing/router.cpp)
+  const float lse = group_lse<kPer, float>(g, E, logit);
   const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
   const float gaux = grad_aux ? *grad_aux : 1.f, gz = grad_z ? *grad_z : 1.f;
   // The losses are means over the routed tokens; a masked token (its ids -1) gets zero d logits.
@@ -527,23 +532,33 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
   const bool empty = g.live && ids[t * k] < 0;
   const float aux_scale = aux_coeff * gaux * static_cast<float>(E) / (static_cast<float>(L) * static_cast<float>(L * k));
   const float z_scale = z_coeff * gz * 2.f / static_cast<float>(L);
-  // Ids come from a saved plan; one out of [0, E) (flagged on the device by the fused engine's
-  // plan check) is clamped so that nothing is read outside the logits row.
-  if (g.live)
-    for (int64_t j = g.sub; j < k; j += g.width) {
+  // The gates are scale * (renormalised) scores: pick j is held by lane j % width, which turns
+  // d gate into d score; the norm and <d gate, gate> are group sums. Ids come from a saved
+  // plan; one out of [0, E) (flagged on the device by the fused engine's plan check) is clamped
+  // so that nothing is read outside the logits row.
+  float pick_s[2] = {0.f, 0.f}, pick_dg[2] = {0.f, 0.f};
+  float norm = 0.f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t j = g.sub + half * g.width;
+    if (g.live && j < k) {
       const int id = min(max(ids[t * k + j], 0), static_cast<int32_t>(E - 1));
       sel[j] = id;
-      dsel[j] = score(fn, row[id], lse);
+      pick_s[half] = score(fn, row[id], lse);
+      pick_dg[half] = dgates[t * k + j] * scale;
+      norm += pick_s[half];
     }
-  __syncwarp();
-  if (g.live && g.sub == 0) {  // the gates are scale * (renormalised) scores: d gates times the scale first
-    float norm = 0.f, dot = 0.f;
-    for (int64_t j = 0; j < k; ++j) norm += dsel[j];
-    for (int64_t j = 0; j < k; ++j) dot += dgates[t * k + j] * scale * (dsel[j] / norm);
-    for (int64_t j = 0; j < k; ++j)
-      dsel[j] = normalize ? (dgates[t * k + j] * scale - dot) / norm : dgates[t * k + j] * scale;
   }
-  __syncwarp();
+  norm = group_sum_f(norm, g.width);
+  float dot_g = 0.f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) dot_g += pick_dg[half] * (pick_s[half] / norm);
+  dot_g = group_sum_f(dot_g, g.width);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t j = g.sub + half * g.width;
+    if (g.live && j < k) dsel[j] = normalize ? (pick_dg[half] - dot_g) / norm : pick_dg[half];
+  }
   // The sequence-wise balance loss (sb.count > 0) in place of the batch-wise one: d aux / d s_te
   // = c n_qe for token t of sequence q, through s' = s / S_t for sigmoid (routing/router.cpp,
   // sequence_balance_backward).
@@ -573,21 +588,36 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
     const double n = static_cast<double>(counts.picks(sb, e, qa, qb));
     return static_cast<float>(fn == ScoreFn::kSoftmax ? seq_c * n : seq_c * (n - seq_dot) / seq_S);
   };
-  // ds_e = selected contribution + aux term. Softmax: dl = s (ds' - <s, ds'>) with ds shifted
-  // by its value at the top score (shift-invariant, and no fp32 cancellation when that score
-  // is near 1); the top score is found under the ranking rule of routing/score_order.hpp.
-  auto ds_of = [&](int64_t e) {
+  // ds_e = the loss term + the pick's d score when e was picked.
+  auto loss_ds = [&](int64_t e) {
+    return by_sequence        ? seq_ds(e)
+           : aux_coeff > 0.f ? aux_scale * static_cast<float>(offsets[e + 1] - offsets[e])
+                             : 0.f;
+  };
+  auto scanned_ds = [&](int64_t e) {  // E > 32 * kMaxExpertsPerLane: the picks scanned per expert
     if (!g.live) return 0.f;  // a dead group's picks were never loaded
-    float ds = by_sequence          ? seq_ds(e)
-               : aux_coeff > 0.f ? aux_scale * static_cast<float>(offsets[e + 1] - offsets[e])
-                                 : 0.f;
+    float ds = loss_ds(e);
     for (int64_t j = 0; j < k; ++j) ds += sel[j] == e ? dsel[j] : 0.f;
     return ds;
   };
-  const auto ds_at = lane_values<kPer>(g, E, [&](int, int64_t e) { return ds_of(e); });
+  if constexpr (kPer > 0) {  // the loss terms into the token's ds row, then each pick's lane adds its d score
+    for_each_expert<kPer>(g, E, [&](int, int64_t e) { ds_row[e] = g.live ? loss_ds(e) : 0.f; });
+    __syncwarp();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t j = g.sub + half * g.width;
+      // a routed token's picks are distinct experts; a masked token's (ids -1) gets zero d logits
+      if (g.live && !empty && j < k) ds_row[sel[j]] += dsel[j];
+    }
+  }
+  __syncwarp();
+  const auto ds_at = lane_values<kPer>(g, E, [&](int, int64_t e) { return kPer > 0 ? ds_row[e] : scanned_ds(e); });
   double dot = 0.0;
   float shift = 0.f;
-  if (fn == ScoreFn::kSoftmax) {  // the top score under the router's ranking rule
+  // Softmax: dl = s (ds' - <s, ds'>) with ds shifted by its value at the top score
+  // (shift-invariant, and no fp32 cancellation when that score is near 1); the top score is
+  // found under the ranking rule of routing/score_order.hpp.
+  if (fn == ScoreFn::kSoftmax) {
     float best = 0.f;
     int best_i = -1;
     for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
@@ -598,7 +628,8 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
       }
     });
     group_best(best, best_i, g.width);
-    shift = ds_of(best_i);
+    if constexpr (kPer > 0) shift = g.live ? ds_row[best_i] : 0.f;
+    else shift = scanned_ds(best_i);
     for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
       dot += static_cast<double>((ds_at(i, e) - shift) * score_of(i, e));
     });
@@ -609,7 +640,13 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
     const float l = logit(i, e), ds = ds_at(i, e), s = score_of(i, e);
     float dl = fn == ScoreFn::kSoftmax ? s * ((ds - shift) - static_cast<float>(dot)) : ds * s * (1.f / (1.f + expf(l)));
     if (z_coeff > 0.f) dl += z_scale * lse * expf(l - lse);
-    dlogits[t * E + e] = empty ? 0.f : dl;
+    if (empty) dl = 0.f;
+    if (dlogits) dlogits[t * E + e] = dl;
+    if (dlogits_pair) {  // split_bf16_pair_kernel's layout: [hi | lo] per row
+      const __nv_bfloat16 hi = __float2bfloat16_rn(dl);
+      dlogits_pair[t * 2 * E + e] = hi;
+      dlogits_pair[t * 2 * E + E + e] = __float2bfloat16_rn(dl - __bfloat162float(hi));
+    }
   });
 }
 
@@ -694,13 +731,6 @@ void logits_to_f32_cuda(const View& v, int64_t L, int64_t E, float* out, cudaStr
   MOEBLAZE_CUDA_LAUNCH_CHECK("logits_to_f32");
 }
 
-void split_bf16_pair_cuda(const float* src, int64_t rows, int64_t cols, void* out, cudaStream_t s) {
-  if (rows * cols == 0) return;
-  split_bf16_pair_kernel<<<blocks_for(rows * cols, 256), 256, 0, s>>>(src, rows, cols,
-                                                                       static_cast<__nv_bfloat16*>(out));
-  MOEBLAZE_CUDA_LAUNCH_CHECK("split_bf16_pair");
-}
-
 void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, const float* bias, const TokenMask& mask,
                        int32_t* ids, float* gates, float* lse, cudaStream_t s) {
   if (L == 0) return;
@@ -739,28 +769,30 @@ void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float
                                                                    partial, partial_lse);
     MOEBLAZE_CUDA_LAUNCH_CHECK("loss_partials");
   }
-  loss_finish_kernel<<<1, 256, 0, s>>>(cfg.balance_coeff(), cfg.z_loss_coeff, L, E, cfg.top_k, chunks, partial,
+  loss_finish_kernel<<<1, kFinishThreads, 0, s>>>(cfg.balance_coeff(), cfg.z_loss_coeff, L, E, cfg.top_k, chunks, partial,
                                        partial_lse, offsets, aux_out, z_out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("loss_finish");
 }
 
 void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t rows, int64_t L, const int32_t* ids,
                           const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
-                          const SequenceBalance& sb, float* dlogits, cudaStream_t s) {
+                          const SequenceBalance& sb, float* dlogits, void* dlogits_pair, cudaStream_t s) {
   if (rows == 0) return;
   const int64_t E = cfg.num_experts, k = cfg.top_k;
   const int width = token_group_width(E), tokens_per_block = kWarpsPerBlock * (32 / width);
-  const size_t smem = 2 * sizeof(float) * static_cast<size_t>(tokens_per_block * k)  // <= 4 KB (k <= min(E, 64))
-                      + block_counts_bytes(sb, E);                                     // <= 16 KB
+  const int per = experts_per_lane(E, width);
+  const size_t smem = 2 * sizeof(float) * static_cast<size_t>(tokens_per_block * k)        // <= 4 KB (k <= min(E, 64))
+                      + (per > 0 ? sizeof(float) * static_cast<size_t>(tokens_per_block * E) : 0)  // <= 8 KB
+                      + block_counts_bytes(sb, E);                                           // <= 16 KB
   auto launch = [&](auto kernel) {
     kernel<<<blocks_for(rows, tokens_per_block), 32 * kWarpsPerBlock, smem, s>>>(
         // the sequence-wise loss takes the Switch form only (the layer refuses the other), where
         // balance_coeff() is AUX_LOSS_COEFF
         cfg.score_fn, cfg.normalize_topk, static_cast<float>(cfg.balance_coeff()), static_cast<float>(cfg.z_loss_coeff),
         static_cast<float>(cfg.route_scale), logits, rows, L, E, k, width, ids, dgates, grad_aux, grad_z, offsets, sb,
-        dlogits);
+        dlogits, static_cast<__nv_bfloat16*>(dlogits_pair));
   };
-  with_experts_per_lane(experts_per_lane(E, width), [&](auto per) { launch(router_backward_kernel<decltype(per)::value>); });
+  with_experts_per_lane(per, [&](auto p) { launch(router_backward_kernel<decltype(p)::value>); });
   MOEBLAZE_CUDA_LAUNCH_CHECK("router_backward");
 }
 

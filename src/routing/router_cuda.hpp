@@ -18,11 +18,6 @@ namespace routing {
 // logits (any float dtype, strided rows) -> fp32 [L, E].
 void logits_to_f32_cuda(const View& logits, int64_t L, int64_t E, float* out, cudaStream_t s);
 
-// fp32 [rows, cols] -> bf16 [rows, 2 cols]: columns [0, cols) the rounded value hi, columns
-// [cols, 2 cols) the rounded remainder lo = v - hi, so a bf16 tensor-core GEMM over the pair
-// (K doubled) sums hi + lo to about 16 significant bits instead of bf16's 8.
-void split_bf16_pair_cuda(const float* src, int64_t rows, int64_t cols, void* out, cudaStream_t s);
-
 // TOKEN_MASK on the device: token t is routed unless its entry is 0 (docs/routing.md).
 struct TokenMask {
   const void* data = nullptr;  // null: every token is routed
@@ -84,14 +79,18 @@ void sequence_balance_loss_cuda(const LayerConfig& cfg, const float* logits, con
                                 const SequenceBalance& sb, double* terms, const int32_t* flag, float* aux_out,
                                 cudaStream_t s);
 
-// d logits [rows, E] fp32 from dgates (token order), aux/z gradient scalars (device pointers, or
-// null for 1.0) and the expert offsets, for `rows` consecutive tokens of a call of L tokens
-// (the losses are means over the call: a window of its tokens passes its own rows and the
-// call's L; logits, ids, dgates and dlogits point at the window's first token). One warp per token.
+// d logits for `rows` consecutive tokens of a call of L tokens, from dgates (token order),
+// aux/z gradient scalars (device pointers, or null for 1.0) and the expert offsets (the losses
+// are means over the call: a window of its tokens passes its own rows and the call's L;
+// logits, ids, dgates and the outputs point at the window's first token). One group of lanes
+// per token. Written as fp32 [rows, E] into dlogits and/or as bf16 [rows, 2E] pairs into
+// dlogits_pair (either may be null): columns [0, E) the rounded value hi, [E, 2E) the rounded
+// remainder lo = v - hi, so a bf16 tensor-core GEMM over the pair (K doubled) sums hi + lo to
+// about 16 significant bits instead of bf16's 8.
 // sb.count > 0: the sequence-wise balance loss's gradient in place of the batch-wise one's.
 void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t rows, int64_t L, const int32_t* ids,
                           const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
-                          const SequenceBalance& sb, float* dlogits, cudaStream_t s);
+                          const SequenceBalance& sb, float* dlogits, void* dlogits_pair, cudaStream_t s);
 
 // Caller routing: ids (i32/i64 strided) -> int32 token_expert_indices, gates -> fp32. Bad ids
 // (out of range or repeated within a token) set *error_flag to 1 and are replaced by a safe id

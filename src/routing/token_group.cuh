@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "routing/score_order.hpp"
 #include "routing/selection.hpp"
@@ -62,6 +63,11 @@ __device__ __forceinline__ void for_each_expert(const TokenGroup& g, int64_t E, 
 }
 
 __device__ __forceinline__ double group_sum(double v, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float group_sum_f(float v, int width) {
   for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
@@ -163,16 +169,24 @@ __device__ __forceinline__ LaneValues<kPer, F> lane_values(const TokenGroup& g, 
 }
 
 // The row's logsumexp, the same in every lane of the group: the max skips NaN, and the E exp
-// terms are summed in fp64 (as routing/router.cpp does). logit(i, e): the lane's logits.
-template <int kPer, class Logit>
+// terms are summed in Acc: fp64 where scores must match routing/router.cpp bit for bit (the
+// picks' gates), fp32 where they need not (gradients). logit(i, e): the lane's logits.
+template <int kPer, class Acc = double, class Logit>
 __device__ __forceinline__ float group_lse(const TokenGroup& g, int64_t E, const Logit& logit) {
   float m = -INFINITY;
   for_each_expert<kPer>(g, E, [&](int i, int64_t e) { m = max_skipping_nan(m, logit(i, e)); });
   m = group_max(m, g.width);
-  double s = 0.0;
-  for_each_expert<kPer>(g, E, [&](int i, int64_t e) { s += exp(static_cast<double>(logit(i, e) - m)); });
-  s = group_sum(s, g.width);
-  return m + static_cast<float>(log(s));
+  if constexpr (std::is_same_v<Acc, double>) {
+    double s = 0.0;
+    for_each_expert<kPer>(g, E, [&](int i, int64_t e) { s += exp(static_cast<double>(logit(i, e) - m)); });
+    s = group_sum(s, g.width);
+    return m + static_cast<float>(log(s));
+  } else {
+    float s = 0.f;
+    for_each_expert<kPer>(g, E, [&](int i, int64_t e) { s += expf(logit(i, e) - m); });
+    s = group_sum_f(s, g.width);
+    return m + logf(s);
+  }
 }
 
 }  // namespace routing
