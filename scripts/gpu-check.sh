@@ -44,7 +44,7 @@
 # fsdp: a small model of MoELayer blocks under FSDP2 (fully_shard) on every GPU of the machine
 # (at least 2) against the same model on one GPU (tests/gpu/fsdp2_train.py); not part of "all".
 # sanitize: memcheck, racecheck, initcheck and synccheck on the quick subset of the GPU tests,
-# on test_gpu_hardening and on test_plan_cuda; sanitize-full: racecheck and initcheck on the full GPU test set
+# on test_gpu_hardening and on test_plan_cuda (SANITIZE_TOOLS="racecheck ..." runs only those); sanitize-full: racecheck and initcheck on the full GPU test set
 # (not part of "all": about 10 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -237,7 +237,7 @@ sanitize() {  # sanitize <tool> <label> <binary> [env...]
   summary+=("compute-sanitizer $tool ($label): rc=$rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/san.log | tail -1)")
 }
 if want sanitize; then
-  for tool in memcheck racecheck initcheck synccheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
     extra=(); label="quick subset"
     [ $tool = initcheck ] && extra=(MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS=1)
     # racecheck on all three engine runs outlasted a 10-minute device call; it checks shared

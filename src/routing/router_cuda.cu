@@ -603,11 +603,17 @@ __global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coe
   if constexpr (kPer > 0) {  // the loss terms into the token's ds row, then each pick's lane adds its d score
     for_each_expert<kPer>(g, E, [&](int, int64_t e) { ds_row[e] = g.live ? loss_ds(e) : 0.f; });
     __syncwarp();
+    // A routed token's picks are distinct experts. Only a plan that breaks the rules repeats one
+    // (its outputs are poisoned): the first pick of an id adds, so no two lanes write one entry.
+    auto first_of_its_id = [&](int64_t j) {
+      for (int64_t q = 0; q < j; ++q)
+        if (sel[q] == sel[j]) return false;
+      return true;
+    };
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int64_t j = g.sub + half * g.width;
-      // a routed token's picks are distinct experts; a masked token's (ids -1) gets zero d logits
-      if (g.live && !empty && j < k) ds_row[sel[j]] += dsel[j];
+      if (g.live && !empty && j < k && first_of_its_id(j)) ds_row[sel[j]] += dsel[j];
     }
   }
   __syncwarp();

@@ -140,7 +140,7 @@ class EpEngine final : public Engine {
     cuda::DeviceGuard guard(g_.device_id);
     gemm_ = std::make_unique<gemm::CublasLtGemm>();
     router_ = std::make_unique<CudaRouter>(g_, *gemm_);
-    if (host()) MOEBLAZE_CUDA_CHECK(cudaMallocHost(&host_matrix_, sizeof(int32_t) * P_ * (P_ + 1)));
+    if (host()) MOEBLAZE_CUDA_CHECK(cudaMallocHost(&host_matrix_, sizeof(int32_t) * (P_ * (P_ + 1) + 1)));
   }
   ~EpEngine() override {
     if (host_matrix_) cudaFreeHost(host_matrix_);
@@ -227,7 +227,7 @@ class EpEngine final : public Engine {
   int64_t R_;
   int32_t ctas_, P_ = 1, epr_ = 1, c_ = 1;
   ep::WindowLayout layout_, stage_layout_;
-  int32_t* host_matrix_ = nullptr;  // HOST: pinned [P (P + 1)], the step's counts matrix
+  int32_t* host_matrix_ = nullptr;  // HOST: pinned [P (P + 1)] counts matrix, then the step's flag
   std::unique_ptr<gemm::CublasLtGemm> gemm_;
   std::unique_ptr<CudaRouter> router_;
 };
@@ -272,15 +272,13 @@ HostCounts EpEngine::exchange_counts(const ep::Exchange& x, const EpWork& w, cud
   ep::counts_row_cuda(x, w.send.dest_start, s);
   comm_->all_gather_bytes(x.stage + stage_layout_.counts, x.local + layout_.counts, sizeof(int32_t) * W, s);
   ep::derive_offsets_cuda(x, R_, s);
+  // The matrix, then the step's flag after derive_offsets: the transfers' sizes, or none after
+  // an overflow (derive_offsets' decision, the same on every rank).
+  int32_t* host_flag = host_matrix_ + P_ * W;
   MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(host_matrix_, w.matrix, sizeof(int32_t) * P_ * W, cudaMemcpyDeviceToHost, s));
-  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));  // the transfers' sizes
-  // As derive_offsets decides on the device: after an overflow nothing moves.
-  bool overflow = false;
-  for (int32_t q = 0; q < P_; ++q) {
-    int64_t into_q = 0;
-    for (int32_t src = 0; src < P_; ++src) into_q += std::max(host_matrix_[src * W + q], 0);
-    overflow |= into_q > R_;
-  }
+  MOEBLAZE_CUDA_CHECK(cudaMemcpyAsync(host_flag, x.flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+  MOEBLAZE_CUDA_CHECK(cudaStreamSynchronize(s));
+  const bool overflow = (*host_flag & ep::kRecvOverflow) != 0;
   for (int32_t q = 0; q < P_; ++q) {
     hc.send_start[q + 1] = hc.send_start[q] + (overflow ? 0 : std::max(host_matrix_[me * W + q], 0));
     hc.recv_start[q + 1] = hc.recv_start[q] + (overflow ? 0 : std::max(host_matrix_[q * W + me], 0));
