@@ -689,6 +689,15 @@ class TestConvertersOnCuda(unittest.TestCase):
         if not torch.cuda.is_available() or moeblaze.get_device_count("cuda") == 0:
             self.skipTest("needs torch with CUDA and a CUDA build of libmoeblaze")
 
+    def _in_line_and_beside(self, ref, convert, named_grads):
+        """The layer convert(overlap) makes, with its shared expert in line and on a second
+        stream, against ref: outputs and the gradients named_grads(layer) lists."""
+        for overlap in (False, True):
+            with self.subTest(shared_expert_overlap=overlap):
+                ref.zero_grad(set_to_none=True)
+                layer = convert(overlap)
+                _check_converted(self, ref, layer, 3e-2, lambda: named_grads(layer))
+
     def test_deepseek_v3_block(self):
         torch = _torch()
         try:
@@ -704,14 +713,11 @@ class TestConvertersOnCuda(unittest.TestCase):
                                num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
         block, ref = _block_and_fp32_copy(DeepseekV3MoE(cfg), "cuda", torch.bfloat16,
                                           lambda b: b.gate.e_score_correction_bias.normal_(0, 0.02))
-        for overlap in (False, True):
-            with self.subTest(shared_expert_overlap=overlap):
-                ref.zero_grad(set_to_none=True)
-                layer = MoELayer.from_deepseek_v3(block, max_tokens=512, shared_expert_overlap=overlap)
-                _check_converted(self, ref, layer, 3e-2, lambda: [
-                    ("router", layer.router_weight.grad, ref.gate.weight.grad),
-                    ("experts", layer.w_gate_up.grad.transpose(1, 2), ref.experts.gate_up_proj.grad),
-                    ("shared down", layer.shared_w_down.grad[0].t(), ref.shared_experts.down_proj.weight.grad)])
+        self._in_line_and_beside(ref, lambda overlap: MoELayer.from_deepseek_v3(
+            block, max_tokens=512, shared_expert_overlap=overlap), lambda layer: [
+                ("router", layer.router_weight.grad, ref.gate.weight.grad),
+                ("experts", layer.w_gate_up.grad.transpose(1, 2), ref.experts.gate_up_proj.grad),
+                ("shared down", layer.shared_w_down.grad[0].t(), ref.shared_experts.down_proj.weight.grad)])
 
     def test_qwen2_moe_block(self):
         torch = _torch()
@@ -726,14 +732,11 @@ class TestConvertersOnCuda(unittest.TestCase):
                              num_experts=16, num_experts_per_tok=4, norm_topk_prob=False, hidden_act="silu",
                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
         block, ref = _block_and_fp32_copy(Qwen2MoeSparseMoeBlock(cfg), "cuda", torch.bfloat16)
-        for overlap in (False, True):
-            with self.subTest(shared_expert_overlap=overlap):
-                ref.zero_grad(set_to_none=True)
-                layer = MoELayer.from_qwen2_moe(block, max_tokens=512, shared_expert_overlap=overlap)
-                _check_converted(self, ref, layer, 3e-2, lambda: [
-                    ("router", layer.router_weight.grad, ref.gate.weight.grad),
-                    ("shared gate", layer.shared_gate_weight.grad, ref.shared_expert_gate.weight.grad),
-                    ("shared down", layer.shared_w_down.grad[0].t(), ref.shared_expert.down_proj.weight.grad)])
+        self._in_line_and_beside(ref, lambda overlap: MoELayer.from_qwen2_moe(
+            block, max_tokens=512, shared_expert_overlap=overlap), lambda layer: [
+                ("router", layer.router_weight.grad, ref.gate.weight.grad),
+                ("shared gate", layer.shared_gate_weight.grad, ref.shared_expert_gate.weight.grad),
+                ("shared down", layer.shared_w_down.grad[0].t(), ref.shared_expert.down_proj.weight.grad)])
 
 
 @unittest.skipIf(_torch() is None, "torch is not installed")
