@@ -9,51 +9,35 @@ inline namespace v0 {
 namespace combine {
 namespace {
 
-// One block per token; each thread sums W columns of the token's k rows in pick order (the same
-// bits whatever the batching). The rows are loaded kBatch at a time before any is added, so a
-// thread keeps kBatch loads in flight instead of waiting one gather latency per row.
-constexpr int kBatch = 8;
 template <class T, int W>
 __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int64_t k, int64_t d, const T* src,
                                     const float* extra, T* out, int64_t out_stride, bool accumulate) {
   const int64_t t = blockIdx.x;
   T* row = out + t * out_stride;
   for (int64_t c = threadIdx.x * W; c < d; c += blockDim.x * W) {
-    float acc[W];
+    float acc[W], v[W];
 #pragma unroll
     for (int q = 0; q < W; ++q) acc[q] = 0.f;
-    for (int64_t j0 = 0; j0 < k; j0 += kBatch) {
-      float v[kBatch][W], g[kBatch];
-      bool live[kBatch];
+    for (int64_t j = 0; j < k; ++j) {
+      // A position outside [0, L k) only comes from a bad saved plan, which the fused engine
+      // flags on the device and answers with NaN outputs: read nothing for it.
+      const int64_t pos = map[t * k + j];
+      if (pos < 0 || pos >= static_cast<int64_t>(gridDim.x) * k) continue;
+      const T* in = src + pos * d + c;
+      const float g = gates ? gates[t * k + j] : 1.f;
+      if (W == 8) Elem<T>::load8(in, v);
+      else v[0] = Elem<T>::load1(in);
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        // A position outside [0, L k) only comes from a bad saved plan, which the fused engine
-        // flags on the device and answers with NaN outputs: read nothing for it.
-        const int64_t j = j0 + b;
-        const int64_t pos = j < k ? map[t * k + j] : -1;
-        live[b] = pos >= 0 && pos < static_cast<int64_t>(gridDim.x) * k;
-        g[b] = live[b] && gates ? gates[t * k + j] : 1.f;
-        if (live[b]) {
-          const T* in = src + pos * d + c;
-          if (W == 8) Elem<T>::load8(in, v[b]);
-          else v[b][0] = Elem<T>::load1(in);
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (live[b])
-#pragma unroll
-          for (int q = 0; q < W; ++q) acc[q] += g[b] * v[b][q];
+      for (int q = 0; q < W; ++q) acc[q] += g * v[q];
     }
     if (extra)
 #pragma unroll
       for (int q = 0; q < W; ++q) acc[q] += extra[t * d + c + q];
     if (accumulate) {
-      float r[W];
-      if (W == 8) Elem<T>::load8(row + c, r);
-      else r[0] = Elem<T>::load1(row + c);
+      if (W == 8) Elem<T>::load8(row + c, v);
+      else v[0] = Elem<T>::load1(row + c);
 #pragma unroll
-      for (int q = 0; q < W; ++q) acc[q] += r[q];
+      for (int q = 0; q < W; ++q) acc[q] += v[q];
     }
     if (W == 8) Elem<T>::store8(row + c, acc);
     else Elem<T>::store1(row + c, acc[0]);
