@@ -231,8 +231,9 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, RouteOptions opt
 // a masked token (ids[t k] = -1) adds nothing.
 // A block is kLossExperts experts x kLossRows token rows: row r sums the chunk's tokens r,
 // r + kLossRows, ..., and the rows' sums are added in row order (fixed: deterministic). Warp 0
-// sums lse^2 over the chunk the same way, lane by lane, then by a fixed butterfly.
-constexpr int kLossExperts = 128, kLossRows = 8;
+// sums lse^2 over the chunk the same way, lane by lane, then by a fixed butterfly. A block per
+// chunk and 32 experts: ceil(E / 32) blocks per chunk to spread over the SMs.
+constexpr int kLossExperts = 32, kLossRows = 16;
 __global__ void loss_partials_kernel(ScoreFn fn, const float* logits, const float* lse, const int32_t* ids, int64_t L,
                                      int64_t E, int64_t k, float* partial, float* partial_lse) {
   __shared__ float rows[kLossRows][kLossExperts];
@@ -497,9 +498,10 @@ __global__ void sequence_loss_finish_kernel(double coeff, const int64_t* routed,
 
 // One token per group of lanes (routing/token_group.cuh). Pick j is loaded by lane j % width,
 // which passes its gradient on to the pick's expert through the token's ds row in shared
-// memory (E <= 32 * kMaxExpertsPerLane; larger E scans the picks per expert).
+// memory (E <= 32 * kMaxExpertsPerLane; larger E scans the picks per expert). Up to four experts
+// per lane, four blocks per SM (at most 64 registers, no spills): the kernel is bound by issue.
 template <int kPer>
-__global__ void router_backward_kernel(ScoreFn fn, bool normalize, float aux_coeff, float z_coeff, float scale,
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4) router_backward_kernel(ScoreFn fn, bool normalize, float aux_coeff, float z_coeff, float scale,
                                        const float* logits, int64_t rows, int64_t L, int64_t E, int64_t k, int width,
                                        const int32_t* ids, const float* dgates, const float* grad_aux,
                                        const float* grad_z, const int32_t* offsets, SequenceBalance sb,

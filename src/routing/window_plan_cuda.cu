@@ -29,10 +29,12 @@ __device__ int32_t lower_bound(const int32_t* eti, int32_t lo, int32_t hi, int32
 
 // call_off = the plan's offsets, sanitised as the GEMM schedule does; first[e] = the call
 // position of expert e's first window row; win_off = the exclusive scan of the run lengths,
-// capped at the window's rows.
+// capped at the window's rows. A window of the whole call (`whole`) takes each expert's whole
+// range without searching it: the same runs for a plan that keeps validate_plan's rules.
 __global__ void __launch_bounds__(kRangeThreads) window_ranges_kernel(const int32_t* off, const int32_t* eti, int32_t E,
                                                                       int32_t P, int32_t t0, int32_t t1, int32_t rows,
-                                                                      int32_t* call_off, int32_t* first, int32_t* win_off) {
+                                                                      bool whole, int32_t* call_off, int32_t* first,
+                                                                      int32_t* win_off) {
   using Scan = cubw::BlockScan<int32_t, kRangeThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int32_t carry;
@@ -44,9 +46,9 @@ __global__ void __launch_bounds__(kRangeThreads) window_ranges_kernel(const int3
     int32_t count = 0;
     if (e < E) {
       const int32_t hi = call_off[e + 1];
-      const int32_t a = lower_bound(eti, call_off[e], hi, t0);
+      const int32_t a = whole ? call_off[e] : lower_bound(eti, call_off[e], hi, t0);
       first[e] = a;
-      count = lower_bound(eti, a, hi, t1) - a;
+      count = (whole ? hi : lower_bound(eti, a, hi, t1)) - a;
     }
     int32_t excl, total;
     Scan(tmp).ExclusiveSum(count, excl, total);
@@ -58,10 +60,12 @@ __global__ void __launch_bounds__(kRangeThreads) window_ranges_kernel(const int3
   if (threadIdx.x == 0) win_off[E] = carry;
 }
 
+// whole: a window of the whole call, whose row r is call position r (first[e] = win_off[e] =
+// the sanitised offsets), so no search.
 __global__ void window_rows_kernel(const int32_t* eti, const int32_t* tim, const float* gates, int64_t L, int64_t k,
-                                   int32_t E, int32_t P, int32_t t0, int32_t t1, int32_t rows, const int32_t* first,
-                                   const int32_t* win_off, int32_t* call_row, int32_t* token, float* gate,
-                                   int32_t* win_tim) {
+                                   int32_t E, int32_t P, int32_t t0, int32_t t1, int32_t rows, bool whole,
+                                   const int32_t* first, const int32_t* win_off, int32_t* call_row, int32_t* token,
+                                   float* gate, int32_t* win_tim) {
   const int32_t r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows) return;
   if (r >= win_off[E]) {  // only a plan that breaks the rules leaves rows uncovered
@@ -70,13 +74,16 @@ __global__ void window_rows_kernel(const int32_t* eti, const int32_t* tim, const
     gate[r] = 0.f;
     return;
   }
-  int32_t lo = 0, hi = E;  // the expert whose window range holds r
-  while (hi - lo > 1) {
-    const int32_t mid = (lo + hi) / 2;
-    if (win_off[mid] <= r) lo = mid;
-    else hi = mid;
+  int32_t g = r;
+  if (!whole) {
+    int32_t lo = 0, hi = E;  // the expert whose window range holds r
+    while (hi - lo > 1) {
+      const int32_t mid = (lo + hi) / 2;
+      if (win_off[mid] <= r) lo = mid;
+      else hi = mid;
+    }
+    g = min(max(first[lo] + (r - win_off[lo]), 0), P - 1);
   }
-  const int32_t g = min(max(first[lo] + (r - win_off[lo]), 0), P - 1);
   const int32_t t = eti[g];
   float gv = 0.f;
   if (t >= t0 && t < t1 && t < L) {
@@ -111,16 +118,18 @@ void build_window_plan_cuda(const RoutingPlan& plan, int64_t L, int64_t k, int64
                             const WindowPlan& w, cudaStream_t s) {
   const int32_t P = static_cast<int32_t>(L * k), wr = static_cast<int32_t>(rows * k);
   const int32_t a = static_cast<int32_t>(t0), b = static_cast<int32_t>(t0 + rows);
+  const bool whole = t0 == 0 && rows == L;
   int32_t* call_off = w.scratch;
   int32_t* first = w.expert_call_row;
   window_ranges_kernel<<<1, kRangeThreads, 0, s>>>(plan.expert_token_offsets, plan.expert_token_indices,
-                                                   static_cast<int32_t>(E), P, a, b, wr, call_off, first, w.offsets);
+                                                   static_cast<int32_t>(E), P, a, b, wr, whole, call_off, first,
+                                                   w.offsets);
   MOEBLAZE_CUDA_LAUNCH_CHECK("window_ranges");
   if (wr == 0) return;
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.token_index_map, 0xff, sizeof(int32_t) * wr, s));
   window_rows_kernel<<<static_cast<unsigned>(ceil_div(wr, 256)), 256, 0, s>>>(
-      plan.expert_token_indices, plan.token_index_map, plan.gates, L, k, static_cast<int32_t>(E), P, a, b, wr, first,
-      w.offsets, w.call_row, w.token, w.gate, w.token_index_map);
+      plan.expert_token_indices, plan.token_index_map, plan.gates, L, k, static_cast<int32_t>(E), P, a, b, wr, whole,
+      first, w.offsets, w.call_row, w.token, w.gate, w.token_index_map);
   MOEBLAZE_CUDA_LAUNCH_CHECK("window_rows");
 }
 
