@@ -5,7 +5,8 @@
 // routings with empty experts, n and K multiples of 8 but not of 64, one row, E = 256, every
 // activation in the fused epilogue, out-of-range gather indices (zero rows, no stray reads),
 // bitwise determinism, the staged (TMA-store) epilogue bitwise equal to the register one, rows
-// placed per expert (and hostile placements). Exits 77 (skipped) without an sm_90 GPU.
+// placed per expert (and hostile placements), a grid capped below the SM count (the same bits).
+// Exits 77 (skipped) without an sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
 
 #include <cstring>
@@ -36,7 +37,9 @@ sm90::KernelChoice kernel_choice(int bn) {
 
 // ld_pad: extra columns per output row, which must keep their poison (8: the 16-byte store
 // path with padding; 2: an ld that is not a multiple of 8, the pair-store path).
-std::vector<uint16_t> run_store(const Problem& P, int bn, bool scaled, Check* c, int64_t ld_pad = 0) {
+// max_ctas: the persistent grid capped (0: one CTA per SM).
+std::vector<uint16_t> run_store(const Problem& P, int bn, bool scaled, Check* c, int64_t ld_pad = 0,
+                                int32_t max_ctas = 0) {
   const int64_t ld = P.s.n + ld_pad;
   void* out = alloc_poisoned(P.s.m_total * ld);
   sm90::EpilogueParams e;
@@ -44,7 +47,9 @@ std::vector<uint16_t> run_store(const Problem& P, int bn, bool scaled, Check* c,
   e.c = out;
   e.ldc = ld;
   e.row_scale = scaled ? P.d_scale : nullptr;
-  sm90::grouped_gemm(P.dt, P.params(), e, kernel_choice(bn), nullptr);
+  sm90::GroupedGemmParams p = P.params();
+  p.max_ctas = max_ctas;
+  sm90::grouped_gemm(P.dt, p, e, kernel_choice(bn), nullptr);
   GGP_CK(cudaDeviceSynchronize());
   *c = compare(out, P.s.m_total, P.s.n, ld, P.dt, want_store(P, scaled));
   std::vector<uint16_t> bits(std::max<int64_t>(P.s.m_total * ld, 1));
@@ -337,6 +342,22 @@ void deterministic(void**) {
   free_problem(P);
 }
 
+// A grid capped below the SM count (SMs left to another stream's kernels): every tile still
+// computed, the same bits as the full grid.
+void capped_grid(void**) {
+  Problem P = make_problem({5000, 2000, 16, 256, 512, false, true, Major::kMN, 0.9}, DType::kBF16, 11);
+  Check c;
+  for (int bn : kBlockNs) {
+    const std::vector<uint16_t> full = run_store(P, bn, true, &c);
+    for (int32_t ctas : {1, 7}) {
+      assert_true(run_store(P, bn, true, &c, 0, ctas) == full);
+      assert_true(c.rel_err <= tolerance(P.dt));
+      assert_int_equal(c.unwritten, 0);
+    }
+  }
+  free_problem(P);
+}
+
 void no_rows(void**) {  // m_total = 0: no tiles, nothing launched past the schedule, no error
   Problem P = make_problem({0, 10, 4, 64, 64, false, true, Major::kMN, 0.0}, DType::kBF16, 3);
   Check c;
@@ -352,7 +373,7 @@ int main() {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(store_shapes),   cmocka_unit_test(many_experts),  cmocka_unit_test(bad_indices),
       cmocka_unit_test(activations),    cmocka_unit_test(padded_outputs), cmocka_unit_test(deterministic),
-      cmocka_unit_test(no_rows),        cmocka_unit_test(staged_matches_registers), cmocka_unit_test(deferred_matches_registers),
+      cmocka_unit_test(no_rows),        cmocka_unit_test(capped_grid),        cmocka_unit_test(staged_matches_registers), cmocka_unit_test(deferred_matches_registers),
       cmocka_unit_test(placed_rows)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

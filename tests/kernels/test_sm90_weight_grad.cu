@@ -6,7 +6,8 @@
 // values; C stored transposed (with accumulate); out-of-range indices (zero rows); an expert with thousands of positions (the stage
 // ring wraps across tiles); bitwise determinism; padded gradient rows, stored by TMA and from
 // registers, bitwise equal; sums over token windows in fp32, staged and from registers; both
-// operands in expert order (by TMA). Exits 77 (skipped) without an sm_90 GPU.
+// operands in expert order (by TMA); a grid capped below the SM count (the same bits). Exits 77
+// (skipped) without an sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
 
 #include "gemm/sm90/weight_grad.hpp"
@@ -38,6 +39,7 @@ struct WgShape {
   int windows = 1;          // launches over consecutive position ranges, summed in fp32 (acc32)
   bool sums_misaligned = false;  // acc32 8- but not 16-byte aligned: its windows store from registers
   bool expert_order = false;     // neither operand gathered (the engine's copy in expert order): both by TMA
+  int32_t max_ctas = 0;          // the persistent grid capped (0: one CTA per SM)
 };
 
 // ref[e, i, j] = init[e, i, j] (accumulate) + sum over the expert's positions of A[ra, i] B[rb, j].
@@ -154,6 +156,7 @@ Result run(const WgShape& s, DType dt, uint64_t seed) {
     p.c_expert_stride = c_stride;
     p.c_transposed = s.transposed;
     p.accumulate = s.accumulate;
+    p.max_ctas = s.max_ctas;
     if (s.windows > 1) {
       p.acc32 = d_sums + (s.sums_misaligned ? 2 : 0);
       p.acc32_load = w > 0;
@@ -313,6 +316,18 @@ void deterministic(void**) {
   assert_true(a.bits == c.bits);
 }
 
+// A grid capped below the SM count (SMs left to another stream's kernels): within tolerance,
+// and the same bits as the full grid (a tile's sum never depends on which CTA computes it).
+void capped_grid(void**) {
+  WgShape s{6000, 1500, 8, 136, 520, true, 0.8, false, false};
+  const Result full = run(s, DType::kBF16, 9);
+  for (int32_t ctas : {1, 5}) {
+    s.max_ctas = ctas;
+    expect(s, DType::kBF16, 9);
+    assert_true(run(s, DType::kBF16, 9).bits == full.bits);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -323,6 +338,7 @@ int main() {
       cmocka_unit_test(transposed_output),
       cmocka_unit_test(long_reduction_and_tiny),
       cmocka_unit_test(deterministic),
+      cmocka_unit_test(capped_grid),
       cmocka_unit_test(staged_matches_registers),
       cmocka_unit_test(windowed_sums),
       cmocka_unit_test(both_in_expert_order),

@@ -146,7 +146,7 @@ void launch_grouped_gemm(const GroupedGemmParams& p, const EpilogueParams& e, cu
   using Cfg = TileConfig<BN>;
   auto* kernel = grouped_gemm_detail::grouped_gemm_kernel<T, BN, BMajor, Epi, PingPong>;
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
-  const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound);
+  const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound, p.max_ctas);
   OperandMaps ab;
   ab.b = weight_tensor_map(Elem<T>::kType, p, tile_columns(p.gated, BN));
   ab.a_by_tma = a_by_tma(p);

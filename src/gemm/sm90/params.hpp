@@ -56,6 +56,9 @@ struct GroupedGemmParams {
   const void* b = nullptr;
   int64_t ldb = 0;
   int64_t b_expert_stride = 0;  // elements
+  // At most this many persistent CTAs (0: one per SM), so that kernels on another stream (an
+  // expert-parallel exchange) keep SMs of their own; the tile walk strides by the grid.
+  int32_t max_ctas = 0;
 };
 
 // A CUtensorMap (128 opaque bytes, 64-byte aligned) by value: the weights' TMA descriptor,
@@ -152,6 +155,7 @@ struct WeightGradParams {
   float* acc32 = nullptr;
   int32_t acc32_load = 0;
   int32_t acc32_store = 0;
+  int32_t max_ctas = 0;  // as GroupedGemmParams::max_ctas
 };
 
 // The weight-gradient operands' TMA descriptors: an operand read in expert order (no index)

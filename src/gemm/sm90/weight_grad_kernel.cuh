@@ -61,7 +61,7 @@ void launch_weight_grad(const WeightGradParams& p, const WeightGradMaps& maps, c
   using Cfg = TileConfig<BN>;
   auto* kernel = weight_grad_detail::weight_grad_kernel<T, BN, TmaA, TmaB>;
   const int64_t tiles = static_cast<int64_t>(p.sched.num_experts) * ((p.m + kBlockM - 1) / kBlockM) * ((p.n + BN - 1) / BN);
-  const int grid = persistent_grid(kernel, Cfg::kSmemBytes, tiles);
+  const int grid = persistent_grid(kernel, Cfg::kSmemBytes, tiles, p.max_ctas);
   kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, maps, gradient_maps(Elem<T>::kType, p));
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
