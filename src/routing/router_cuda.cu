@@ -501,11 +501,11 @@ __global__ void sequence_loss_finish_kernel(double coeff, const int64_t* routed,
 // memory (E <= 32 * kMaxExpertsPerLane; larger E scans the picks per expert). Up to four experts
 // per lane, four blocks per SM (at most 64 registers, no spills): the kernel is bound by issue.
 template <int kPer>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4) router_backward_kernel(ScoreFn fn, bool normalize, float aux_coeff, float z_coeff, float scale,
-                                       const float* logits, int64_t rows, int64_t L, int64_t E, int64_t k, int width,
-                                       const int32_t* ids, const float* dgates, const float* grad_aux,
-                                       const float* grad_z, const int32_t* offsets, SequenceBalance sb,
-                                       float* dlogits, __nv_bfloat16* dlogits_pair) {
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4)
+    router_backward_kernel(ScoreFn fn, bool normalize, float aux_coeff, float z_coeff, float scale, const float* logits,
+                           int64_t rows, int64_t L, int64_t E, int64_t k, int width, const int32_t* ids,
+                           const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
+                           SequenceBalance sb, float* dlogits, __nv_bfloat16* dlogits_pair) {
   // [tokens per block][k] ids, then [tokens per block][k] values, then (kPer > 0) the tokens'
   // [E] ds rows, then BlockCounts' [E]
   extern __shared__ float picks_smem[];
@@ -650,7 +650,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4) router_
     if (z_coeff > 0.f) dl += z_scale * lse * expf(l - lse);
     if (empty) dl = 0.f;
     if (dlogits) dlogits[t * E + e] = dl;
-    if (dlogits_pair) {  // split_bf16_pair_kernel's layout: [hi | lo] per row
+    if (dlogits_pair) {  // [hi | lo] per row (routing/router_cuda.hpp)
       const __nv_bfloat16 hi = __float2bfloat16_rn(dl);
       dlogits_pair[t * 2 * E + e] = hi;
       dlogits_pair[t * 2 * E + E + e] = __float2bfloat16_rn(dl - __bfloat162float(hi));
@@ -777,8 +777,8 @@ void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float
                                                                    partial, partial_lse);
     MOEBLAZE_CUDA_LAUNCH_CHECK("loss_partials");
   }
-  loss_finish_kernel<<<1, kFinishThreads, 0, s>>>(cfg.balance_coeff(), cfg.z_loss_coeff, L, E, cfg.top_k, chunks, partial,
-                                       partial_lse, offsets, aux_out, z_out);
+  loss_finish_kernel<<<1, kFinishThreads, 0, s>>>(cfg.balance_coeff(), cfg.z_loss_coeff, L, E, cfg.top_k, chunks,
+                                                  partial, partial_lse, offsets, aux_out, z_out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("loss_finish");
 }
 
