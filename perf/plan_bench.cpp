@@ -13,19 +13,11 @@
 #include <vector>
 
 #include "core/memory_layout.hpp"
+#include "cuda_bench.hpp"
 #include "routing/router_cuda.hpp"
 #include "util/error.hpp"
 
 using namespace moeblaze;
-
-#define CK(call)                                                                   \
-  do {                                                                             \
-    cudaError_t e_ = (call);                                                       \
-    if (e_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));             \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
 
 struct DevicePlan {
   int32_t *ids, *eti, *tim, *off;
@@ -38,25 +30,6 @@ struct DevicePlan {
     return p;
   }
 };
-
-template <class F>
-double median_ms(F&& f, cudaStream_t s, int reps) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<double> t;
-  for (int r = -3; r < reps; ++r) {
-    CK(cudaEventRecord(a, s));
-    f();
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms = 0.f;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    if (r >= 0) t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 int main(int argc, char** argv) {
   int n = 0;

@@ -2,7 +2,7 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|eptorch|epbench|epexchange|routing|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|eptorch|epbench|epexchange|routing|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|ncu|all]...
 # routing: the routing options on both CUDA engines against the CPU engine
 # (tests/gpu/test_gpu_routing_options.c; ROUTING_SANITIZE="memcheck racecheck" runs its quick
 # subset under those tools too), then what each option costs (perf/routing_options_cost.py, ROUTING_COST_ARGS;
@@ -41,6 +41,8 @@
 # fuzz: the differential fuzzer of the CUDA engines (tests/gpu/fuzz_gpu.c) for FUZZ_SECONDS
 # (default 240), then under compute-sanitizer memcheck for FUZZ_MEMCHECK_SECONDS (default 60;
 # 0 skips it); FUZZ_SEED replays a run.
+# plan: perf/plan-bench (the routing plan against a CUB sort) and perf/router-bench (the router's
+# kernels alone against their HBM floor).
 # fsdp: a small model of MoELayer blocks under FSDP2 (fully_shard) on every GPU of the machine
 # (at least 2) against the same model on one GPU (tests/gpu/fsdp2_train.py); not part of "all".
 # sanitize: memcheck, racecheck, initcheck and synccheck on the quick subset of the GPU tests,
@@ -293,6 +295,9 @@ if want plan; then
   build-gpu/perf/plan-bench > "$OUT/plan-bench.md" 2>&1
   summary+=("plan-bench: rc=$?")
   cat "$OUT/plan-bench.md"
+  build-gpu/perf/router-bench > "$OUT/router-bench.md" 2>&1
+  summary+=("router-bench: rc=$?; pair = split fp32 on $(grep -c '| yes |$' "$OUT/router-bench.md") cases, NO on $(grep -c '| NO |$' "$OUT/router-bench.md")")
+  cat "$OUT/router-bench.md"
 fi
 if want torch; then
   MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONUNBUFFERED=1 \
