@@ -14,8 +14,11 @@ router GEMM is timed, not counted).
     its output lines (``sonic T,d,n,E,K fwd_ms bwd_ms fwdbwd_tflops``) are read from --sonic FILE
     when given, and must come from the same GPU in the same session.
 
-Every step is timed alone with CUDA events after an L2 flush (as triton's do_bench does); the
-median of --reps steps is reported. The 8192^3 dense bf16 GEMM is timed next to each config,
+Each step is timed as SonicMoE's benchmark times it: triton's do_bench (an L2 flush before
+every step, per-step CUDA events, no synchronisation between steps, the mean over ~500 ms), so
+the host may enqueue ahead of the GPU, as in a training loop; the ratios to SonicMoE use these
+figures. Beside them, the median of --reps steps each timed alone and synchronised (the host's
+latency to the first kernel included: what a step costs when nothing is queued before it). The 8192^3 dense bf16 GEMM is timed next to each config,
 and every rate is also given as a % of it. Peak extra memory = the step's peak allocation above
 the inputs and parameters. --profile CFG prints the CUDA kernels of one MoEBlaze fwd+bwd.
 
@@ -34,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
 import moeblaze  # noqa: E402
 import moeblaze.torch as mbt  # noqa: E402
-from cuda_timing import median_ms  # noqa: E402
+from cuda_timing import median_ms, queued_mean_ms  # noqa: E402
 
 SONIC_CONFIGS = ["40960,768,256,128,8", "24576,1536,256,128,8", "24576,1536,1024,32,2", "32768,4096,512,128,8",
                  "32768,4096,1024,64,4", "32768,4096,1024,128,8", "32768,4096,2048,64,4", "32768,2048,768,128,8",
@@ -43,7 +46,8 @@ ENGINE_NAMES = {int(moeblaze.Engine.CUDA_FUSED): "fused", int(moeblaze.Engine.CU
 
 
 class Timer:
-    """Steps timed alone after an L2 flush (as triton's do_bench does)."""
+    """Steps timed alone and synchronised after an L2 flush (``median_ms``), or queued as
+    triton's do_bench times them (``queued_ms``)."""
 
     def __init__(self):
         self.flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -51,12 +55,24 @@ class Timer:
     def median_ms(self, fn, reps, warmup=3):
         return median_ms(fn, reps, warmup, before=self.flush_buf.zero_)
 
+    def queued_ms(self, fn):
+        ms, self.queued_by = queued_mean_ms(fn)
+        return ms
 
-def dense_tflops(timer, reps):
+
+def queued_timer_name():
+    try:
+        import triton.testing  # noqa: F401
+        return "triton.testing.do_bench"
+    except ImportError:
+        return "do_bench's loop written out, triton not installed"
+
+
+def dense_tflops(timer):
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2.0 * n ** 3 / timer.median_ms(lambda: torch.matmul(a, b), reps) * 1e-9
+    return 2.0 * n ** 3 / timer.queued_ms(lambda: torch.matmul(a, b)) * 1e-9
 
 
 def grouped_mm_layer(x, w_router, w1, w3, w2, k):
@@ -256,17 +272,20 @@ def main():
     sonic = read_sonic(args.sonic)
     timer = Timer()
     print("# %s; torch %s; %s" % (moeblaze.get_build_info(), torch.__version__, torch.cuda.get_device_name()))
-    print("# bf16 SwiGLU, router inside the layer; median of %d steps, L2 flushed; TFLOP/s as SonicMoE counts "
-          "them (18 T n d K per fwd+bwd)" % args.reps)
-    print("| T, d, n, E, K | dense TFLOP/s | MoEBlaze fwd ms | MoEBlaze fwd+bwd ms (engine) | MoEBlaze TFLOP/s "
-          "(% of dense) | SonicMoE TFLOP/s (% of dense) | MoEBlaze / SonicMoE | grouped_mm TFLOP/s | "
-          "peak extra MiB (MoEBlaze / grouped_mm) |")
+    print("# bf16 SwiGLU, router inside the layer; TFLOP/s as SonicMoE counts them (18 T n d K per fwd+bwd)")
+    print("# queued: timed as SonicMoE's benchmark times itself (%s: L2 flushed before every step, no "
+          "synchronisation between steps, mean over ~500 ms); alone: the median of %d steps each timed alone "
+          "and synchronised (the host's latency to the first kernel included)" % (
+              queued_timer_name(), args.reps))
+    print("| T, d, n, E, K | dense TFLOP/s | MoEBlaze fwd ms | MoEBlaze fwd+bwd ms, queued / alone (engine) | "
+          "MoEBlaze TFLOP/s (% of dense) | SonicMoE TFLOP/s (% of dense) | MoEBlaze / SonicMoE | grouped_mm "
+          "TFLOP/s | peak extra MiB (MoEBlaze / grouped_mm) |")
     print("|---|---|---|---|---|---|---|---|---|")
     results = []
     for cfg in args.configs:
         T, d, n, E, K = parse_cfg(cfg)
         flops_fb = 18.0 * T * n * d * K
-        dense = dense_tflops(timer, args.reps)
+        dense = dense_tflops(timer)
         x, wr, wgu, wd, dy = make_inputs(T, d, n, E)
         params = [x, wr, wgu, wd]
         mb = mbt.MoE(num_experts=E, top_k=K, hidden_size=d, ffn_hidden_size=n, max_tokens=T, activation="swiglu",
@@ -277,11 +296,13 @@ def main():
         def fwd():
             with torch.no_grad():
                 mb(x, wgu, wd, router_weight=wr)
-        mb_fwd = timer.median_ms(fwd, args.reps)
-        mb_fb = timer.median_ms(step, args.reps)
+        mb_fwd = timer.queued_ms(fwd)
+        mb_fb = timer.queued_ms(step)
+        mb_fb_alone = timer.median_ms(step, args.reps)
         mb_peak = peak_extra(step, params)
         r = dict(config=cfg, dense_tflops=dense, moeblaze_engine=engine, moeblaze_fwd_ms=mb_fwd,
-                 moeblaze_fwd_bwd_ms=mb_fb, moeblaze_tflops=flops_fb / mb_fb * 1e-9, moeblaze_peak_extra=mb_peak)
+                 moeblaze_fwd_bwd_ms=mb_fb, moeblaze_fwd_bwd_alone_ms=mb_fb_alone,
+                 moeblaze_tflops=flops_fb / mb_fb * 1e-9, moeblaze_peak_extra=mb_peak, timed_by=timer.queued_by)
         mb.close()
         if not args.skip_grouped_mm:
             w1 = wgu.detach()[:, :, :n].contiguous().requires_grad_()
@@ -291,7 +312,7 @@ def main():
                 y = grouped_mm_layer(x, wr, w1, w3, wd, K)
                 torch.autograd.backward(y, dy)
                 x.grad = wr.grad = w1.grad = w3.grad = wd.grad = None
-            g_fb = timer.median_ms(gmm_step, args.reps)
+            g_fb = timer.queued_ms(gmm_step)
             r.update(grouped_mm_fwd_bwd_ms=g_fb, grouped_mm_tflops=flops_fb / g_fb * 1e-9,
                      grouped_mm_peak_extra=peak_extra(gmm_step, params + [w1, w3]))
             w1 = w3 = None
@@ -300,8 +321,8 @@ def main():
             r.update(sonic_tflops=s["tflops"], sonic_fwd_ms=s["fwd_ms"], sonic_bwd_ms=s["bwd_ms"])
         results.append(r)
         pct = lambda v: 100.0 * v / dense  # noqa: E731
-        print("| %s | %.0f | %.3f | %.3f (%s) | %.1f (%.1f%%) | %s | %s | %s | %.0f / %s |" % (
-            cfg.replace(",", ", "), dense, mb_fwd, mb_fb, engine, r["moeblaze_tflops"], pct(r["moeblaze_tflops"]),
+        print("| %s | %.0f | %.3f | %.3f / %.3f (%s) | %.1f (%.1f%%) | %s | %s | %s | %.0f / %s |" % (
+            cfg.replace(",", ", "), dense, mb_fwd, mb_fb, mb_fb_alone, engine, r["moeblaze_tflops"], pct(r["moeblaze_tflops"]),
             "%.1f (%.1f%%)" % (s["tflops"], pct(s["tflops"])) if s else "not run",
             "%.2fx" % (r["moeblaze_tflops"] / s["tflops"]) if s else "-",
             "%.1f" % r["grouped_mm_tflops"] if "grouped_mm_tflops" in r else "-",

@@ -9,22 +9,38 @@ inline namespace v0 {
 namespace combine {
 namespace {
 
-template <class T, int W>
+// Up to kStagedPicks picks per token are staged in shared memory first: the row loads then wait
+// on nothing but themselves, not on a map load each (the map read once per token, not per
+// column chunk and pick).
+constexpr int kStagedPicks = 32;
+
+template <class T, int W, bool kStaged>
 __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int64_t k, int64_t d, const T* src,
                                     const float* extra, T* out, int64_t out_stride, bool accumulate) {
+  __shared__ int32_t s_pos[kStaged ? kStagedPicks : 1];
+  __shared__ float s_weight[kStaged ? kStagedPicks : 1];
   const int64_t t = blockIdx.x;
+  // A position outside [0, L k) only comes from a bad saved plan, which the fused engine flags on
+  // the device and answers with NaN outputs: read nothing for it.
+  const int64_t rows = static_cast<int64_t>(gridDim.x) * k;
+  if (kStaged) {
+    if (threadIdx.x < k) {
+      const int64_t pos = map[t * k + threadIdx.x];
+      s_pos[threadIdx.x] = pos < 0 || pos >= rows ? -1 : static_cast<int32_t>(pos);
+      s_weight[threadIdx.x] = gates ? gates[t * k + threadIdx.x] : 1.f;
+    }
+    __syncthreads();
+  }
   T* row = out + t * out_stride;
   for (int64_t c = threadIdx.x * W; c < d; c += blockDim.x * W) {
     float acc[W], v[W];
 #pragma unroll
     for (int q = 0; q < W; ++q) acc[q] = 0.f;
     for (int64_t j = 0; j < k; ++j) {
-      // A position outside [0, L k) only comes from a bad saved plan, which the fused engine
-      // flags on the device and answers with NaN outputs: read nothing for it.
-      const int64_t pos = map[t * k + j];
-      if (pos < 0 || pos >= static_cast<int64_t>(gridDim.x) * k) continue;
+      const int64_t pos = kStaged ? s_pos[j] : map[t * k + j];
+      if (pos < 0 || pos >= rows) continue;
       const T* in = src + pos * d + c;
-      const float g = gates ? gates[t * k + j] : 1.f;
+      const float g = kStaged ? s_weight[j] : gates ? gates[t * k + j] : 1.f;
       if (W == 8) Elem<T>::load8(in, v);
       else v[0] = Elem<T>::load1(in);
 #pragma unroll
@@ -42,6 +58,17 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
     if (W == 8) Elem<T>::store8(row + c, acc);
     else Elem<T>::store1(row + c, acc[0]);
   }
+}
+
+template <class T, int W>
+void launch_combine(const int32_t* map, const float* gates, int64_t L, int64_t k, int64_t d, const T* in,
+                    const float* extra, T* out, int64_t out_stride, bool accumulate, int threads, cudaStream_t s) {
+  if (k <= kStagedPicks)
+    combine_rows_kernel<T, W, true><<<static_cast<unsigned>(L), threads, 0, s>>>(map, gates, k, d, in, extra, out,
+                                                                                out_stride, accumulate);
+  else
+    combine_rows_kernel<T, W, false><<<static_cast<unsigned>(L), threads, 0, s>>>(map, gates, k, d, in, extra, out,
+                                                                                 out_stride, accumulate);
 }
 
 __global__ void to_token_order_kernel(const int32_t* map, const float* v, int64_t n, int64_t parts, int64_t ld,
@@ -80,10 +107,8 @@ void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_
   MOEBLAZE_DISPATCH_FLOAT(out.dtype, T, {
     const T* in = static_cast<const T*>(src);
     T* o = reinterpret_cast<T*>(out.data);
-    if (vec)
-      combine_rows_kernel<T, 8><<<static_cast<unsigned>(L), threads, 0, s>>>(map, gates, k, d, in, extra, o, out.stride[0], out.accumulate);
-    else
-      combine_rows_kernel<T, 1><<<static_cast<unsigned>(L), threads, 0, s>>>(map, gates, k, d, in, extra, o, out.stride[0], out.accumulate);
+    if (vec) launch_combine<T, 8>(map, gates, L, k, d, in, extra, o, out.stride[0], out.accumulate, threads, s);
+    else launch_combine<T, 1>(map, gates, L, k, d, in, extra, o, out.stride[0], out.accumulate, threads, s);
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("combine_rows");
 }
