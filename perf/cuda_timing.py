@@ -22,17 +22,18 @@ def median_ms(fn, reps, warmup=3, before=None):
     return statistics.median(times)
 
 
-def queued_mean_ms(fn, rep_ms=500, warmup_ms=5):
-    """Mean milliseconds of ``fn()`` timed as SonicMoE's benchmark times it: triton's
+def queued_median_ms(fn, rep_ms=500, warmup_ms=5):
+    """Median milliseconds of ``fn()`` timed in SonicMoE's benchmark's loop: triton's
     ``do_bench`` (an L2 flush before every step, per-step CUDA events, no synchronisation
-    between steps, so the host may enqueue ahead of the GPU as in a training loop). Returns
-    (ms, what timed it). Without triton, the same loop written out here."""
+    between steps, so the host may enqueue ahead of the GPU as in a training loop; steps for
+    ~rep_ms, at least 20 for any step under 25 ms). Returns (ms, what timed it). Without
+    triton, the same loop written out here."""
     try:
         from triton.testing import do_bench
     except ImportError:
         do_bench = None
     if do_bench is not None:
-        return do_bench(fn, warmup=warmup_ms, rep=rep_ms), "triton.testing.do_bench"
+        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"), "triton.testing.do_bench"
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     fn()
     torch.cuda.synchronize()
@@ -54,4 +55,4 @@ def queued_mean_ms(fn, rep_ms=500, warmup_ms=5):
         fn()
         e.record()
     torch.cuda.synchronize()
-    return statistics.mean(s.elapsed_time(e) for s, e in events), "do_bench's loop (triton not installed)"
+    return statistics.median(s.elapsed_time(e) for s, e in events), "do_bench's loop (triton not installed)"

@@ -15,11 +15,12 @@ router GEMM is timed, not counted).
     when given, and must come from the same GPU in the same session.
 
 Each step is timed as SonicMoE's benchmark times it: triton's do_bench (an L2 flush before
-every step, per-step CUDA events, no synchronisation between steps, the mean over ~500 ms), so
-the host may enqueue ahead of the GPU, as in a training loop; the ratios to SonicMoE use these
-figures. Beside them, the median of --reps steps each timed alone and synchronised (the host's
-latency to the first kernel included: what a step costs when nothing is queued before it). The 8192^3 dense bf16 GEMM is timed next to each config,
-and every rate is also given as a % of it. Peak extra memory = the step's peak allocation above
+every step, per-step CUDA events, no synchronisation between steps, ~500 ms of steps), so the
+host may enqueue ahead of the GPU, as in a training loop; MoEBlaze's figure is the median of those
+steps (SonicMoE's benchmark prints their mean); the ratios to SonicMoE use these figures.
+Beside them, the median of --reps steps each timed alone and synchronised (the host's
+latency to the first kernel included: what a step costs when nothing is queued before it). The
+8192^3 dense bf16 GEMM is timed next to each config, and every rate is also given as a % of it. Peak extra memory = the step's peak allocation above
 the inputs and parameters. --profile CFG prints the CUDA kernels of one MoEBlaze fwd+bwd.
 
 Usage: python3 perf/side_by_side.py [--configs T,d,n,E,K ...] [--sonic FILE] [--reps 20]
@@ -37,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
 import moeblaze  # noqa: E402
 import moeblaze.torch as mbt  # noqa: E402
-from cuda_timing import median_ms, queued_mean_ms  # noqa: E402
+from cuda_timing import median_ms, queued_median_ms  # noqa: E402
 
 SONIC_CONFIGS = ["40960,768,256,128,8", "24576,1536,256,128,8", "24576,1536,1024,32,2", "32768,4096,512,128,8",
                  "32768,4096,1024,64,4", "32768,4096,1024,128,8", "32768,4096,2048,64,4", "32768,2048,768,128,8",
@@ -56,7 +57,7 @@ class Timer:
         return median_ms(fn, reps, warmup, before=self.flush_buf.zero_)
 
     def queued_ms(self, fn):
-        ms, self.queued_by = queued_mean_ms(fn)
+        ms, self.queued_by = queued_median_ms(fn)
         return ms
 
 
@@ -274,7 +275,7 @@ def main():
     print("# %s; torch %s; %s" % (moeblaze.get_build_info(), torch.__version__, torch.cuda.get_device_name()))
     print("# bf16 SwiGLU, router inside the layer; TFLOP/s as SonicMoE counts them (18 T n d K per fwd+bwd)")
     print("# queued: timed as SonicMoE's benchmark times itself (%s: L2 flushed before every step, no "
-          "synchronisation between steps, mean over ~500 ms); alone: the median of %d steps each timed alone "
+          "synchronisation between steps, the median of ~500 ms of steps; SonicMoE prints their mean); alone: the median of %d steps each timed alone "
           "and synchronised (the host's latency to the first kernel included)" % (
               queued_timer_name(), args.reps))
     print("| T, d, n, E, K | dense TFLOP/s | MoEBlaze fwd ms | MoEBlaze fwd+bwd ms, queued / alone (engine) | "
