@@ -14,14 +14,15 @@ router GEMM is timed, not counted).
     its output lines (``sonic T,d,n,E,K fwd_ms bwd_ms fwdbwd_tflops``) are read from --sonic FILE
     when given, and must come from the same GPU in the same session.
 
-Each step is timed as SonicMoE's benchmark times it: triton's do_bench (an L2 flush before
-every step, per-step CUDA events, no synchronisation between steps, ~500 ms of steps), so the
-host may enqueue ahead of the GPU, as in a training loop; MoEBlaze's figure is the median of those
-steps (SonicMoE's benchmark prints their mean); the ratios to SonicMoE use these figures.
-Beside them, the median of --reps steps each timed alone and synchronised (the host's
-latency to the first kernel included: what a step costs when nothing is queued before it). The
-8192^3 dense bf16 GEMM is timed next to each config, and every rate is also given as a % of it. Peak extra memory = the step's peak allocation above
-the inputs and parameters. --profile CFG prints the CUDA kernels of one MoEBlaze fwd+bwd.
+Each step is timed as SonicMoE's benchmark times it: triton's do_bench (an L2 flush before every
+step, per-step CUDA events, no synchronisation between steps, ~500 ms of steps), so the host may
+enqueue ahead of the GPU, as in a training loop; MoEBlaze's figure is the median of those steps
+(SonicMoE's benchmark prints their mean); the ratios to SonicMoE use these figures. Beside them,
+the median of --reps steps each timed alone and synchronised (the host's latency to the first
+kernel included: what a step costs when nothing is queued before it). The 8192^3 dense bf16 GEMM
+is timed next to each config, and every rate is also given as a % of it. Peak extra memory = the
+step's peak allocation above the inputs and parameters. --profile CFG prints the CUDA kernels of
+one MoEBlaze fwd+bwd.
 
 Usage: python3 perf/side_by_side.py [--configs T,d,n,E,K ...] [--sonic FILE] [--reps 20]
        [--json FILE] [--profile T,d,n,E,K]
