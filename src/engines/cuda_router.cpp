@@ -21,8 +21,11 @@ void CudaRouter::place_window_rows(RouterWork& w, int64_t window, void* at) cons
 
 void CudaRouter::take_window_rows(Carver& c, RouterWork& w, int64_t window) const {
   const int64_t E = cfg_.num_experts, d = cfg_.hidden;
-  if (tensor_core_backward()) w.dlogits_pair = c.take<uint16_t>(static_cast<size_t>(window * 2 * E));
-  else w.x_f32 = c.take<float>(static_cast<size_t>(window * d));
+  if (tensor_core_backward()) {
+    w.dlogits_pair = c.take<uint16_t>(static_cast<size_t>(window * 2 * E));
+    return;
+  }
+  w.x_f32 = c.take<float>(static_cast<size_t>(window * d));
   w.router_dx = c.take<float>(static_cast<size_t>(window * d));
 }
 
@@ -184,9 +187,7 @@ bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const Ro
     if (a.d_router_weight.present)
       gemm(2 * E, d, rows, {hi, DType::kBF16, 2 * E, true}, {x.data, DType::kBF16, x.stride[0], false}, w.dwg_f32, w, s,
            first ? 0.f : 1.f);
-    if (!needs.router_adds_dx) return false;
-    gemm(rows, d, 2 * E, {hi, DType::kBF16, 2 * E, false}, {w.wg_pair, DType::kBF16, d, false}, w.router_dx, w, s);
-    return true;
+    return false;  // dx's router part: add_router_dx, after the combine
   }
   routing::logits_to_f32_cuda(a.x.rows(t0, rows), rows, d, w.x_f32, s);
   if (a.d_router_weight.present)
@@ -194,6 +195,21 @@ bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const Ro
   if (!needs.router_adds_dx) return false;
   gemm(rows, d, E, {dlogits, DType::kF32, E, false}, {w.wg_f32, DType::kF32, d, false}, w.router_dx, w, s);
   return true;
+}
+
+void CudaRouter::add_router_dx(const CallArgs& a, const Needs& needs, const View& dx_rows, const RouterWork& w,
+                               cudaStream_t s) const {
+  const int64_t rows = dx_rows.ndim > 0 ? dx_rows.shape[0] : 0;
+  if (!needs.router_grad || !needs.router_adds_dx || rows == 0 || a.mode != RoutingMode::kRouterWeight ||
+      !tensor_core_backward())
+    return;
+  // dx rows (bf16, as the combine rounded them) += [hi | lo] [W_g; W_g], summed in fp32 and
+  // rounded once more: in place through beta = 1. The fp32 dx rows this replaces cost 8 d bytes
+  // per token of traffic and 4 d of workspace.
+  const int64_t E = cfg_.num_experts, d = cfg_.hidden;
+  gemm_.gemm(rows, d, 2 * E, {w.dlogits_pair, DType::kBF16, 2 * E, false}, {w.wg_pair, DType::kBF16, d, false},
+             dx_rows.data, dx_rows.dtype, dx_rows.stride[0], 1.f, 1.f, w.gemm_ws, gemm::CublasLtGemm::kWorkspaceBytes,
+             s);
 }
 
 void CudaRouter::backward_finish(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const {

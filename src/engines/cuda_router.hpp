@@ -36,7 +36,7 @@ struct RouterWork {
   void* wg_pair = nullptr;        // [2E, d] bf16
   float* x_f32 = nullptr;         // [W, d]    fp32 path
   float* wg_f32 = nullptr;        // [E, d]    fp32 path
-  float* router_dx = nullptr;     // [W, d]
+  float* router_dx = nullptr;     // [W, d]    fp32 path
   float* dwg_f32 = nullptr;       // [E, d]    summed over the windows
   void* gemm_ws = nullptr;        // cuBLASLt workspace, shared with the engine
 };
@@ -54,9 +54,9 @@ class CudaRouter {
   // router's regions and, for inference and route (no saved buffer), the plan.
   RouterWork carve_head(Carver& c, Pass pass, int64_t L, int64_t window, void* base, RoutingPlan& plan,
                         bool own_window_rows = true) const;
-  // The backward's per-window rows (dx's router part in fp32, and the d-logit pairs or the fp32
-  // x rows): live only inside backward_window and the combine that follows it, so an engine
-  // may place them in memory its window is done with. Their bytes for windows of `window`
+  // The backward's per-window rows (the d-logit pairs, or dx's router part and the x rows in
+  // fp32): live only inside backward_window, the combine and add_router_dx that follow it, so
+  // an engine may place them in memory its window is done with. Their bytes for windows of `window`
   // tokens, and their placement from `at` (256-byte aligned; null measures).
   size_t window_rows_bytes(int64_t window) const;
   void place_window_rows(RouterWork& w, int64_t window, void* at) const;
@@ -72,7 +72,8 @@ class CudaRouter {
   // TOPK_INDICES / TOPK_WEIGHTS / AUX_LOSS / Z_LOSS when routed, and TOKENS_PER_EXPERT.
   void write_outputs(const CallArgs& a, const RoutingPlan& plan, const RouterWork& w, cudaStream_t s) const;
   // The router backward from the gate gradients dg_tok [L k] (token order): d logits, dW_g,
-  // and d logits W_g into w.router_dx. Returns true when router_dx holds dx's router part.
+  // and, on the fp32 path, d logits W_g into w.router_dx. Returns true when router_dx holds
+  // dx's router part (for the combine to add); on the tensor-core path add_router_dx adds it.
   bool backward(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, const float* dg_tok, const RouterWork& w,
                 cudaStream_t s) const;
   // The same in token windows: begin once, then one call per window [t0, t0 + rows) in order
@@ -81,6 +82,10 @@ class CudaRouter {
   bool backward_window(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, int64_t t0, int64_t rows,
                        const float* dg_tok, bool first, const RouterWork& w, cudaStream_t s) const;
   void backward_finish(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const;
+  // Tensor-core path (bf16 layers): dx's router part added to dx's rows of the last window
+  // (backward) or of the call, after the combine wrote them. Nothing on the fp32 path.
+  void add_router_dx(const CallArgs& a, const Needs& needs, const View& dx_rows, const RouterWork& w,
+                     cudaStream_t s) const;
 
  private:
   void take_window_rows(Carver& c, RouterWork& w, int64_t window) const;

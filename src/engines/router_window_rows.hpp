@@ -16,7 +16,7 @@ inline bool router_backward_on_tensor_cores(const LayerConfig& cfg) {
 }
 
 inline int64_t router_window_row_bytes_per_token(const LayerConfig& cfg) {
-  return (router_backward_on_tensor_cores(cfg) ? 2 * 2 * cfg.num_experts : 4 * cfg.hidden) + 4 * cfg.hidden;
+  return router_backward_on_tensor_cores(cfg) ? 2 * 2 * cfg.num_experts : 4 * cfg.hidden + 4 * cfg.hidden;
 }
 
 }  // namespace v0

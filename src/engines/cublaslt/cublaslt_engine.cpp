@@ -322,8 +322,10 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
 
   const bool router_dx = router_->backward(a, needs, plan, w.dg_tok, w.router, s);
-  if (a.dx.present)
+  if (a.dx.present) {
     combine::combine_rows_cuda(plan.token_index_map, nullptr, L, k, d, dx_part, router_dx ? w.router.router_dx : nullptr, a.dx, s);
+    router_->add_router_dx(a, needs, a.dx, w.router, s);
+  }
   report_ok(a, s);
 }
 

@@ -427,9 +427,11 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
   ep::gather_returned_gates_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, static_cast<int32_t>(l_.top_k),
                                  reinterpret_cast<const float*>(comm_->local() + layout_.ret_gates), w.dg_tok, s);
   const bool router_dx = router_->backward(a, needs, sv.plan, w.dg_tok, w.router, s);
-  if (a.dx.present)
+  if (a.dx.present) {
     combine::combine_rows_cuda(w.send.return_map, nullptr, L, c_, g_.hidden, comm_->local() + layout_.ret_rows,
                                router_dx ? w.router.router_dx : nullptr, a.dx, s);
+    router_->add_router_dx(a, needs, a.dx, w.router, s);
+  }
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
   for (const View* out : {&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight})
     cuda::poison_if_flagged(flag, *out, s);

@@ -389,9 +389,11 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s,
                                  act_in_epilogue ? fused_dg_parts(cfg_) : 1, W, rows_done);
     const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
-    if (a.dx.present)
+    if (a.dx.present) {
       combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,
                                  router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s);
+      router_->add_router_dx(a, needs, a.dx.rows(t0, rows), w.router, s);
+    }
   }
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
   router_->backward_finish(a, needs, w.router, s);
