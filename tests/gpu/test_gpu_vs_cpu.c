@@ -548,6 +548,11 @@ static void routing_modes_and_edges(void** state) {
   run_case(&ragged, &rng, 0); /* L not a multiple of the 1024-token plan tile */
   gcase kE = base_case(4, 4, 16, 24, 50, MOEBLAZE_ACTIVATION_GELU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_WG);
   run_case(&kE, &rng, 0); /* k = E */
+  /* k at and past the 32 picks the combine stages in shared memory; the router weight's dx part */
+  gcase k32 = base_case(40, 32, 64, 32, 75, MOEBLAZE_ACTIVATION_SILU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_WG);
+  run_case(&k32, &rng, 0);
+  gcase k40 = base_case(48, 40, 32, 40, 61, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_WG);
+  run_case(&k40, &rng, 0);
   gcase wide = base_case(40000, 2, 8, 8, 20, MOEBLAZE_ACTIVATION_SILU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
   run_case(&wide, &rng, 0); /* one token per plan tile */
   gcase widest = base_case(65536, 1, 8, 8, 6, MOEBLAZE_ACTIVATION_SILU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_CALLER);
