@@ -73,7 +73,7 @@ void rows_bounded_independently_of_l(void**) {
                                 layer(64, 8, 2048, 1024, Activation::kGelu, SavePolicy::kRecomputeUp)};
   for (const LayerConfig& c : layers) {
     const int64_t bound = std::max(moeblaze::gemm::sm90::kOneWindowBytes,
-                                   moeblaze::gemm::sm90::kWindowBudgetBytes + moeblaze::fused_weight_grad_sum_bytes(c));
+                                   moeblaze::gemm::sm90::kWindowBudgetBytes + 2 * moeblaze::fused_weight_grad_sum_bytes(c));
     for (int64_t L = 1; L <= (int64_t{1} << 26); L = L * 3 / 2 + 1) {
       const FusedWindows w = moeblaze::fused_windows(c, L);
       assert_true(w.tokens >= 1 && w.tokens <= L);
@@ -82,6 +82,23 @@ void rows_bounded_independently_of_l(void**) {
       if (w.tokens > moeblaze::gemm::sm90::kMinWindowTokens) assert_true(row_bytes(c, w.tokens) <= bound);
     }
   }
+}
+
+// Where the fp32 sums outweigh the windows' rows, one window: the local experts of a
+// DeepSeek-V3-like layer at EP 4 (64 of 256 experts, 65,536 received rows of 8 slots) need
+// ~17.7 GB of rows as one window against 2 GiB windows plus 11.3 GB of sums read and written
+// by each of about nine windows.
+void sums_heavier_than_windows_run_one_window(void**) {
+  const LayerConfig c = layer(64, 8, 7168, 2048, Activation::kSwiglu);
+  const int64_t per_token = moeblaze::fused_window_bytes_per_token(c), sums = moeblaze::fused_weight_grad_sum_bytes(c);
+  assert_true(sums > moeblaze::gemm::sm90::kWindowBudgetBytes);
+  assert_true(65536 * per_token > moeblaze::gemm::sm90::kWindowBudgetBytes + sums);  // one window needs more memory
+  const FusedWindows w = moeblaze::fused_windows(c, 65536);
+  assert_int_equal(w.count, 1);
+  // past the windows plus twice the sums, windows again
+  const int64_t budget_w = moeblaze::gemm::sm90::kWindowBudgetBytes / per_token;
+  const int64_t past = (budget_w * per_token + 2 * sums) / per_token + 1;
+  assert_true(moeblaze::fused_windows(c, past).count > 1);
 }
 
 void window_tokens_as_given(void**) {
@@ -103,6 +120,8 @@ void window_tokens_as_given(void**) {
 
 int main() {
   const struct CMUnitTest tests[] = {cmocka_unit_test(coarse_layers_run_one_window), cmocka_unit_test(large_calls_keep_budget_windows),
-                                     cmocka_unit_test(rows_bounded_independently_of_l), cmocka_unit_test(window_tokens_as_given)};
+                                     cmocka_unit_test(rows_bounded_independently_of_l),
+                                     cmocka_unit_test(sums_heavier_than_windows_run_one_window),
+                                     cmocka_unit_test(window_tokens_as_given)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }
