@@ -410,11 +410,18 @@ typedef enum moeblaze_attr {
    *  form instead, which has no Hugging Face variant: with HUGGING_FACE it is refused.
    *  @since 0.2 */
   MOEBLAZE_ATTR_AUX_LOSS_FORM = 28,
+  /** i64 0..2^62, default 0 (automatic): a memory budget for the CUDA fused engine's windows,
+   *  in bytes, instead of a token count: a call whose backward row buffers fit it runs as one
+   *  window, a larger one in windows whose row buffers and fp32 weight-gradient sums fit it
+   *  together, of at least 1024 tokens (docs/memory.md gives the per-token bytes). Create refuses
+   *  it together with #MOEBLAZE_ATTR_WINDOW_TOKENS. Results depend on it only through the fp32
+   *  summation order of the weight gradients. Other engines ignore it. @since 0.2 */
+  MOEBLAZE_ATTR_WINDOW_BYTES = 29,
   MOEBLAZE_ATTR__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_attr_t;
 
 /** @brief Number of attributes known to this header (attributes are 0..MOEBLAZE_ATTR_COUNT-1). */
-#define MOEBLAZE_ATTR_COUNT 29
+#define MOEBLAZE_ATTR_COUNT 30
 
 /** @brief How an expert-parallel layer moves rows (value of #MOEBLAZE_ATTR_EP_TRANSPORT). */
 typedef enum moeblaze_ep_transport {

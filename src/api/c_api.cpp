@@ -61,6 +61,7 @@ static_assert(static_cast<int>(Attr::kNumExpertGroups) == MOEBLAZE_ATTR_NUM_EXPE
 static_assert(static_cast<int>(Attr::kTopkGroups) == MOEBLAZE_ATTR_TOPK_GROUPS, "attribute values");
 static_assert(static_cast<int>(Attr::kRouteScale) == MOEBLAZE_ATTR_ROUTE_SCALE, "attribute values");
 static_assert(static_cast<int>(Attr::kAuxLossForm) == MOEBLAZE_ATTR_AUX_LOSS_FORM, "attribute values");
+static_assert(static_cast<int>(Attr::kWindowBytes) == MOEBLAZE_ATTR_WINDOW_BYTES, "attribute values");
 static_assert(static_cast<int>(Attr::kSavePolicy) == MOEBLAZE_ATTR_SAVE_POLICY, "attribute values");
 static_assert(static_cast<int>(ArgKind::kGradTopkWeights) == MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kZLoss) == MOEBLAZE_ARG_Z_LOSS, "argument kinds");

@@ -41,6 +41,7 @@ const AttrInfo kAttrTable[kAttrCount] = {
     {"topk_groups", ValueType::kI64, false, 0, 65536, 0, 0.0, DType::kInvalid, 2},
     {"route_scale", ValueType::kF64, false, 0, 0, 0, 1.0, DType::kInvalid, 2},
     {"aux_loss_form", ValueType::kI64, false, 0, 1, 0, 0.0, DType::kInvalid, 2},
+    {"window_bytes", ValueType::kI64, false, 0, int64_t{1} << 62, 0, 0.0, DType::kInvalid, 2},
 };
 
 const AttrInfo& checked(int32_t attr, ValueType want) {
@@ -125,6 +126,7 @@ LayerConfig LayerConfig::from_values(const ConfigValues& v) {
   c.engine = static_cast<EngineKind>(I(Attr::kEngine));
   c.num_threads = static_cast<int32_t>(I(Attr::kNumThreads));
   c.window_tokens = I(Attr::kWindowTokens);
+  c.window_bytes = I(Attr::kWindowBytes);
   c.ep_max_recv_tokens = I(Attr::kEpMaxRecvTokens);
   c.ep_transport = static_cast<int32_t>(I(Attr::kEpTransport));
   c.ep_comm_sms = static_cast<int32_t>(I(Attr::kEpCommSms));
@@ -141,6 +143,10 @@ LayerConfig LayerConfig::from_values(const ConfigValues& v) {
   if (c.window_tokens > c.max_tokens)
     fail(Status::kInvalidArgument, "window_tokens = %lld exceeds max_tokens = %lld (0 chooses the window automatically)",
          static_cast<long long>(c.window_tokens), static_cast<long long>(c.max_tokens));
+  if (c.window_tokens > 0 && c.window_bytes > 0)
+    fail(Status::kInvalidArgument,
+         "window_tokens = %lld and window_bytes = %lld are both set: the window is given by one of them",
+         static_cast<long long>(c.window_tokens), static_cast<long long>(c.window_bytes));
   if (c.num_experts % c.num_expert_groups != 0)
     fail(Status::kInvalidArgument, "num_expert_groups = %lld does not divide num_experts = %lld",
          static_cast<long long>(c.num_expert_groups), static_cast<long long>(c.num_experts));
@@ -176,6 +182,7 @@ ConfigValues LayerConfig::to_values() const {
   S(Attr::kEngine, static_cast<int64_t>(engine));
   S(Attr::kNumThreads, num_threads);
   S(Attr::kWindowTokens, window_tokens);
+  S(Attr::kWindowBytes, window_bytes);
   S(Attr::kEpMaxRecvTokens, ep_max_recv_tokens);
   S(Attr::kEpTransport, ep_transport);
   S(Attr::kEpCommSms, ep_comm_sms);

@@ -16,9 +16,9 @@ enum class Attr : int32_t {
   kActivationDtype = 10, kWeightDtype = 11, kAccumDtype = 12, kSavePolicy = 13,
   kDeterministic = 14, kDeviceType = 15, kDeviceId = 16, kEngine = 17, kNumThreads = 18,
   kWindowTokens = 19, kEpMaxRecvTokens = 20, kEpTransport = 21, kEpCommSms = 22, kEpSize = 23, kEpRank = 24,
-  kNumExpertGroups = 25, kTopkGroups = 26, kRouteScale = 27, kAuxLossForm = 28,
+  kNumExpertGroups = 25, kTopkGroups = 26, kRouteScale = 27, kAuxLossForm = 28, kWindowBytes = 29,
 };
-constexpr int kAttrCount = 29;
+constexpr int kAttrCount = 30;
 
 enum class Activation : int32_t { kRelu = 0, kGelu = 1, kSilu = 2, kSwiglu = 3, kGeglu = 4 };
 enum class ScoreFn : int32_t { kSoftmax = 0, kSigmoid = 1 };
@@ -71,6 +71,7 @@ struct LayerConfig {
   EngineKind engine;
   int32_t num_threads;
   int64_t window_tokens;  // 0: automatic (engines/fused/window.hpp)
+  int64_t window_bytes;   // 0: automatic; else the windows' memory budget (engines/fused/window.hpp)
   // Routing options beyond softmax/sigmoid top-k (docs/routing.md).
   int64_t num_expert_groups = 1, topk_groups = 0;  // 0: no group limit
   double route_scale = 1.0;

@@ -24,7 +24,8 @@ _Static_assert(sizeof(moeblaze_status_t) == 4 && sizeof(moeblaze_attr_t) == 4 &&
                "enums are 32-bit");
 /* Frozen values (docs/abi-policy.md): a renumbering fails here before it reaches abidiff. */
 _Static_assert(MOEBLAZE_STATUS_INTERNAL_ERROR == 12 && MOEBLAZE_ATTR_NUM_THREADS == 18 && MOEBLAZE_ATTR_WINDOW_TOKENS == 19 && MOEBLAZE_ARG_GRAD_TOPK_WEIGHTS == 102 &&
-                   MOEBLAZE_ARG_Z_LOSS == 35 && MOEBLAZE_PASS_ROUTE == 3 && MOEBLAZE_SAVE_ALL == 2 && MOEBLAZE_ACTIVATION_GEGLU == 4,
+                   MOEBLAZE_ARG_Z_LOSS == 35 && MOEBLAZE_ATTR_AUX_LOSS_FORM == 28 && MOEBLAZE_ATTR_WINDOW_BYTES == 29 &&
+                   MOEBLAZE_PASS_ROUTE == 3 && MOEBLAZE_SAVE_ALL == 2 && MOEBLAZE_ACTIVATION_GEGLU == 4,
                "frozen enumerator values");
 
 int main(void) {

@@ -208,6 +208,31 @@ static void window_tokens_range(void** state) {
   moeblaze_config_destroy(cfg);
 }
 
+/* WINDOW_BYTES is 0 (automatic) .. 2^62, and create refuses it beside WINDOW_TOKENS. */
+static void window_bytes_range(void** state) {
+  (void)state;
+  tu_layer l = tu_layer_default(4, 2, 8, 16, 64, MOEBLAZE_ACTIVATION_SILU);
+  moeblaze_handle_t h = NULL;
+  l.window_bytes = (int64_t)3 << 30;
+  assert_ok(tu_create_cpu(&l, &h));
+  int64_t v = 0;
+  assert_ok(moeblaze_handle_get_i64(h, MOEBLAZE_ATTR_WINDOW_BYTES, &v));
+  assert_int_equal(v, (int64_t)3 << 30);
+  moeblaze_destroy(h);
+  h = NULL;
+  l.window_tokens = 32;
+  assert_status(tu_create_cpu(&l, &h), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_null(h);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "window_tokens = 32 and window_bytes = 3221225472 are both set"));
+  moeblaze_config_t cfg = NULL;
+  assert_ok(moeblaze_config_create(&cfg));
+  assert_status(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_WINDOW_BYTES, -1), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_WINDOW_BYTES, ((int64_t)1 << 62) + 1),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_ok(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_WINDOW_BYTES, (int64_t)1 << 62));
+  moeblaze_config_destroy(cfg);
+}
+
 /* INFO (level 3) carries the decisions create takes: the engine, the device, and how. */
 typedef struct info_log { int infos; char msg[512]; } info_log;
 static void keep_info(void* user, int32_t level, const char* func, const char* msg) {
@@ -242,6 +267,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(accum_dtype_and_struct_size, cfg_setup, cfg_teardown),
       cmocka_unit_test(handle_reads_back_effective_values),
       cmocka_unit_test(window_tokens_range),
+      cmocka_unit_test(window_bytes_range),
       cmocka_unit_test(create_logs_its_decision),
   };
   return cmocka_run_group_tests_name("config", tests, NULL, NULL);

@@ -1,6 +1,7 @@
 // The fused engine's automatic token windows (engines/fused/window.hpp), host only: one window for
 // the coarse layers at their benchmark sizes, 2 GiB windows where the token capacity is decided,
-// the row buffers bounded independently of L, and WINDOW_TOKENS taken as given. docs/memory.md
+// the row buffers bounded independently of L, WINDOW_BYTES as a budget and WINDOW_TOKENS taken
+// as given. docs/memory.md
 // states the rule; perf/NOTES.md the measurements behind it.
 #include <algorithm>
 #include <cstdint>
@@ -101,6 +102,31 @@ void sums_heavier_than_windows_run_one_window(void**) {
   assert_true(moeblaze::fused_windows(c, past).count > 1);
 }
 
+// WINDOW_BYTES: the rows of one window, or of each window plus the fp32 sums, within the budget;
+// never below the minimum window.
+void window_bytes_budget(void**) {
+  LayerConfig c = layer(16, 4, 2048, 8192, Activation::kSwiglu);
+  const int64_t per_token = moeblaze::fused_window_bytes_per_token(c), sums = moeblaze::fused_weight_grad_sum_bytes(c);
+  c.window_bytes = 32768 * per_token;  // conf4's call exactly
+  FusedWindows w = moeblaze::fused_windows(c, 32768);
+  assert_int_equal(w.count, 1);
+  c.window_bytes = int64_t{4} << 30;  // less than the call's 7 GiB: windows and sums within 4 GiB
+  w = moeblaze::fused_windows(c, 32768);
+  assert_true(w.count > 1);
+  assert_int_equal(w.tokens, (c.window_bytes - sums) / per_token);
+  assert_true(row_bytes(c, w.tokens) + sums <= c.window_bytes);
+  assert_true(row_bytes(c, w.tokens + 1) + sums > c.window_bytes);
+  assert_int_equal(w.count, (32768 + w.tokens - 1) / w.tokens);
+  c.window_bytes = sums;  // no room for rows beside the sums: the minimum window
+  w = moeblaze::fused_windows(c, 32768);
+  assert_int_equal(w.tokens, moeblaze::gemm::sm90::kMinWindowTokens);
+  // the budget wins over the automatic rule's one window (conf4 runs as one window without it)
+  c.window_bytes = int64_t{2} << 30;
+  assert_true(moeblaze::fused_windows(c, 32768).count > 1);
+  c.window_bytes = 0;
+  assert_int_equal(moeblaze::fused_windows(c, 32768).count, 1);
+}
+
 void window_tokens_as_given(void**) {
   LayerConfig c = layer(16, 4, 2048, 8192, Activation::kSwiglu);
   c.window_tokens = 4096;
@@ -122,6 +148,7 @@ int main() {
   const struct CMUnitTest tests[] = {cmocka_unit_test(coarse_layers_run_one_window), cmocka_unit_test(large_calls_keep_budget_windows),
                                      cmocka_unit_test(rows_bounded_independently_of_l),
                                      cmocka_unit_test(sums_heavier_than_windows_run_one_window),
+                                     cmocka_unit_test(window_bytes_budget),
                                      cmocka_unit_test(window_tokens_as_given)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

@@ -50,7 +50,7 @@ from ._torch_ops import ROUTE_CALLER, ROUTE_WEIGHT, LayerSpec, call_moe_forward
 _GATED = ("swiglu", "geglu")
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # The attributes a shared expert takes from the layer's (how it computes, not how it routes).
-_SHARED_EXPERT_ATTRS = ("engine", "save_policy", "deterministic", "num_threads", "window_tokens")
+_SHARED_EXPERT_ATTRS = ("engine", "save_policy", "deterministic", "num_threads", "window_tokens", "window_bytes")
 
 
 class _SideStream:

@@ -73,7 +73,7 @@ VERSION = version_encode(VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH)
 #: The ABI this binding was written for; _lib refuses a library reporting another one.
 ABI_VERSION = 0
 #: Number of attributes known to the header this binding mirrors (the library may know more).
-ATTR_COUNT = 29
+ATTR_COUNT = 30
 #: Required alignment of workspace and saved buffers, in bytes.
 BUFFER_ALIGNMENT = 256
 #: Flag on a gradient output: accumulate into it instead of overwriting.
@@ -254,6 +254,7 @@ class Attr(_IntConstants):
     TOPK_GROUPS = 26
     ROUTE_SCALE = 27
     AUX_LOSS_FORM = 28
+    WINDOW_BYTES = 29
 
 
 class Pass(_IntConstants):

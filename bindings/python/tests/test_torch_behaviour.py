@@ -65,6 +65,12 @@ class TestMoELayerDtypes(unittest.TestCase):
             self.mt.MoE(num_experts=4, top_k=5, hidden_size=16, ffn_hidden_size=24, max_tokens=64)
         with self.assertRaises(moeblaze.MoEBlazeError):
             self.mt.MoELayer(16, 24, 4, 2, max_tokens=64, window_tokens=65)
+        with self.assertRaises(moeblaze.MoEBlazeError) as cm:
+            self.mt.MoELayer(16, 24, 4, 2, max_tokens=64, window_tokens=32, window_bytes=1 << 30)
+        self.assertIn("are both set", str(cm.exception))
+        # a budget alone is taken (the CPU engine ignores it) and the layer runs
+        layer = self.mt.MoELayer(16, 24, 4, 2, max_tokens=64, window_bytes=1 << 30)
+        self.assertEqual(layer(self.torch.randn(8, 16))[0].shape, (8, 16))
 
 
 @unittest.skipIf(_torch() is None, "torch is not installed")

@@ -59,7 +59,7 @@ LayerConfig local_config(const LayerConfig& g, int32_t P, int64_t R) {
   l.num_experts = g.num_experts / P;
   l.top_k = std::min<int64_t>(g.top_k, l.num_experts);
   l.max_tokens = R;
-  l.window_tokens = 0;
+  l.window_tokens = 0;  // the caller's tokens are not the local rows; a WINDOW_BYTES budget holds as given
   l.aux_loss_coeff = l.z_loss_coeff = 0.0;
   // Routing (groups, scale) is the EP router's, on the global configuration; the local
   // experts take the gates it made.

@@ -62,9 +62,15 @@ inline int64_t fused_weight_grad_sum_bytes(const LayerConfig& cfg) {
 // expert-parallel layer's local experts at EP 4 ran 2.4x slower in nine such windows). Either
 // way the row buffers stay below max(gemm::sm90::kOneWindowBytes, budget + 2 sums), a bound
 // independent of L.
+// WINDOW_BYTES: one window when the call's rows fit the budget, else windows whose rows and the
+// fp32 sums fit it together, of at least gemm::sm90::kMinWindowTokens tokens.
 inline FusedWindows fused_windows(const LayerConfig& cfg, int64_t L) {
   int64_t w = cfg.window_tokens;
-  if (w == 0) {
+  if (w == 0 && cfg.window_bytes > 0) {
+    const int64_t per_token = fused_window_bytes_per_token(cfg);
+    const int64_t left = cfg.window_bytes - fused_weight_grad_sum_bytes(cfg);
+    w = L * per_token <= cfg.window_bytes ? L : std::max(gemm::sm90::kMinWindowTokens, left / per_token);
+  } else if (w == 0) {
     const int64_t per_token = fused_window_bytes_per_token(cfg);
     w = std::max(gemm::sm90::kMinWindowTokens, gemm::sm90::kWindowBudgetBytes / per_token);
     if (L * per_token <= std::max(gemm::sm90::kOneWindowBytes, w * per_token + 2 * fused_weight_grad_sum_bytes(cfg)))
