@@ -737,6 +737,40 @@ static void fused_workspace_bounded(void** state) {
   }
 }
 
+/* WINDOW_BYTES: the backward workspace of a call past the budget is the budget's windows (plus
+ * per-token scalars), far below the same call as the automatic rule's one window, and a call
+ * the budget holds is one window either way. */
+static void fused_window_bytes_budget(void** state) {
+  (void)state;
+  if (g_engine != MOEBLAZE_ENGINE_CUDA_FUSED) {
+    printf("  skipped: WINDOW_BYTES shapes the fused engine's windows only\n");
+    return;
+  }
+  const int64_t E = 16, k = 4, d = 2048, h = 1024, L = 65536; /* ~2.7 GB of rows as one window */
+  tu_layer l = tu_layer_default(E, k, d, h, L, MOEBLAZE_ACTIVATION_SWIGLU);
+  l.act_dtype = l.weight_dtype = tu_bf16;
+  l.engine = MOEBLAZE_ENGINE_CUDA_FUSED;
+  moeblaze_handle_t automatic = NULL, budget = NULL;
+  assert_ok(tu_create_on(&l, MOEBLAZE_DEVICE_CUDA, &automatic));
+  const int64_t B = (int64_t)768 << 20; /* the fp32 sums (4 E d (2h + h) = 384 MiB) and 384 MiB of rows */
+  l.window_bytes = B;
+  assert_ok(tu_create_on(&l, MOEBLAZE_DEVICE_CUDA, &budget));
+  size_t ws_auto = 0, ws_budget = 0, small_auto = 0, small_budget = 0;
+  assert_ok(moeblaze_get_workspace_size(automatic, MOEBLAZE_PASS_BACKWARD, L, &ws_auto));
+  assert_ok(moeblaze_get_workspace_size(budget, MOEBLAZE_PASS_BACKWARD, L, &ws_budget));
+  assert_ok(moeblaze_get_workspace_size(automatic, MOEBLAZE_PASS_BACKWARD, 256, &small_auto));
+  assert_ok(moeblaze_get_workspace_size(budget, MOEBLAZE_PASS_BACKWARD, 256, &small_budget));
+  printf("  backward workspace at %lld tokens: %zu B automatic (one window), %zu B with a %lld B budget\n", (long long)L,
+         ws_auto, ws_budget, (long long)B);
+  /* per-token scalars past the window: logits, d logits, gate gradients, plan (as fused_workspace_bounded) */
+  const double scalars = (double)L * (8.0 * E + 16.0 * k + 64.0);
+  assert_true((double)ws_budget <= (double)B + scalars + (64.0 * 1024 * 1024)); /* + cuBLASLt and fixed regions */
+  assert_true(ws_budget < ws_auto / 2);
+  assert_int_equal(small_auto, small_budget); /* 256 tokens fit the budget: one window both ways */
+  moeblaze_destroy(automatic);
+  moeblaze_destroy(budget);
+}
+
 static void refill(runner* r, step* s);
 
 /* Hostile saved buffers handed to backward: zeros, 0xFF, random bytes, and a valid buffer with
@@ -1070,6 +1104,7 @@ int main(void) {
       cmocka_unit_test(hostile_saved_buffers),
       cmocka_unit_test(auto_engine_choice),
       cmocka_unit_test(fused_workspace_bounded),
+      cmocka_unit_test(fused_window_bytes_budget),
   };
   /* One suite, every CUDA engine that can serve this device (MOEBLAZE_TEST_ENGINE=cublaslt|fused|
    * fused-windowed|fused-pregather picks one); an engine the registry refuses here is reported,
