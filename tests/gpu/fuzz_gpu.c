@@ -213,6 +213,7 @@ static void draw(fcase* c, tu_rng* r) {
   const int64_t eng = tu_rng_below(r, 5);
   l.engine = eng < 3 ? MOEBLAZE_ENGINE_CUDA_FUSED : eng < 4 ? MOEBLAZE_ENGINE_CUDA_CUBLASLT : MOEBLAZE_ENGINE_AUTO;
   if (tu_rng_below(r, 3) == 0) l.window_tokens = 1 + tu_rng_below(r, max_tokens);
+  else if (tu_rng_below(r, 4) == 0) l.window_bytes = 1 + tu_rng_below(r, max_tokens * 4096); /* a budget: 1024+ token windows */
   c->layer = l;
   const int64_t lpick = tu_rng_below(r, 8);
   c->L = lpick == 0 ? 0 : lpick == 1 ? 1 : lpick == 2 ? max_tokens : tu_rng_below(r, max_tokens + 1);
@@ -232,11 +233,11 @@ static void draw(fcase* c, tu_rng* r) {
 static const char* describe(const fcase* c, char* buf, size_t n) {
   const tu_layer* l = &c->layer;
   snprintf(buf, n, "L=%lld E=%lld k=%lld d=%lld h=%lld act=%lld score=%lld norm=%lld aux=%g z=%g policy=%lld %s engine=%lld "
-           "window=%lld mode=%d bad_ids=%d acc=%d layouts=[x%d y%d wgu%d wd%d dwgu%d dwd%d]",
+           "window=%lld window_bytes=%lld mode=%d bad_ids=%d acc=%d layouts=[x%d y%d wgu%d wd%d dwgu%d dwd%d]",
            (long long)c->L, (long long)l->experts, (long long)l->top_k, (long long)l->d, (long long)l->h,
            (long long)l->activation, (long long)l->score_fn, (long long)l->normalize, l->aux_coeff, l->z_coeff,
            (long long)l->save_policy, tu_dtype_name(l->act_dtype), (long long)l->engine, (long long)l->window_tokens,
-           c->mode, c->bad_ids, c->accumulate, c->layout[T_X], c->layout[T_Y], c->layout[T_WGU], c->layout[T_WD],
+           (long long)l->window_bytes, c->mode, c->bad_ids, c->accumulate, c->layout[T_X], c->layout[T_Y], c->layout[T_WGU], c->layout[T_WD],
            c->layout[T_DWGU], c->layout[T_DWD]);
   return buf;
 }
@@ -508,6 +509,7 @@ static void one_case(tu_rng* r, counters* k) {
   tu_layer cl = c.layer;
   cl.engine = MOEBLAZE_ENGINE_CPU;
   cl.window_tokens = 0;
+  cl.window_bytes = 0;
   if (tu_create_on(&cl, MOEBLAZE_DEVICE_CPU, &cpu) != MOEBLAZE_STATUS_SUCCESS) {
     finding("the CPU engine refused the layer: %s", moeblaze_get_last_error_message());
     goto done;
