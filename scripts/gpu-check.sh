@@ -83,6 +83,9 @@ pylib=""
 [ -d .pylib ] && pylib=:$(python3 -c "import site; print(':'.join(site.getsitepackages()))"):$PWD/.pylib
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+# What ran, by content: the copy's git history can lag its files. scripts/tree-hash.sh computes
+# the same hash in a checkout.
+echo "tree: $(bash scripts/tree-hash.sh)" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s)
 # Expert parallelism is built against the NCCL that PyTorch loads (its nvidia-nccl wheel), so that
 # the torch runs and the C tests (linked to the same library) use one NCCL version.
