@@ -551,11 +551,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4)
       norm += pick_s[half];
     }
   }
-  norm = group_sum_f(norm, g.width);
+  norm = group_sum(norm, g.width);
   float dot_g = 0.f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) dot_g += pick_dg[half] * (pick_s[half] / norm);
-  dot_g = group_sum_f(dot_g, g.width);
+  dot_g = group_sum(dot_g, g.width);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t j = g.sub + half * g.width;

@@ -62,12 +62,10 @@ __device__ __forceinline__ void for_each_expert(const TokenGroup& g, int64_t E, 
   }
 }
 
-__device__ __forceinline__ double group_sum(double v, int width) {
-  for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float group_sum_f(float v, int width) {
+// The group's sum, the same in every lane (a fixed butterfly): double where the sum must match
+// the CPU engine's bit for bit, float where it need not.
+template <class T>
+__device__ __forceinline__ T group_sum(T v, int width) {
   for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
@@ -184,7 +182,7 @@ __device__ __forceinline__ float group_lse(const TokenGroup& g, int64_t E, const
   } else {
     float s = 0.f;
     for_each_expert<kPer>(g, E, [&](int i, int64_t e) { s += expf(logit(i, e) - m); });
-    s = group_sum_f(s, g.width);
+    s = group_sum(s, g.width);
     return m + logf(s);
   }
 }
