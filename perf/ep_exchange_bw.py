@@ -5,8 +5,9 @@ the SMs they take.
 For each shape and each EP_COMM_SMS (the CTAs that move rows, one per SM), `MoELayer(ep_group=)`
 runs fwd+bwd steps (bf16, SwiGLU, a random router weight as perf/ep-bench uses: near-uniform
 routing); the torch profiler (CUPTI, kernel activities only) gives the durations of the NVLink
-exchange kernels: dispatch (x forward, dy backward) and return (the y parts forward, the dx parts
-and gate gradients backward). Bytes are the rows this rank stores into its peers' windows (a
+exchange kernels: dispatch (x forward, dy backward; the rows' own kernel where they are sent
+beside the local GEMMs, whose time then overlaps theirs) and return (the y parts forward, the dx
+parts and gate gradients backward). Bytes are the rows this rank stores into its peers' windows (a
 token travels once to each rank that owns one of its experts; the rows it keeps are its own
 window's and not counted), from the same routing recomputed here (softmax top-k of x W_g^T in
 fp32). A kernel's time includes its wait at the closing barrier for the slowest rank, as in the
@@ -94,7 +95,10 @@ def main():
                 for _ in range(args.steps):
                     step()
                 torch.cuda.synchronize()
-            disp, ret = kernel_ms(prof, "dispatch_kernel"), kernel_ms(prof, "return_kernel")
+            # rows sent beside the local GEMMs have a kernel of their own (docs/ep.md, "Rows under
+            # the GEMMs"); its time then overlaps the GEMMs'
+            disp = kernel_ms(prof, "dispatch_rows_by_expert_kernel") or kernel_ms(prof, "dispatch_kernel")
+            ret = kernel_ms(prof, "return_kernel")
             layer.close()
             # forward's and backward's alternate in each list
             dx_ms, ddy_ms = statistics.median(disp[0::2]), statistics.median(disp[1::2])

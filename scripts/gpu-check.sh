@@ -132,6 +132,12 @@ if want ep; then
   rc=$?
   grep -vE '^  ok ' "$OUT/test_ep_gpu.log" | tail -30
   summary+=("test_ep_gpu: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu.log") FAILED; $(tail -1 "$OUT/test_ep_gpu.log")")
+  # the test layers send their rows beside the local GEMMs (the rule in heuristics.hpp): once
+  # more with the rows sent before them
+  MOEBLAZE_EP_OVERLAP=0 timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_gpu > "$OUT/test_ep_gpu-rows-before.log" 2>&1
+  rc=$?
+  grep -E 'FAILED|rror' "$OUT/test_ep_gpu-rows-before.log" | tail -10
+  summary+=("test_ep_gpu, rows before the GEMMs: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu-rows-before.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu-rows-before.log") FAILED")
   # one process per rank (layers made from an ncclUniqueId) and the soak (EP_SOAK_STEPS, 1000)
   timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_processes > "$OUT/test_ep_processes.log" 2>&1
   rc=$?
@@ -181,8 +187,10 @@ if want epbench; then
   rc=$?
   cat "$OUT/ep-bench.md"; tail -5 "$OUT/ep-bench.err"
   summary+=("ep-bench: rc=$rc (table above)")
-  # the torch.distributed baselines beside it, on 2, 4, ... of the same GPUs (EP_TORCH_ARGS)
+  # the torch.distributed baselines beside it, on 2, 4, ... of the same GPUs (EP_TORCH_ARGS;
+  # EP_TORCH=0 skips them)
   gpus=$(nvidia-smi -L | wc -l)
+  [ "${EP_TORCH:-1}" = 0 ] && gpus=0
   for p in 2 4 8; do
     [ "$p" -le "$gpus" ] || break
     MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python PYTHONUNBUFFERED=1 \

@@ -7,6 +7,7 @@
 
 #include "core/config.hpp"
 #include "core/view.hpp"
+#include "cuda/row_arrival.hpp"
 #include "util/dtype.hpp"
 
 namespace moeblaze {
@@ -50,6 +51,10 @@ struct CallArgs {
   View y, aux_loss, tokens_per_expert, z_loss, status;
   View dy, grad_aux, grad_z;
   View dx, d_router_weight, d_logits, d_w_gate_up, d_w_down, d_topk_weights;
+  // Internal (an expert-parallel layer's local call): x's rows in forward, dy's in backward,
+  // still arriving from other GPUs while the call runs; engines that cannot wait ignore it, and
+  // their caller waits for every row first.
+  RowArrival arrival;
 };
 
 // Decodes and validates args for `pass`; throws Error(kInvalidArgument) naming the problem.

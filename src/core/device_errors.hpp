@@ -17,3 +17,7 @@
 #define MOEBLAZE_DEVICE_ERROR_EP_RECV_BOUND                                                          \
   "moeblaze expert-parallel step reported INSUFFICIENT_WORKSPACE through STATUS: some rank would " \
   "receive more rows than EP_MAX_RECV_TOKENS; nothing was sent and every output is NaN"
+#define MOEBLAZE_DEVICE_ERROR_EP_ROWS_LATE                                                            \
+  "moeblaze expert-parallel step reported INTERNAL_ERROR through STATUS: rows from another rank "  \
+  "did not arrive within 20 s (a rank stopped, or called a different sequence of steps); every "   \
+  "output is NaN"

@@ -33,8 +33,9 @@ __global__ void poison_kernel(const int32_t* flag, T* data, int64_t n0, int64_t 
   }
 }
 
-__global__ void status_kernel(const int32_t* flag, int32_t* status, int32_t insufficient_bits) {
-  *status = (*flag & insufficient_bits) ? static_cast<int32_t>(Status::kInsufficientWorkspace)
+__global__ void status_kernel(const int32_t* flag, int32_t* status, int32_t insufficient_bits, int32_t internal_bits) {
+  *status = (*flag & internal_bits)       ? static_cast<int32_t>(Status::kInternalError)
+            : (*flag & insufficient_bits) ? static_cast<int32_t>(Status::kInsufficientWorkspace)
             : *flag                     ? static_cast<int32_t>(Status::kInvalidArgument)
                                         : 0;
 }
@@ -46,6 +47,7 @@ __global__ void flag_if_status_kernel(const int32_t* status, int32_t* flag, int3
 __global__ void assert_status_kernel(const int32_t* status, StatusSite site) {
   if (*status == 0) return;
   const char* cause = *status == static_cast<int32_t>(Status::kInsufficientWorkspace) ? MOEBLAZE_DEVICE_ERROR_EP_RECV_BOUND
+                      : *status == static_cast<int32_t>(Status::kInternalError)       ? MOEBLAZE_DEVICE_ERROR_EP_ROWS_LATE
                       : site == StatusSite::kForward    ? MOEBLAZE_DEVICE_ERROR_FORWARD
                       : site == StatusSite::kBackward ? MOEBLAZE_DEVICE_ERROR_BACKWARD
                                                       : MOEBLAZE_DEVICE_ERROR_ROUTE;
@@ -71,9 +73,10 @@ void poison_if_flagged(const int32_t* flag, const View& out, cudaStream_t s) {
   MOEBLAZE_CUDA_LAUNCH_CHECK("poison_if_flagged");
 }
 
-void write_status(const int32_t* flag, const View& status, cudaStream_t s, int32_t insufficient_bits) {
+void write_status(const int32_t* flag, const View& status, cudaStream_t s, int32_t insufficient_bits,
+                  int32_t internal_bits) {
   if (!status.present) return;
-  status_kernel<<<1, 1, 0, s>>>(flag, reinterpret_cast<int32_t*>(status.data), insufficient_bits);
+  status_kernel<<<1, 1, 0, s>>>(flag, reinterpret_cast<int32_t*>(status.data), insufficient_bits, internal_bits);
   MOEBLAZE_CUDA_LAUNCH_CHECK("write_status");
 }
 

@@ -17,8 +17,10 @@ namespace cuda {
 void poison_if_flagged(const int32_t* flag, const View& out, cudaStream_t s);
 
 // STATUS = INVALID_ARGUMENT when *flag != 0, else 0 (status absent: nothing); INSUFFICIENT_WORKSPACE
-// when the flag holds one of insufficient_bits (a bound set at create that a call overran).
-void write_status(const int32_t* flag, const View& status, cudaStream_t s, int32_t insufficient_bits = 0);
+// when the flag holds one of insufficient_bits (a bound set at create that a call overran);
+// INTERNAL_ERROR when it holds one of internal_bits (another GPU's rows never came).
+void write_status(const int32_t* flag, const View& status, cudaStream_t s, int32_t insufficient_bits = 0,
+                  int32_t internal_bits = 0);
 
 // *flag |= bit when a nested call's STATUS scalar reads nonzero.
 void flag_if_status(const int32_t* status, int32_t* flag, int32_t bit, cudaStream_t s);

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "cuda/cuda_check.hpp"
+#include "cuda/row_arrival.cuh"
 #include "util/align.hpp"
 
 namespace moeblaze {
@@ -95,9 +96,16 @@ __device__ int32_t counts_entry(const Exchange& x, const int32_t* dest_start, in
   return j < x.layout.ranks ? dest_start[j + 1] - dest_start[j] : *x.flag;
 }
 
-__global__ void __launch_bounds__(256) exchange_counts_kernel(Exchange x, const int32_t* dest_start, int64_t bound) {
+__global__ void __launch_bounds__(256) exchange_counts_kernel(Exchange x, const int32_t* dest_start, int64_t bound,
+                                                              bool clear_ready) {
   const int32_t P = x.layout.ranks, me = x.rank, W = P + 1;
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, 0};
+  if (clear_ready) {  // the part is 256-byte aligned: 16-byte words, then the tail
+    uint32_t* ready = reinterpret_cast<uint32_t*>(x.local + x.layout.ready);
+    const int64_t R = x.layout.recv_rows, words = R / 4;
+    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) reinterpret_cast<uint4*>(ready)[i] = make_uint4(0, 0, 0, 0);
+    for (int64_t i = words * 4 + threadIdx.x; i < R; i += blockDim.x) ready[i] = 0;
+  }
   // Row `me` of every peer's matrix.
   for (int32_t i = threadIdx.x; i < P * W; i += blockDim.x) {
     const int32_t peer = i / W, j = i % W;
@@ -122,7 +130,7 @@ template <bool kStaged>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Exchange x, const char* rows, int64_t stride_bytes,
                                                             const int32_t* dest_start, const int32_t* send_token,
                                                             const int32_t* ids, const float* gates, int32_t k,
-                                                            int32_t epr) {
+                                                            int32_t epr, int32_t first_barrier) {
   const WindowLayout& lay = kStaged ? x.stage_layout : x.layout;
   const int32_t P = lay.ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool send = (*x.flag & kRecvOverflow) == 0;
@@ -132,7 +140,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Exchange x, const ch
     const int32_t t = send_token[i];
     const int64_t r = kStaged ? i : x.send_offset[q] + (i - dest_start[q]);  // the row where it is written
     auto part = [&](size_t offset) { return kStaged ? x.stage + offset : peer_part(x, offset, q); };
-    copy_row(part(lay.rows + r * lay.row_bytes), rows + t * stride_bytes, lay.row_bytes, lane);
+    if (rows) copy_row(part(lay.rows + r * lay.row_bytes), rows + t * stride_bytes, lay.row_bytes, lane);
     if (!ids) continue;
     // The token's experts on q, in id order, and its place among the ranks it reaches.
     uint64_t ranks = 0;
@@ -173,13 +181,48 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Exchange x, const ch
   }
   if constexpr (!kStaged) {
     ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier,
-                                           blockIdx.x + 1};
+                                           first_barrier + blockIdx.x};
     __syncthreads();
     bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
   }
 }
 
-__global__ void take_received_kernel(Exchange x, char* rows_out) {
+// The rows alone, in turns of the destination's local experts: in turn e each warp sends, of
+// its chunks of 32 consecutive sends, those whose lowest local expert is e (send_first, kept in
+// [0, epr) so that every send has exactly one turn), then marks the row arrived. Every warp is
+// in about the same turn at a time, so a destination receives its experts' rows in about the
+// order its GEMMs' tiles read them, from every source at once; where each row lands is the
+// dispatch's fixed layout, never the timing.
+__global__ void __launch_bounds__(kThreads) dispatch_rows_by_expert_kernel(Exchange x, const char* rows,
+                                                                           int64_t stride_bytes,
+                                                                           const int32_t* dest_start,
+                                                                           const int32_t* send_token,
+                                                                           const int32_t* send_first, int32_t epr) {
+  const WindowLayout& lay = x.layout;
+  const int32_t P = lay.ranks, lane = threadIdx.x % 32;
+  const int64_t sends = (*x.flag & kRecvOverflow) == 0 ? dest_start[P] : 0;
+  const int64_t warp = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int32_t e = 0; e < epr; ++e) {
+    for (int64_t c = warp; c * 32 < sends; c += warps) {
+      const int64_t mine = c * 32 + lane;
+      const bool turn = mine < sends && min(max(send_first[mine], 0), epr - 1) == e;
+      for (uint32_t m = __ballot_sync(0xffffffffu, turn); m; m &= m - 1) {
+        const int64_t i = c * 32 + __ffs(static_cast<int>(m)) - 1;
+        const int32_t q = last_at_or_below(dest_start, P, i);
+        const int64_t r = x.send_offset[q] + (i - dest_start[q]);
+        copy_row(peer_part(x, lay.rows + r * lay.row_bytes, q), rows + send_token[i] * stride_bytes, lay.row_bytes,
+                 lane);
+        signal_row_arrived(reinterpret_cast<uint32_t*>(peer_part(x, lay.ready + r * 4, q)), lane);
+      }
+    }
+  }
+  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, blockIdx.x + 1};
+  __syncthreads();
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+}
+
+__global__ void take_received_kernel(Exchange x, char* rows_out, bool mark_empty) {
   const WindowLayout& lay = x.layout;
   const int64_t n = x.recv_offset[lay.ranks];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -187,7 +230,8 @@ __global__ void take_received_kernel(Exchange x, char* rows_out) {
        i += static_cast<int64_t>(gridDim.x) * warps) {
     int32_t* ids = reinterpret_cast<int32_t*>(x.local + lay.ids) + i * lay.row_slots;
     if (i >= n) {  // nothing arrived here this step: empty slots
-      for (int32_t p = lane; p < lay.row_slots; p += 32) ids[p] = -1;
+      if (mark_empty)
+        for (int32_t p = lane; p < lay.row_slots; p += 32) ids[p] = -1;
       continue;
     }
     if (rows_out) copy_row(rows_out + i * lay.row_bytes, x.local + lay.rows + i * lay.row_bytes, lay.row_bytes, lane);
@@ -262,6 +306,7 @@ WindowLayout window_layout(int32_t P, int64_t R, int64_t Lmax, int64_t row_bytes
   l.gates = part(at, static_cast<size_t>(R) * rs * 4);
   l.ret_rows = part(at, static_cast<size_t>(Lmax * token_slots * row_bytes));
   l.ret_gates = part(at, static_cast<size_t>(Lmax * token_slots) * rs * 4);
+  l.ready = part(at, static_cast<size_t>(R) * 4);
   l.bytes = align_up(at, size_t{4096});
   return l;
 }
@@ -270,10 +315,11 @@ WindowLayout stage_layout(const WindowLayout& l) {
   return window_layout(l.ranks, l.max_tokens * l.token_slots, 0, l.row_bytes, l.row_slots, l.token_slots);
 }
 
-int32_t exchange_barriers(int32_t ctas) { return ctas + 1; }
+int32_t exchange_barriers(int32_t ctas) { return 2 * ctas + 1; }
 
-void exchange_counts_cuda(const Exchange& x, const int32_t* dest_start, int64_t bound, cudaStream_t s) {
-  exchange_counts_kernel<<<1, 256, 0, s>>>(x, dest_start, bound);
+void exchange_counts_cuda(const Exchange& x, const int32_t* dest_start, int64_t bound, cudaStream_t s,
+                          bool clear_ready) {
+  exchange_counts_kernel<<<1, 256, 0, s>>>(x, dest_start, bound, clear_ready);
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_exchange_counts");
 }
 
@@ -282,10 +328,27 @@ void dispatch_rows_cuda(const Exchange& x, const char* rows, int64_t stride_byte
                         cudaStream_t s) {
   const unsigned ctas = static_cast<unsigned>(x.ctas);
   if (x.stage)
-    dispatch_kernel<true><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, ids, gates, k, epr);
+    dispatch_kernel<true><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, ids, gates, k, epr, 1);
   else
-    dispatch_kernel<false><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, ids, gates, k, epr);
+    dispatch_kernel<false><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, ids, gates, k, epr, 1);
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch");
+}
+
+void dispatch_metadata_cuda(const Exchange& x, const int32_t* dest_start, const int32_t* send_token, const int32_t* ids,
+                            const float* gates, int32_t k, int32_t epr, cudaStream_t s) {
+  // Barriers ctas + 1 .. 2 ctas: a row dispatch may hold 1 .. ctas at the same time.
+  dispatch_kernel<false><<<static_cast<unsigned>(x.ctas), kThreads, 0, s>>>(x, nullptr, 0, dest_start, send_token, ids,
+                                                                           gates, k, epr, x.ctas + 1);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch_metadata");
+}
+
+void dispatch_rows_by_expert_cuda(const Exchange& x, const char* rows, int64_t stride_bytes, const int32_t* dest_start,
+                                  const int32_t* send_token, const int32_t* send_first, int32_t epr, int32_t ctas,
+                                  cudaStream_t s) {
+  const unsigned grid = static_cast<unsigned>(std::clamp(ctas, 1, x.ctas));  // barriers 1 .. ctas
+  dispatch_rows_by_expert_kernel<<<grid, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, send_first,
+                                                           epr);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch_rows_by_expert");
 }
 
 void counts_row_cuda(const Exchange& x, const int32_t* dest_start, cudaStream_t s) {
@@ -303,9 +366,18 @@ void place_returned_cuda(const Exchange& x, const int32_t* dest_start, bool rows
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_place_returned");
 }
 
-void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s) {
+void preload_exchange_kernels() {
+  cudaFuncAttributes a;
+  MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, exchange_counts_kernel));
+  MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, dispatch_kernel<false>));
+  MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, dispatch_rows_by_expert_kernel));
+  MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, take_received_kernel));
+  MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, return_kernel));
+}
+
+void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s, bool mark_empty) {
   const int64_t blocks = std::clamp<int64_t>(ceil_div(x.layout.recv_rows, 8), 1, 1024);
-  take_received_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, rows_out);
+  take_received_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, rows_out, mark_empty);
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_take_received");
 }
 

@@ -42,6 +42,7 @@ struct WindowLayout {
   size_t gates = 0;         // fp32 [R, k_loc]
   size_t ret_rows = 0;      // [L_max c, d] returned rows
   size_t ret_gates = 0;     // fp32 [L_max c, k_loc] returned gate gradients
+  size_t ready = 0;         // uint32 [R]: nonzero once received row r is there (rows sent beside the GEMMs)
   size_t bytes = 0;         // the whole part, a multiple of 4096 (NCCL's window alignment)
 };
 WindowLayout window_layout(int32_t ranks, int64_t recv_rows, int64_t max_tokens, int64_t row_bytes, int32_t row_slots,
@@ -69,13 +70,18 @@ struct Exchange {
 // The staging a HOST exchange needs: window_layout(ranks, L_max c, 0, ...) of `layout`.
 WindowLayout stage_layout(const WindowLayout& layout);
 
-// The LSA barriers the exchanges need (the device communicator's lsaBarrierCount).
+// The LSA barriers the exchanges need (the device communicator's lsaBarrierCount): the counts'
+// the row exchanges' (one per CTA) and the metadata dispatch's (one per CTA), which may run
+// beside a row dispatch.
 int32_t exchange_barriers(int32_t ctas);
 
 // counts: stores dest_start's per-destination counts and *flag into every peer, meets them, and
 // fills matrix, send_offset and recv_offset. A rank over recv_bound rows sets kRecvOverflow on
-// every rank (and then nothing is sent); another rank's flag sets kPeerFailed.
-void exchange_counts_cuda(const Exchange& x, const int32_t* dest_start, int64_t recv_bound, cudaStream_t s);
+// every rank (and then nothing is sent); another rank's flag sets kPeerFailed. With
+// clear_ready, this rank's row-arrival marks are cleared before the barrier, so no peer's mark
+// of this step can precede the clearing.
+void exchange_counts_cuda(const Exchange& x, const int32_t* dest_start, int64_t recv_bound, cudaStream_t s,
+                          bool clear_ready = false);
 
 // HOST counts, around ncclAllGather of the row into the matrix: counts_row writes this rank's
 // row (its rows per destination, then *flag) into the staging; derive_offsets fills matrix,
@@ -90,11 +96,29 @@ void dispatch_rows_cuda(const Exchange& x, const char* rows, int64_t row_stride_
                         const int32_t* send_token, const int32_t* ids, const float* gates, int32_t k,
                         int32_t experts_per_rank, cudaStream_t s);
 
+// The dispatch split in two, for rows that arrive while the local experts compute:
+// dispatch_metadata_cuda stores each send's metadata alone (as dispatch_rows_cuda with ids does,
+// meeting the peers on barriers of its own, so it may run beside the rows);
+// dispatch_rows_by_expert_cuda stores the rows alone from `ctas` CTAs, in turns of the
+// destination's local experts (a send goes in the turn of the lowest one its row feeds:
+// send_first), marks each row arrived in the destination's `ready` after its bytes, and meets
+// the peers when all its rows are out.
+void dispatch_metadata_cuda(const Exchange& x, const int32_t* dest_start, const int32_t* send_token, const int32_t* ids,
+                            const float* gates, int32_t k, int32_t experts_per_rank, cudaStream_t s);
+void dispatch_rows_by_expert_cuda(const Exchange& x, const char* rows, int64_t row_stride_bytes,
+                                  const int32_t* dest_start, const int32_t* send_token, const int32_t* send_first,
+                                  int32_t experts_per_rank, int32_t ctas, cudaStream_t s);
+
+// Loads the exchange kernels into the context now. Under lazy loading a kernel's first launch
+// may wait for the device's running work, which must not be a GEMM waiting for that kernel's
+// rows.
+void preload_exchange_kernels();
+
 // The receiving side after a forward dispatch: copies the received rows into `rows_out` (the
 // saved buffer: backward needs them after the window is reused; null: no copy, as inference
-// reads them in the window) and marks the local expert slots of the rows past the received
-// count empty (-1).
-void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s);
+// reads them in the window) and, with mark_empty, marks the local expert slots of the rows past
+// the received count empty (-1).
+void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s, bool mark_empty = true);
 
 // return: received row i of `rows` ([R, d], contiguous; null: none) and, when given, its gate
 // gradients ([R, k_loc]) to the return rows of the token's rank, at the place the row's

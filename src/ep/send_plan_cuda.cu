@@ -45,7 +45,8 @@ __global__ void __launch_bounds__(kTile) send_count_kernel(const int32_t* ids, i
 __global__ void __launch_bounds__(kTile) send_place_kernel(const int32_t* ids, int64_t L, int32_t k, int32_t P,
                                                            int32_t epr, int64_t tiles, const int32_t* counts,
                                                            const int32_t* bases, int32_t c, int32_t* dest_start,
-                                                           int32_t* send_token, int32_t* return_map) {
+                                                           int32_t* send_token, int32_t* return_map,
+                                                           int32_t* send_first) {
   using Scan = cubw::BlockScan<int32_t, kTile>;
   __shared__ typename Scan::TempStorage tmp;
   const int64_t t = blockIdx.x * static_cast<int64_t>(kTile) + threadIdx.x;
@@ -55,7 +56,16 @@ __global__ void __launch_bounds__(kTile) send_place_kernel(const int32_t* ids, i
     int32_t before;
     Scan(tmp).ExclusiveSum(mine, before);
     __syncthreads();
-    if (mine) send_token[bases[q * tiles + blockIdx.x] + before] = static_cast<int32_t>(t);
+    if (mine) {
+      const int32_t i = bases[q * tiles + blockIdx.x] + before;
+      send_token[i] = static_cast<int32_t>(t);
+      int32_t first = epr;
+      for (int32_t j = 0; j < k; ++j) {
+        const int32_t e = ids[t * k + j];
+        if (owner_of(e, P, epr) == q) first = min(first, e - q * epr);
+      }
+      send_first[i] = first;
+    }
   }
   if (t < L) {
     const int32_t n = __popcll(m);
@@ -122,7 +132,8 @@ void build_send_plan_cuda(const int32_t* ids, int64_t L, int32_t k, int32_t P, i
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_send_count");
   routing::exclusive_scan_cuda(counts, bases, n, scan_tmp, s);
   send_place_kernel<<<static_cast<unsigned>(tiles), kTile, 0, s>>>(ids, L, k, P, epr, tiles, counts, bases, cmax,
-                                                                   plan.dest_start, plan.send_token, plan.return_map);
+                                                                   plan.dest_start, plan.send_token, plan.return_map,
+                                                                   plan.send_first);
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_send_place");
 }
 

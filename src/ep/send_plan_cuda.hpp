@@ -22,6 +22,9 @@ struct DeviceSendPlan {
   // [L c] the return row (t c + i) of the token's i-th destination rank, -1 past its ranks: the
   // map the token-order combine sums the returned rows through, in rank order.
   int32_t* return_map = nullptr;
+  // [L c] the destination's lowest local expert the send's row feeds: the row is sent in that
+  // expert's turn, so a destination's rows arrive in the order its GEMMs read them.
+  int32_t* send_first = nullptr;
 };
 
 size_t send_plan_scratch_bytes_cuda(int64_t L, int32_t ranks);

@@ -1,4 +1,5 @@
 #include "cuda/cuda_check.hpp"
+#include "cuda/row_arrival.cuh"
 #include "math/activation.hpp"
 #include "experts/expert_cuda.hpp"
 #include "util/align.hpp"
@@ -14,7 +15,7 @@ namespace {
 // an index outside [0, src_rows) (a window row no expert covers, or a bad plan) gives a zero row.
 template <class Vec>
 __global__ void gather_rows_kernel(const char* src, int64_t src_stride_bytes, int64_t src_rows, const int32_t* rows,
-                                   int64_t P, int64_t row_bytes, char* out) {
+                                   int64_t P, int64_t row_bytes, char* out, RowArrival arrival) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t n = row_bytes / static_cast<int64_t>(sizeof(Vec));
@@ -23,8 +24,15 @@ __global__ void gather_rows_kernel(const char* src, int64_t src_stride_bytes, in
     const Vec* in = reinterpret_cast<const Vec*>(src + static_cast<int64_t>(r) * src_stride_bytes);
     Vec* o = reinterpret_cast<Vec*>(out + p * row_bytes);
     if (r >= 0 && r < src_rows) {
+      if (arrival.waits()) {  // rows stored by other GPUs while this kernel runs: read through L2
+        const int32_t row[1] = {r};
+        wait_rows(arrival, row);
 #pragma unroll 4
-      for (int64_t i = lane; i < n; i += 32) o[i] = __ldg(in + i);
+        for (int64_t i = lane; i < n; i += 32) o[i] = __ldcg(in + i);
+      } else {
+#pragma unroll 4
+        for (int64_t i = lane; i < n; i += 32) o[i] = __ldg(in + i);
+      }
     } else {
       for (int64_t i = lane; i < n; i += 32) o[i] = Vec{};
     }
@@ -122,15 +130,17 @@ unsigned grid_for(int64_t n, int threads) {
 
 }  // namespace
 
-void gather_rows_cuda(const View& src, const int32_t* rows, int64_t P, int64_t d, void* out, cudaStream_t s) {
+void gather_rows_cuda(const View& src, const int32_t* rows, int64_t P, int64_t d, void* out, cudaStream_t s,
+                      const RowArrival& arrival) {
   if (P == 0) return;
   const int64_t es = static_cast<int64_t>(src.elem()), row_bytes = d * es, stride = src.stride[0] * es;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(P, 8), int64_t{1} << 16));
+  const int64_t cap = arrival.waits() && arrival.max_ctas > 0 ? arrival.max_ctas : int64_t{1} << 16;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(ceil_div(P, 8), cap));
   const bool vec = row_bytes % 16 == 0 && stride % 16 == 0 && reinterpret_cast<uintptr_t>(src.data) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(out) % 16 == 0;
   auto launch = [&](auto unit) {  // the copy unit: 16 bytes, or one element
     gather_rows_kernel<decltype(unit)>
-        <<<grid, 256, 0, s>>>(src.data, stride, src.shape[0], rows, P, row_bytes, static_cast<char*>(out));
+        <<<grid, 256, 0, s>>>(src.data, stride, src.shape[0], rows, P, row_bytes, static_cast<char*>(out), arrival);
   };
   if (vec) launch(uint4{});
   else if (es == 2) launch(uint16_t{});

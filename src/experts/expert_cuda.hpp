@@ -10,15 +10,18 @@
 #include "core/view.hpp"
 #include "core/config.hpp"
 #include "core/memory_layout.hpp"
+#include "cuda/row_arrival.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
 namespace experts {
 
 // out[p, :] = src[expert_token_indices[p], :] for p in [0, P); out is dense [P, d] of src's dtype.
-// An index outside [0, src.shape[0]) gives a zero row (nothing outside src is read).
+// An index outside [0, src.shape[0]) gives a zero row (nothing outside src is read). With
+// `arrival` waiting, each row is read once it has arrived, and the grid keeps to
+// arrival.max_ctas blocks so that the rows' senders find room beside it.
 void gather_rows_cuda(const View& src, const int32_t* expert_token_indices, int64_t P, int64_t d, void* out,
-                      cudaStream_t s);
+                      cudaStream_t s, const RowArrival& arrival = {});
 
 // gate_of_position[token_index_map[t k + j]] = gates[t k + j].
 void gates_to_positions_cuda(const RoutingPlan& plan, int64_t L, int64_t k, float* gate_of_position, cudaStream_t s);

@@ -94,6 +94,7 @@ static void symmetric_size_follows_the_formula(void** state) {
     at = up(at + R * kl * 4, 256);        /* gates */
     at = up(at + L * c * d * es, 256);    /* returned rows */
     at = up(at + L * c * kl * 4, 256);    /* returned gate gradients */
+    at = up(at + R * 4, 256);             /* row-arrival marks */
     assert_ok(moeblaze_get_symmetric_size(cfg, (int32_t)P, &bytes));
     assert_int_equal(bytes, up(at, 4096));
   }

@@ -5,9 +5,13 @@
 // routings with empty experts, n and K multiples of 8 but not of 64, one row, E = 256, every
 // activation in the fused epilogue, out-of-range gather indices (zero rows, no stray reads),
 // bitwise determinism, the staged (TMA-store) epilogue bitwise equal to the register one, rows
-// placed per expert (and hostile placements), a grid capped below the SM count (the same bits).
+// placed per expert (and hostile placements), a grid capped below the SM count (the same bits),
+// gathered rows that another stream stores while the GEMM waits for each (the same bits), and
+// rows that never come (the step flagged after the timeout, the kernel finished).
 // Exits 77 (skipped) without an sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
+
+#include "cuda/row_arrival.cuh"
 
 #include <cstring>
 
@@ -358,6 +362,99 @@ void capped_grid(void**) {
   free_problem(P);
 }
 
+// Stores A's rows into `a` from `saved` after a delay, last row first, each marked arrived after
+// its bytes: a sender on another stream, as an expert-parallel dispatch is to the local GEMMs.
+__global__ void send_rows_late_kernel(const uint16_t* saved, uint16_t* a, int64_t rows, int64_t cols, uint32_t* ready,
+                                      uint64_t delay_ns) {
+  const uint64_t t0 = moeblaze::global_ns();
+  while (moeblaze::global_ns() - t0 < delay_ns) __nanosleep(1000);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; i < rows; i += warps) {
+    const int64_t r = rows - 1 - i;
+    for (int64_t c = lane; c < cols; c += 32) a[r * cols + c] = saved[r * cols + c];
+    moeblaze::signal_row_arrived(ready + r, lane);
+  }
+}
+
+// The gathered rows arrive while the GEMM runs: its producers wait for each tile's rows (the
+// grid capped so that the sender finds SMs); the result is the same bits as with every row there.
+void arriving_rows(void**) {
+  Problem P = make_problem({6000, 2500, 16, 256, 512, false, true, Major::kMN, 0.5}, DType::kBF16, 21);
+  Check c;
+  int sms = 0;
+  GGP_CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int64_t elems = P.s.a_rows * P.s.k;
+  void* saved = nullptr;
+  uint32_t* ready = nullptr;
+  int32_t* flag = nullptr;
+  GGP_CK(cudaMalloc(&saved, elems * 2));
+  GGP_CK(cudaMemcpy(saved, P.d_a, elems * 2, cudaMemcpyDeviceToDevice));
+  GGP_CK(cudaMalloc(&ready, P.s.a_rows * 4));
+  GGP_CK(cudaMalloc(&flag, 4));
+  cudaFuncAttributes attr;  // loaded before the GEMM waits: a lazy load at its launch could wait for the GEMM
+  GGP_CK(cudaFuncGetAttributes(&attr, send_rows_late_kernel));
+  cudaStream_t gemm_stream, send_stream;
+  GGP_CK(cudaStreamCreateWithFlags(&gemm_stream, cudaStreamNonBlocking));
+  GGP_CK(cudaStreamCreateWithFlags(&send_stream, cudaStreamNonBlocking));
+  for (int bn : kBlockNs) {
+    const std::vector<uint16_t> full = run_store(P, bn, true, &c);
+    GGP_CK(cudaMemset(P.d_a, 0xff, elems * 2));  // NaN rows until they arrive
+    GGP_CK(cudaMemset(ready, 0, P.s.a_rows * 4));
+    GGP_CK(cudaMemset(flag, 0, 4));
+    void* out = alloc_poisoned(P.s.m_total * P.s.n);
+    sm90::EpilogueParams e;
+    e.c = out;
+    e.ldc = P.s.n;
+    e.row_scale = P.d_scale;
+    sm90::GroupedGemmParams p = P.params();
+    p.arrival.ready = ready;
+    p.arrival.flag = flag;
+    p.arrival.late_bit = 4;
+    p.max_ctas = p.arrival.max_ctas = sms - 8;
+    assert_null(sm90::unsupported_reason(P.dt, p, e));
+    sm90::grouped_gemm(P.dt, p, e, kernel_choice(bn), gemm_stream);
+    send_rows_late_kernel<<<8, 256, 0, send_stream>>>(static_cast<const uint16_t*>(saved), static_cast<uint16_t*>(P.d_a),
+                                                       P.s.a_rows, P.s.k, ready, 2000000);
+    GGP_CK(cudaGetLastError());
+    GGP_CK(cudaDeviceSynchronize());
+    std::vector<uint16_t> bits(P.s.m_total * P.s.n);
+    GGP_CK(cudaMemcpy(bits.data(), out, bits.size() * 2, cudaMemcpyDeviceToHost));
+    int32_t h_flag = -1;
+    GGP_CK(cudaMemcpy(&h_flag, flag, 4, cudaMemcpyDeviceToHost));
+    assert_int_equal(h_flag, 0);
+    assert_true(bits == full);
+    cudaFree(out);
+  }
+  // Rows that never come: the wait gives up after its timeout, flags the step and finishes.
+  GGP_CK(cudaMemset(ready, 0, P.s.a_rows * 4));
+  GGP_CK(cudaMemset(flag, 0, 4));
+  void* out = alloc_poisoned(P.s.m_total * P.s.n);
+  sm90::EpilogueParams e;
+  e.c = out;
+  e.ldc = P.s.n;
+  sm90::GroupedGemmParams p = P.params();
+  p.arrival.ready = ready;
+  p.arrival.flag = flag;
+  p.arrival.late_bit = 4;
+  p.arrival.timeout_ns = 2000000;
+  sm90::grouped_gemm(P.dt, p, e, kernel_choice(256), gemm_stream);
+  GGP_CK(cudaStreamSynchronize(gemm_stream));
+  int32_t h_flag = 0;
+  GGP_CK(cudaMemcpy(&h_flag, flag, 4, cudaMemcpyDeviceToHost));
+  assert_int_equal(h_flag, 4);
+  // Contiguous A cannot wait (it loads by TMA): refused before anything is enqueued.
+  p.a_index = nullptr;
+  assert_non_null(sm90::unsupported_reason(P.dt, p, e));
+  cudaFree(out);
+  cudaFree(saved);
+  cudaFree(ready);
+  cudaFree(flag);
+  cudaStreamDestroy(gemm_stream);
+  cudaStreamDestroy(send_stream);
+  free_problem(P);
+}
+
 void no_rows(void**) {  // m_total = 0: no tiles, nothing launched past the schedule, no error
   Problem P = make_problem({0, 10, 4, 64, 64, false, true, Major::kMN, 0.0}, DType::kBF16, 3);
   Check c;
@@ -374,6 +471,6 @@ int main() {
       cmocka_unit_test(store_shapes),   cmocka_unit_test(many_experts),  cmocka_unit_test(bad_indices),
       cmocka_unit_test(activations),    cmocka_unit_test(padded_outputs), cmocka_unit_test(deterministic),
       cmocka_unit_test(no_rows),        cmocka_unit_test(capped_grid),        cmocka_unit_test(staged_matches_registers), cmocka_unit_test(deferred_matches_registers),
-      cmocka_unit_test(placed_rows)};
+      cmocka_unit_test(placed_rows),    cmocka_unit_test(arriving_rows)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

@@ -34,6 +34,7 @@
 #include "ep/send_plan.hpp"
 #include "ep/send_plan_cuda.hpp"
 #include "gemm/cublaslt.hpp"
+#include "gemm/sm90/heuristics.hpp"
 #include "routing/plan_check_cuda.hpp"
 #include "util/align.hpp"
 #include "util/error.hpp"
@@ -48,6 +49,7 @@ namespace {
 // every rank derives the same configuration.
 constexpr int32_t kDefaultCtas = 64;
 constexpr int32_t kLocalFailed = 32;      // the local experts' engine flagged its call
+constexpr int32_t kRowsLate = 64;         // rows from a peer did not arrive in time (RowArrival)
 
 int64_t recv_bound(const LayerConfig& g, int32_t P, int64_t max_recv) {
   return max_recv > 0 ? max_recv : static_cast<int64_t>(P) * g.max_tokens;
@@ -130,8 +132,8 @@ struct HostCounts {
 class EpEngine final : public Engine {
  public:
   EpEngine(const LayerConfig& g, const LayerConfig& l, std::unique_ptr<Engine> local,
-           std::unique_ptr<comm::EpComm> comm, int64_t R, int32_t ctas)
-      : g_(g), l_(l), local_(std::move(local)), comm_(std::move(comm)), R_(R), ctas_(ctas) {
+           std::unique_ptr<comm::EpComm> comm, int64_t R, int32_t ctas, int32_t row_ctas)
+      : g_(g), l_(l), local_(std::move(local)), comm_(std::move(comm)), R_(R), ctas_(ctas), row_ctas_(row_ctas) {
     P_ = comm_->ranks();
     epr_ = static_cast<int32_t>(g_.num_experts / P_);
     c_ = static_cast<int32_t>(std::min<int64_t>(g_.top_k, P_));
@@ -141,9 +143,28 @@ class EpEngine final : public Engine {
     gemm_ = std::make_unique<gemm::CublasLtGemm>();
     router_ = std::make_unique<CudaRouter>(g_, *gemm_);
     if (host()) MOEBLAZE_CUDA_CHECK(cudaMallocHost(&host_matrix_, sizeof(int32_t) * (P_ * (P_ + 1) + 1)));
+    // Rows sent beside the local GEMMs: a second stream (the highest priority, so the senders'
+    // CTAs are placed before the GEMMs' when both wait) forked from and joined to the caller's
+    // by events, which a CUDA graph capture records as edges.
+    overlap_ = !host() && local_->kind() == EngineKind::kCudaFused &&
+               gemm::sm90::ep_overlap(P_, g_.num_experts, g_.top_k, g_.gate_up_cols(),
+                                      static_cast<int64_t>(dtype_size(g_.act_dtype)));
+    if (overlap_) {
+      ep::preload_exchange_kernels();  // loaded now, not at a launch that would wait for a waiting GEMM
+      int dev = 0, least = 0, greatest = 0;
+      MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
+      MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev));
+      MOEBLAZE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      MOEBLAZE_CUDA_CHECK(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, greatest));
+      MOEBLAZE_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+      MOEBLAZE_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+    }
   }
   ~EpEngine() override {
     if (host_matrix_) cudaFreeHost(host_matrix_);
+    if (fork_) cudaEventDestroy(fork_);
+    if (join_) cudaEventDestroy(join_);
+    if (side_) cudaStreamDestroy(side_);
   }
   EngineKind kind() const override { return local_->kind(); }
   size_t workspace_size(Pass pass, int64_t L) const override { return carve_work(pass, L, nullptr).bytes; }
@@ -214,6 +235,28 @@ class EpEngine final : public Engine {
     return la;
   }
 
+  // The rows this rank receives, as the local call's GEMMs wait for them.
+  RowArrival arrival(const EpWork& w) const {
+    RowArrival r;
+    r.ready = reinterpret_cast<const uint32_t*>(comm_->local() + layout_.ready);
+    r.flag = w.router.error_flag;
+    r.late_bit = kRowsLate;
+    r.max_ctas = std::max(1, sms_ - row_ctas_);
+    return r;
+  }
+  // Starts the rows' dispatch on the second stream, after everything enqueued on s so far
+  // (the counts exchange): `rows` ([L, d], row stride in bytes) go out by expert turns, and in
+  // a training forward the received rows are then copied into the saved buffer.
+  void send_rows_beside(const ep::Exchange& x, const EpWork& w, const View& rows, char* keep, cudaStream_t s) const {
+    MOEBLAZE_CUDA_CHECK(cudaEventRecord(fork_, s));
+    MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+    ep::dispatch_rows_by_expert_cuda(x, rows.data, rows.stride[0] * static_cast<int64_t>(rows.elem()),
+                                     w.send.dest_start, w.send.send_token, w.send.send_first, epr_, row_ctas_, side_);
+    if (keep) ep::take_received_cuda(x, keep, side_, /*mark_empty=*/false);
+    MOEBLAZE_CUDA_CHECK(cudaEventRecord(join_, side_));
+  }
+  void join_rows(cudaStream_t s) const { MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(s, join_, 0)); }
+
   // The step's three exchanges on either transport (ep/nvlink_cuda.hpp says what each moves).
   HostCounts exchange_counts(const ep::Exchange& x, const EpWork& w, cudaStream_t s) const;
   void dispatch(const ep::Exchange& x, const EpWork& w, const HostCounts& hc, const View& rows, const RoutingPlan& plan,
@@ -225,7 +268,11 @@ class EpEngine final : public Engine {
   std::unique_ptr<Engine> local_;
   std::unique_ptr<comm::EpComm> comm_;
   int64_t R_;
-  int32_t ctas_, P_ = 1, epr_ = 1, c_ = 1;
+  int32_t ctas_, row_ctas_, P_ = 1, epr_ = 1, c_ = 1;
+  bool overlap_ = false;  // rows sent beside the local GEMMs
+  int sms_ = 0;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
   ep::WindowLayout layout_, stage_layout_;
   int32_t* host_matrix_ = nullptr;  // HOST: pinned [P (P + 1)] counts matrix, then the step's flag
   std::unique_ptr<gemm::CublasLtGemm> gemm_;
@@ -247,6 +294,7 @@ EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
   w.send.dest_start = c.take<int32_t>(static_cast<size_t>(P_ + 1));
   w.send.send_token = c.take<int32_t>(Lc);
   w.send.return_map = c.take<int32_t>(Lc);
+  w.send.send_first = c.take<int32_t>(Lc);
   w.send_scratch = c.take<char>(ep::send_plan_scratch_bytes_cuda(L, P_));
   w.matrix = c.take<int32_t>(static_cast<size_t>(P_ * (P_ + 1)));
   w.send_offset = c.take<int32_t>(static_cast<size_t>(P_));
@@ -265,7 +313,7 @@ EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
 HostCounts EpEngine::exchange_counts(const ep::Exchange& x, const EpWork& w, cudaStream_t s) const {
   HostCounts hc;
   if (!host()) {
-    ep::exchange_counts_cuda(x, w.send.dest_start, R_, s);
+    ep::exchange_counts_cuda(x, w.send.dest_start, R_, s, overlap_);
     return hc;
   }
   const int32_t W = P_ + 1, me = comm_->rank();
@@ -381,18 +429,29 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
   router_->write_outputs(a, sv.plan, w.router, s);
   ep::build_send_plan_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, w.send, w.send_scratch, s);
   const HostCounts hc = exchange_counts(x, w, s);
-  dispatch(x, w, hc, a.x, sv.plan, s);
-  ep::take_received_cuda(x, sv.recv_x, s);
-  CallArgs la = local_args(a, w, sv.recv_x ? sv.recv_x : comm_->local() + layout_.rows);
+  CallArgs la;
+  if (overlap_) {  // the local GEMMs read the rows in the window as they arrive
+    send_rows_beside(x, w, a.x, sv.recv_x, s);
+    ep::dispatch_metadata_cuda(x, w.send.dest_start, w.send.send_token, sv.plan.token_expert_indices, sv.plan.gates,
+                               k, epr_, s);
+    ep::take_received_cuda(x, nullptr, s);
+    la = local_args(a, w, comm_->local() + layout_.rows);
+    la.arrival = arrival(w);
+  } else {
+    dispatch(x, w, hc, a.x, sv.plan, s);
+    ep::take_received_cuda(x, sv.recv_x, s);
+    la = local_args(a, w, sv.recv_x ? sv.recv_x : comm_->local() + layout_.rows);
+  }
   la.y = dense(w.rows, g_.act_dtype, R_, g_.hidden);
   local_->forward(pass, la, w.local_ws, sv.local, s);
+  if (overlap_) join_rows(s);
   cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
   give_back(x, w, hc, static_cast<const char*>(w.rows), nullptr, s);
   combine::combine_rows_cuda(w.send.return_map, nullptr, L, c_, g_.hidden, comm_->local() + layout_.ret_rows, nullptr,
                              a.y, s);
   if (sv.header) cuda::store_saved_header(make_saved_header(g_, L), sv.header, s, flag);
   cuda::poison_if_flagged(flag, a.y, s);
-  cuda::write_status(flag, a.status, s, ep::kRecvOverflow);
+  cuda::write_status(flag, a.status, s, ep::kRecvOverflow, kRowsLate);
 }
 
 void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
@@ -414,14 +473,22 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
   // Where the rows go is derived again from the checked routing, not read from the saved bytes.
   ep::build_send_plan_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, w.send, w.send_scratch, s);
   const HostCounts hc = exchange_counts(x, w, s);
-  dispatch(x, w, hc, a.dy, sv.plan, s);
+  if (overlap_) {  // the dact GEMM reads dy's rows in the window as they arrive
+    send_rows_beside(x, w, a.dy, nullptr, s);
+    ep::dispatch_metadata_cuda(x, w.send.dest_start, w.send.send_token, sv.plan.token_expert_indices, sv.plan.gates,
+                               k, epr_, s);
+  } else {
+    dispatch(x, w, hc, a.dy, sv.plan, s);
+  }
   CallArgs la = local_args(a, w, sv.recv_x);
+  if (overlap_) la.arrival = arrival(w);
   la.dy = dense(comm_->local() + layout_.rows, g_.act_dtype, R_, g_.hidden);
   if (a.dx.present) la.dx = dense(w.rows, g_.act_dtype, R_, g_.hidden);
   la.d_w_gate_up = a.d_w_gate_up;
   la.d_w_down = a.d_w_down;
   la.d_topk_weights = dense(w.dg_recv, DType::kF32, R_, l_.top_k);
   local_->backward(la, sv.local, w.local_ws, s);
+  if (overlap_) join_rows(s);
   cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
   give_back(x, w, hc, a.dx.present ? static_cast<const char*>(w.rows) : nullptr, w.dg_recv, s);
   ep::gather_returned_gates_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, static_cast<int32_t>(l_.top_k),
@@ -435,7 +502,7 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
   for (const View* out : {&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight})
     cuda::poison_if_flagged(flag, *out, s);
-  cuda::write_status(flag, a.status, s, ep::kRecvOverflow);
+  cuda::write_status(flag, a.status, s, ep::kRecvOverflow, kRowsLate);
 }
 
 }  // namespace
@@ -477,6 +544,8 @@ std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, s
     fail(Status::kInvalidArgument, "the receive bound (%lld rows) times the local slots must stay below 2^31",
          static_cast<long long>(R));
   const int32_t ctas = cfg.ep_comm_sms > 0 ? cfg.ep_comm_sms : kDefaultCtas;
+  // The rows sent beside the local GEMMs take fewer CTAs, unless EP_COMM_SMS names the count.
+  const int32_t row_ctas = cfg.ep_comm_sms > 0 ? ctas : std::min(ctas, gemm::sm90::kEpOverlapCtas);
   cfg.ep_ranks = P;
   cfg.ep_rank_of = rank;
   LayerConfig l = local_config(cfg, P, R);
@@ -507,7 +576,7 @@ std::unique_ptr<Engine> make_ep_engine(LayerConfig& cfg, const EpOptions& opt, s
     *decision += ", expert-parallel rank " + std::to_string(comm->rank()) + " of " + std::to_string(P) + " (" +
                  std::to_string(cfg.num_experts / P) + " local experts, " +
                  (comm->transport() == comm::EpTransport::kHost ? "HOST" : "NVLink") + " transport)";
-  return std::make_unique<EpEngine>(cfg, l, std::move(local), std::move(comm), R, ctas);
+  return std::make_unique<EpEngine>(cfg, l, std::move(local), std::move(comm), R, ctas, row_ctas);
 }
 
 }  // namespace v0

@@ -243,6 +243,8 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
   const routing::WindowPlan& win = w.win;
   // The saved pre and act lie at the call's positions; the window's own act at its rows.
   sm90::GroupedGemmParams up = up_gemm(a, win.token);
+  up.arrival = a.arrival;  // x's rows may still be arriving (an expert-parallel local call)
+  up.max_ctas = a.arrival.max_ctas;
   const sm90::EpilogueParams up_epi =
       sv.act ? activation_epilogue(sv.preact, win.expert_call_row, sv.act, win.expert_call_row, L * k)
              : activation_epilogue(sv.preact, win.expert_call_row, w.act, nullptr, L * k);
@@ -305,6 +307,10 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   // dact = dy W_down^T into the first h columns of dpre.
   sm90::GroupedGemmParams dact =
       expert_gemm(dy_rows.data, dy_rows.ld, dy_rows.index, dy_rows.rows, a.w_down, sm90::Major::kK, h, d);
+  if (!pregather_) {  // dy's rows may still be arriving: the dact GEMM (or the copy) waits for them
+    dact.arrival = a.arrival;
+    dact.max_ctas = a.arrival.max_ctas;
+  }
   sm90::EpilogueParams dact_epi;
   dact_epi.c = w.dpre;
   dact_epi.ldc = gh;
@@ -363,7 +369,7 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     if (needs.recompute_up) sm90::grouped_gemm(dt, up, up_epi, {}, s);
     // The rows the GEMMs cover: all of them, unless a bad plan's offsets end early.
     const int32_t* rows_done = sched.offsets + cfg_.num_experts;
-    if (pregather_) experts::gather_rows_cuda(a.dy, win.token, rows * k, d, w.dx_part, s);
+    if (pregather_) experts::gather_rows_cuda(a.dy, win.token, rows * k, d, w.dx_part, s, a.arrival);
     if (act_in_epilogue) {
       sm90::grouped_gemm(dt, dact, act_epi, {}, s);
     } else {

@@ -142,6 +142,8 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
   if (p.b_expert_stride % 8 || p.b_expert_stride < 0 || p.b_expert_stride * es >= max_stride ||
       p.ldb * es >= max_stride || p.lda * es >= max_stride)
     return "the weights' expert stride must be a non-negative multiple of 8 elements, and every stride below 2^40 bytes";
+  if (p.arrival.waits() && (!p.a_index || !p.arrival.flag))
+    return "rows still arriving are waited for on gathered A only, with the step's flag";
   if (p.gated && e.kind != EpilogueKind::kActivation) return "gated tiles pair columns for the activation epilogue only";
   if (e.kind == EpilogueKind::kStore && (e.ldc % 2 || reinterpret_cast<uintptr_t>(e.c) % 4))
     return "the output's leading dimension must be even and the output 4-byte aligned";

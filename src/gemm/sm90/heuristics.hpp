@@ -42,6 +42,26 @@ constexpr int64_t kOneWindowBytes = int64_t{8} << 30;
 // 6,144-43,008, +2.5% at 3,072. MOEBLAZE_FUSED_PREGATHER=always|never overrides it.
 bool pregather(int64_t gate_up_cols, int64_t ffn_hidden);
 
+// ---- expert parallelism: the exchanges under the local experts' GEMMs ---------------------
+
+// Whether an expert-parallel layer on the NVLink transport, whose local experts run on the
+// fused engine, dispatches its x and dy rows on a second stream while the local up and dact
+// GEMMs run, each GEMM tile waiting for its own rows (cuda/row_arrival.hpp), instead of before
+// them. The GEMMs that wait run on 16 fewer SMs for their whole length, so it pays only where
+// the rows are many for the GEMM's work: where a token's rows (the ranks it reaches under
+// uniform routing, P (1 - C(E - E/P, k) / C(E, k)), d es bytes each) are at least 2e-4 bytes per
+// FLOP of its up GEMM (2 k d g h). Measured on 4 H100s, 16,384 tokens per rank, rows beside /
+// before: Qwen3-30B-A3B-like EP 4 (2.9e-4) 10.83 / 11.62 ms, OLMoE-like EP 4 (2.2e-4) 12.68 /
+// 13.51; slower at EP 2 (1.2-1.6e-4: +0.4 ms on both) and on Mixtral-like (2.7-3.2e-5:
+// +0.7-2.5 ms). MOEBLAZE_EP_OVERLAP=0 turns it off, =1 on wherever it can run.
+bool ep_overlap(int32_t ranks, int64_t num_experts, int64_t top_k, int64_t gate_up_cols, int64_t elem_bytes);
+
+// CTAs of the overlapped row dispatch when EP_COMM_SMS leaves it to the library: the waiting
+// GEMMs run on the other SMs for their whole length, so the dispatch gets few. 16 CTAs of row
+// stores moved 136-140 GB/s per GPU (perf/NOTES.md, the NVLink floor): at EP 4 on the
+// Qwen3-30B-A3B-like layer its 181 MB take ~1.3 ms, under the ~1.4 ms up GEMM.
+constexpr int32_t kEpOverlapCtas = 16;
+
 // ---- the grouped GEMM ----------------------------------------------------------------------
 
 // How the two consumer warpgroups share the work (grouped_gemm.cu): both on every 128 x BN tile

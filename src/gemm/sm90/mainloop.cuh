@@ -16,6 +16,7 @@
 
 #include <cuda/ptx>
 
+#include "cuda/row_arrival.cuh"
 #include "gemm/grouped_tiles.hpp"
 #include "gemm/sm90/params.hpp"
 #include "gemm/sm90/pipeline.cuh"
@@ -148,6 +149,7 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
 #pragma unroll
     for (int i = 0; i < 8; ++i)
       if (src_row[i] >= p.a_rows) src_row[i] = -1;  // negative stays negative: a zero row
+    wait_rows(p.arrival, src_row);
     for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
       ring.pipe.acquire(st);
       const uint32_t a_dst = ring.stage_addr(st);

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/config.hpp"
+#include "cuda/row_arrival.hpp"
 #include "gemm/grouped_tiles.hpp"
 
 namespace moeblaze {
@@ -59,6 +60,9 @@ struct GroupedGemmParams {
   // At most this many persistent CTAs (0: one per SM), so that kernels on another stream (an
   // expert-parallel exchange) keep SMs of their own; the tile walk strides by the grid.
   int32_t max_ctas = 0;
+  // Gathered A only: rows that other GPUs are still storing; the producer waits for each row of
+  // a tile before it loads them (cuda/row_arrival.hpp).
+  RowArrival arrival;
 };
 
 // A CUtensorMap (128 opaque bytes, 64-byte aligned) by value: the weights' TMA descriptor,
