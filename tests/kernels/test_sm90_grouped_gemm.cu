@@ -377,6 +377,20 @@ __global__ void send_rows_late_kernel(const uint16_t* saved, uint16_t* a, int64_
   }
 }
 
+// A store into a fresh poisoned output whose gathered rows wait for their marks in `ready`
+// (cleared here, with the flag), flag bit 4 on a timeout.
+sm90::GroupedGemmParams waiting_store(const Problem& P, uint32_t* ready, int32_t* flag, sm90::EpilogueParams* e) {
+  GGP_CK(cudaMemset(ready, 0, P.s.a_rows * 4));
+  GGP_CK(cudaMemset(flag, 0, 4));
+  e->c = alloc_poisoned(P.s.m_total * P.s.n);
+  e->ldc = P.s.n;
+  sm90::GroupedGemmParams p = P.params();
+  p.arrival.ready = ready;
+  p.arrival.flag = flag;
+  p.arrival.late_bit = 4;
+  return p;
+}
+
 // The gathered rows arrive while the GEMM runs: its producers wait for each tile's rows (the
 // grid capped so that the sender finds SMs); the result is the same bits as with every row there.
 void arriving_rows(void**) {
@@ -400,17 +414,9 @@ void arriving_rows(void**) {
   for (int bn : kBlockNs) {
     const std::vector<uint16_t> full = run_store(P, bn, true, &c);
     GGP_CK(cudaMemset(P.d_a, 0xff, elems * 2));  // NaN rows until they arrive
-    GGP_CK(cudaMemset(ready, 0, P.s.a_rows * 4));
-    GGP_CK(cudaMemset(flag, 0, 4));
-    void* out = alloc_poisoned(P.s.m_total * P.s.n);
     sm90::EpilogueParams e;
-    e.c = out;
-    e.ldc = P.s.n;
     e.row_scale = P.d_scale;
-    sm90::GroupedGemmParams p = P.params();
-    p.arrival.ready = ready;
-    p.arrival.flag = flag;
-    p.arrival.late_bit = 4;
+    sm90::GroupedGemmParams p = waiting_store(P, ready, flag, &e);
     p.max_ctas = p.arrival.max_ctas = sms - 8;
     assert_null(sm90::unsupported_reason(P.dt, p, e));
     sm90::grouped_gemm(P.dt, p, e, kernel_choice(bn), gemm_stream);
@@ -419,24 +425,16 @@ void arriving_rows(void**) {
     GGP_CK(cudaGetLastError());
     GGP_CK(cudaDeviceSynchronize());
     std::vector<uint16_t> bits(P.s.m_total * P.s.n);
-    GGP_CK(cudaMemcpy(bits.data(), out, bits.size() * 2, cudaMemcpyDeviceToHost));
+    GGP_CK(cudaMemcpy(bits.data(), e.c, bits.size() * 2, cudaMemcpyDeviceToHost));
     int32_t h_flag = -1;
     GGP_CK(cudaMemcpy(&h_flag, flag, 4, cudaMemcpyDeviceToHost));
     assert_int_equal(h_flag, 0);
     assert_true(bits == full);
-    cudaFree(out);
+    cudaFree(e.c);
   }
   // Rows that never come: the wait gives up after its timeout, flags the step and finishes.
-  GGP_CK(cudaMemset(ready, 0, P.s.a_rows * 4));
-  GGP_CK(cudaMemset(flag, 0, 4));
-  void* out = alloc_poisoned(P.s.m_total * P.s.n);
   sm90::EpilogueParams e;
-  e.c = out;
-  e.ldc = P.s.n;
-  sm90::GroupedGemmParams p = P.params();
-  p.arrival.ready = ready;
-  p.arrival.flag = flag;
-  p.arrival.late_bit = 4;
+  sm90::GroupedGemmParams p = waiting_store(P, ready, flag, &e);
   p.arrival.timeout_ns = 2000000;
   sm90::grouped_gemm(P.dt, p, e, kernel_choice(256), gemm_stream);
   GGP_CK(cudaStreamSynchronize(gemm_stream));
@@ -446,7 +444,7 @@ void arriving_rows(void**) {
   // Contiguous A cannot wait (it loads by TMA): refused before anything is enqueued.
   p.a_index = nullptr;
   assert_non_null(sm90::unsupported_reason(P.dt, p, e));
-  cudaFree(out);
+  cudaFree(e.c);
   cudaFree(saved);
   cudaFree(ready);
   cudaFree(flag);
