@@ -2,7 +2,7 @@
 # One call on the GPU machine: build (CMocka carried in .deps/), run the GPU tests, the
 # compute-sanitizer passes, the GPU soak and the benchmarks; logs under $OUT, a summary last.
 # Usage (device tool, carry .deps):
-#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|eptorch|epbench|epexchange|routing|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|ncu|all]...
+#   bash scripts/gpu-check.sh [tests|gemm|sanitize|sanitize-full|soak|fuzz|fsdp|ep|eptorch|epbench|epexchange|epprofile|routing|plan|torch|pytorch|example|policies|maxtokens|bench|engines|sidebyside|profile|ncu|all]...
 # routing: the routing options on both CUDA engines against the CPU engine
 # (tests/gpu/test_gpu_routing_options.c; ROUTING_SANITIZE="memcheck racecheck" runs its quick
 # subset under those tools too), then what each option costs (perf/routing_options_cost.py, ROUTING_COST_ARGS;
@@ -21,6 +21,9 @@
 # MoEBlaze, torchtitan-style) on 2, 4, ... GPUs.
 # epexchange: perf/ep_exchange_bw.py, the exchanges' GB/s per GPU inside a step against the SMs
 # they take, on every GPU of the machine (EP_EXCHANGE_ARGS); not part of "all".
+# epprofile: perf/ep_step_profile.py, one EP fwd+bwd step's kernels in start order on rank 0,
+# with the rows beside the local GEMMs and before them (EP_PROFILE_ARGS, EP_PROFILE_GPUS: the
+# ranks, default every GPU); not part of "all".
 # sidebyside: perf/side_by_side.py on SonicMoE's configs (SIDE_CONFIGS), with SonicMoE run first
 # through .peers/run_sonic.sh when its bundle is carried in .peers/sonic/site (not part of "all").
 # profile: the CUDA kernels of one MoEBlaze fwd+bwd through moeblaze.torch (PROFILE_CONFIG).
@@ -59,7 +62,7 @@ want() {
     [ "$w" = "$1" ] && return 0
     [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && [ "$1" != sidebyside ] \
       && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != routing ] && [ "$1" != shared ] && [ "$1" != epbench ] && [ "$1" != eptorch ] \
-      && [ "$1" != epexchange ] && return 0
+      && [ "$1" != epexchange ] && [ "$1" != epprofile ] && return 0
   done
   return 1
 }
@@ -179,6 +182,17 @@ if want epexchange; then
   rc=$?
   cat "$OUT/ep-exchange.md"; grep -E 'Error|error' "$OUT/ep-exchange.err" | tail -3
   summary+=("ep exchange bandwidth: rc=$rc (table above)")
+fi
+if want epprofile; then
+  gpus=${EP_PROFILE_GPUS:-$(nvidia-smi -L | wc -l)}
+  for overlap in 1 0; do
+    MOEBLAZE_EP_OVERLAP=$overlap MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONPATH=$PWD/bindings/python \
+      PYTHONUNBUFFERED=1 timeout ${EP_TIMEOUT:-300} torchrun --standalone --nproc_per_node="$gpus" \
+      perf/ep_step_profile.py ${EP_PROFILE_ARGS:-} > "$OUT/ep-profile-overlap$overlap.md" 2> "$OUT/ep-profile-overlap$overlap.err"
+    rc=$?
+    head -3 "$OUT/ep-profile-overlap$overlap.md"; grep -E 'Error|error' "$OUT/ep-profile-overlap$overlap.err" | tail -3
+    summary+=("ep step profile, MOEBLAZE_EP_OVERLAP=$overlap, $gpus ranks: rc=$rc; $(grep '^step ms' "$OUT/ep-profile-overlap$overlap.md")")
+  done
 fi
 if want epbench; then
   # the EP layer's weak scaling over the machine's GPUs (EP_BENCH_ARGS: tokens per rank,

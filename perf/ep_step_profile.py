@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Where one expert-parallel fwd+bwd step spends its time on rank 0: the step's time (CUDA
+events, median of --steps), then every kernel of one profiled step in start order, with its start
+and end in microseconds from the step's first kernel and its duration, so the gaps and what runs
+beside what (the rows sent on the layer's second stream) can be read off; then the kernels summed
+by name.
+
+Run it once with the rows beside the local GEMMs and once before them, to see what the overlap
+costs and saves (scripts/gpu-check.sh epprofile does both):
+
+  MOEBLAZE_EP_OVERLAP=1 torchrun --nproc_per_node=P perf/ep_step_profile.py [--shape qwen3-30b-a3b]
+      [--tokens 16384] [--steps 20] [--list 80]
+"""
+import argparse
+import collections
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if os.environ.get("MOEBLAZE_LIBRARY"):
+    sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
+from moeblaze.torch import MoELayer  # noqa: E402
+
+SHAPES = {  # d, h, E, k
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "olmoe": (2048, 1024, 64, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "mixtral": (4096, 14336, 8, 2),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--list", type=int, default=80, help="kernels listed in start order")
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, P = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(dev)
+    from torch.profiler import ProfilerActivity, profile
+
+    d, h, E, k = SHAPES[args.shape]
+    gen = torch.Generator(device=dev).manual_seed(100 + rank)
+    x = torch.randn(args.tokens, d, device=dev, dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(args.tokens, d, device=dev, dtype=torch.bfloat16, generator=gen)
+    torch.manual_seed(0)  # the same router weight on every rank
+    layer = MoELayer(d, h, E, k, dtype=torch.bfloat16, device=dev, normalize_topk=1, max_tokens=args.tokens,
+                     ep_group=dist.group.WORLD)
+
+    def step():
+        xs = x.detach().requires_grad_()
+        layer(xs)[0].backward(dy)
+        layer.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(args.steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        torch.cuda.synchronize()
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    layer.close()
+    if rank == 0:
+        kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        t0 = kernels[0].time_range.start if kernels else 0
+        print("# %s (d %d, h %d, E %d, k %d), EP %d on %s, %d tokens per rank, MOEBLAZE_EP_OVERLAP=%s"
+              % (args.shape, d, h, E, k, P, torch.cuda.get_device_name(dev), args.tokens,
+                 os.environ.get("MOEBLAZE_EP_OVERLAP", "(the rule)")))
+        print("step ms (rank 0, median of %d): %.3f" % (args.steps, statistics.median(times)))
+        print("\n| start us | end us | us | kernel |\n|---|---|---|---|")
+        for e in kernels[:args.list]:
+            s, t = e.time_range.start - t0, e.time_range.end - t0
+            print("| %.0f | %.0f | %.1f | %s |" % (s, t, t - s, e.name[:110]))
+        total = collections.defaultdict(float)
+        count = collections.Counter()
+        for e in kernels:
+            total[e.name[:110]] += e.time_range.end - e.time_range.start
+            count[e.name[:110]] += 1
+        print("\n| kernel | calls | us |\n|---|---|---|")
+        for name, us in sorted(total.items(), key=lambda kv: -kv[1]):
+            print("| %s | %d | %.1f |" % (name, count[name], us))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
