@@ -1,11 +1,13 @@
 // The grouped GEMM's automatic kernel choice (gemm/sm90 choose_kernel), host only: cooperative
 // for every epilogue and K, with 256-wide tiles from 256 output columns (gated: both halves); an
-// explicit choice is kept, ping-pong always 128 wide. The measurements behind the rule are in
-// perf/NOTES.md.
+// explicit choice is kept, ping-pong always 128 wide. The expert-parallel rule of rows sent beside
+// the local GEMMs (ep_overlap) on the benchmarked layers. The measurements behind the rules are
+// in perf/NOTES.md.
 #include <cstdio>
 #include <cstdlib>
 
 #include "gemm/sm90/grouped_gemm.hpp"
+#include "gemm/sm90/heuristics.hpp"
 
 // cmocka.h defines a fail() macro: include it after the library headers.
 #include <stdarg.h>
@@ -108,15 +110,41 @@ void activation_backward(void**) {
   }
 }
 
+// Rows beside the local GEMMs where they were measured faster (Qwen3- and OLMoE-like at EP 4),
+// before them where slower (EP 2; Mixtral-like) or not expected to pay (DeepSeek-V3-like); never
+// on one rank or a degenerate layer. SwiGLU, bf16: g h = 2 h.
+void ep_overlap_rule(void**) {
+  struct Case {
+    int32_t P;
+    int64_t E, k, h;
+    bool beside;
+  };
+  const Case cases[] = {
+      {4, 128, 8, 768, true},    {2, 128, 8, 768, false},  // Qwen3-30B-A3B-like
+      {8, 128, 8, 768, true},                              // ... at EP 8: 5.25 ranks a token
+      {4, 64, 8, 1024, true},    {2, 64, 8, 1024, false},  // OLMoE-like
+      {4, 256, 8, 2048, false},  {2, 256, 8, 2048, false}, // DeepSeek-V3-like
+      {4, 8, 2, 14336, false},   {2, 8, 2, 14336, false},  // Mixtral-like
+      {1, 128, 8, 768, false},                             // one rank
+  };
+  for (const Case& c : cases) {
+    if (sm90::ep_overlap(c.P, c.E, c.k, 2 * c.h, 2) != c.beside)
+      std::printf("ep_overlap(P %d, E %lld, k %lld, h %lld) != %d\n", c.P, static_cast<long long>(c.E),
+                  static_cast<long long>(c.k), static_cast<long long>(c.h), c.beside);
+    assert_int_equal(sm90::ep_overlap(c.P, c.E, c.k, 2 * c.h, 2), c.beside);
+  }
+}
+
 }  // namespace
 
 int main() {
-  // The override knob would change every answer: these tests are of the automatic rule.
-  if (std::getenv("MOEBLAZE_SM90_SCHEDULE")) {
-    std::printf("MOEBLAZE_SM90_SCHEDULE is set: skipped\n");
-    return 77;
-  }
+  // The override knobs would change the answers: these tests are of the automatic rules.
+  for (const char* knob : {"MOEBLAZE_SM90_SCHEDULE", "MOEBLAZE_EP_OVERLAP"})
+    if (std::getenv(knob)) {
+      std::printf("%s is set: skipped\n", knob);
+      return 77;
+    }
   const struct CMUnitTest tests[] = {cmocka_unit_test(automatic), cmocka_unit_test(explicit_choices),
-                                     cmocka_unit_test(activation_backward)};
+                                     cmocka_unit_test(activation_backward), cmocka_unit_test(ep_overlap_rule)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }
