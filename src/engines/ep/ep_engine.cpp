@@ -123,6 +123,30 @@ struct EpWork {
   size_t bytes = 0;
 };
 
+// The second stream the rows are sent on beside the local GEMMs, and the events that fork it from
+// and join it to the caller's stream. A member, so that what was made is released also when the
+// engine's constructor fails part way.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+  SideStream() = default;
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream() {
+    if (fork) cudaEventDestroy(fork);
+    if (join) cudaEventDestroy(join);
+    if (stream) cudaStreamDestroy(stream);
+  }
+  // The highest priority, so that the senders' CTAs are placed before the GEMMs' when both wait.
+  void create() {
+    int least = 0, greatest = 0;
+    MOEBLAZE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    MOEBLAZE_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest));
+    MOEBLAZE_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    MOEBLAZE_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  }
+};
+
 // What the HOST transport knows on the host after a step's count exchange: the rows this rank
 // sends to and receives from each rank, at which offsets (in rows), or nothing after an overflow.
 struct HostCounts {
@@ -143,28 +167,21 @@ class EpEngine final : public Engine {
     gemm_ = std::make_unique<gemm::CublasLtGemm>();
     router_ = std::make_unique<CudaRouter>(g_, *gemm_);
     if (host()) MOEBLAZE_CUDA_CHECK(cudaMallocHost(&host_matrix_, sizeof(int32_t) * (P_ * (P_ + 1) + 1)));
-    // Rows sent beside the local GEMMs: a second stream (the highest priority, so the senders'
-    // CTAs are placed before the GEMMs' when both wait) forked from and joined to the caller's
-    // by events, which a CUDA graph capture records as edges.
+    // Rows sent beside the local GEMMs: on a second stream forked from and joined to the
+    // caller's by events, which a CUDA graph capture records as edges.
     overlap_ = !host() && local_->kind() == EngineKind::kCudaFused &&
                gemm::sm90::ep_overlap(P_, g_.num_experts, g_.top_k, g_.gate_up_cols(),
                                       static_cast<int64_t>(dtype_size(g_.act_dtype)));
     if (overlap_) {
       ep::preload_exchange_kernels();  // loaded now, not at a launch that would wait for a waiting GEMM
-      int dev = 0, least = 0, greatest = 0;
+      int dev = 0;
       MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
       MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev));
-      MOEBLAZE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-      MOEBLAZE_CUDA_CHECK(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, greatest));
-      MOEBLAZE_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-      MOEBLAZE_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+      side_.create();
     }
   }
   ~EpEngine() override {
     if (host_matrix_) cudaFreeHost(host_matrix_);
-    if (fork_) cudaEventDestroy(fork_);
-    if (join_) cudaEventDestroy(join_);
-    if (side_) cudaStreamDestroy(side_);
   }
   EngineKind kind() const override { return local_->kind(); }
   size_t workspace_size(Pass pass, int64_t L) const override { return carve_work(pass, L, nullptr).bytes; }
@@ -248,14 +265,15 @@ class EpEngine final : public Engine {
   // (the counts exchange): `rows` ([L, d], row stride in bytes) go out by expert turns, and in
   // a training forward the received rows are then copied into the saved buffer.
   void send_rows_beside(const ep::Exchange& x, const EpWork& w, const View& rows, char* keep, cudaStream_t s) const {
-    MOEBLAZE_CUDA_CHECK(cudaEventRecord(fork_, s));
-    MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+    MOEBLAZE_CUDA_CHECK(cudaEventRecord(side_.fork, s));
+    MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(side_.stream, side_.fork, 0));
     ep::dispatch_rows_by_expert_cuda(x, rows.data, rows.stride[0] * static_cast<int64_t>(rows.elem()),
-                                     w.send.dest_start, w.send.send_token, w.send.send_first, epr_, row_ctas_, side_);
-    if (keep) ep::take_received_cuda(x, keep, side_, /*mark_empty=*/false);
-    MOEBLAZE_CUDA_CHECK(cudaEventRecord(join_, side_));
+                                     w.send.dest_start, w.send.send_token, w.send.send_first, epr_, row_ctas_,
+                                     side_.stream);
+    if (keep) ep::take_received_cuda(x, keep, side_.stream, /*mark_empty=*/false);
+    MOEBLAZE_CUDA_CHECK(cudaEventRecord(side_.join, side_.stream));
   }
-  void join_rows(cudaStream_t s) const { MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(s, join_, 0)); }
+  void join_rows(cudaStream_t s) const { MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(s, side_.join, 0)); }
 
   // The step's three exchanges on either transport (ep/nvlink_cuda.hpp says what each moves).
   HostCounts exchange_counts(const ep::Exchange& x, const EpWork& w, cudaStream_t s) const;
@@ -271,8 +289,7 @@ class EpEngine final : public Engine {
   int32_t ctas_, row_ctas_, P_ = 1, epr_ = 1, c_ = 1;
   bool overlap_ = false;  // rows sent beside the local GEMMs
   int sms_ = 0;
-  cudaStream_t side_ = nullptr;
-  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  SideStream side_;
   ep::WindowLayout layout_, stage_layout_;
   int32_t* host_matrix_ = nullptr;  // HOST: pinned [P (P + 1)] counts matrix, then the step's flag
   std::unique_ptr<gemm::CublasLtGemm> gemm_;
