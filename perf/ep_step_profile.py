@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Where one expert-parallel fwd+bwd step spends its time on rank 0: the step's time (CUDA
 events, median of --steps), then every kernel of one profiled step in start order, with its start
-and end in microseconds from the step's first kernel and its duration, so the gaps and what runs
-beside what (the rows sent on the layer's second stream) can be read off; then the kernels summed
-by name.
+and end in microseconds from the step's first kernel, its duration and its stream, so the gaps
+and what runs beside what (the rows sent on the layer's second stream) can be read off; then
+the kernel time per stream and the kernels summed by name.
 
 Run it once with the rows beside the local GEMMs and once before them, to see what the overlap
 costs and saves (scripts/gpu-check.sh epprofile does both):
@@ -13,6 +13,7 @@ costs and saves (scripts/gpu-check.sh epprofile does both):
 """
 import argparse
 import collections
+import json
 import os
 import statistics
 import sys
@@ -78,22 +79,36 @@ def main():
         torch.cuda.synchronize()
     layer.close()
     if rank == 0:
-        kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                         key=lambda e: e.time_range.start)
-        t0 = kernels[0].time_range.start if kernels else 0
+        # The kernels with their streams, from the profiler's trace (its event list has no stream).
+        trace = os.path.join(os.environ.get("OUT", "/tmp"), "ep-step-trace-%d.json" % os.getpid())
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+        os.remove(trace)
+        kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+        t0 = kernels[0]["ts"] if kernels else 0
         print("# %s (d %d, h %d, E %d, k %d), EP %d on %s, %d tokens per rank, MOEBLAZE_EP_OVERLAP=%s"
               % (args.shape, d, h, E, k, P, torch.cuda.get_device_name(dev), args.tokens,
                  os.environ.get("MOEBLAZE_EP_OVERLAP", "(the rule)")))
         print("step ms (rank 0, median of %d): %.3f" % (args.steps, statistics.median(times)))
-        print("\n| start us | end us | us | kernel |\n|---|---|---|---|")
+        if kernels:
+            end = max(e["ts"] + e["dur"] for e in kernels)
+            print("profiled step: %.0f us from the first kernel's start to the last one's end" % (end - t0))
+        print("\n| start us | end us | us | stream | kernel |\n|---|---|---|---|---|")
         for e in kernels[:args.list]:
-            s, t = e.time_range.start - t0, e.time_range.end - t0
-            print("| %.0f | %.0f | %.1f | %s |" % (s, t, t - s, e.name[:110]))
+            s = e["ts"] - t0
+            print("| %.0f | %.0f | %.1f | %s | %s |" % (s, s + e["dur"], e["dur"], e.get("args", {}).get("stream", "?"),
+                                                   e["name"][:110]))
+        busy = collections.defaultdict(float)
         total = collections.defaultdict(float)
         count = collections.Counter()
         for e in kernels:
-            total[e.name[:110]] += e.time_range.end - e.time_range.start
-            count[e.name[:110]] += 1
+            busy[e.get("args", {}).get("stream", "?")] += e["dur"]
+            total[e["name"][:110]] += e["dur"]
+            count[e["name"][:110]] += 1
+        print("\n| stream | kernel us |\n|---|---|")
+        for stream, us in sorted(busy.items(), key=lambda kv: -kv[1]):
+            print("| %s | %.1f |" % (stream, us))
         print("\n| kernel | calls | us |\n|---|---|---|")
         for name, us in sorted(total.items(), key=lambda kv: -kv[1]):
             print("| %s | %d | %.1f |" % (name, count[name], us))
