@@ -112,7 +112,8 @@ void activation_backward(void**) {
 
 // Rows beside the local GEMMs where they were measured faster (Qwen3- and OLMoE-like at EP 4),
 // before them where slower (EP 2; Mixtral-like) or not expected to pay (DeepSeek-V3-like); never
-// on one rank or a degenerate layer. SwiGLU, bf16: g h = 2 h.
+// on one rank, or with senders on more than a quarter of the SMs. SwiGLU, bf16: g h = 2 h; 16
+// senders on an H100's 132 SMs.
 void ep_overlap_rule(void**) {
   struct Case {
     int32_t P;
@@ -128,11 +129,14 @@ void ep_overlap_rule(void**) {
       {1, 128, 8, 768, false},                             // one rank
   };
   for (const Case& c : cases) {
-    if (sm90::ep_overlap(c.P, c.E, c.k, 2 * c.h, 2) != c.beside)
+    if (sm90::ep_overlap(c.P, c.E, c.k, 2 * c.h, 2, 16, 132) != c.beside)
       std::printf("ep_overlap(P %d, E %lld, k %lld, h %lld) != %d\n", c.P, static_cast<long long>(c.E),
                   static_cast<long long>(c.k), static_cast<long long>(c.h), c.beside);
-    assert_int_equal(sm90::ep_overlap(c.P, c.E, c.k, 2 * c.h, 2), c.beside);
+    assert_int_equal(sm90::ep_overlap(c.P, c.E, c.k, 2 * c.h, 2, 16, 132), c.beside);
   }
+  // The senders may take at most a quarter of the SMs (EP_COMM_SMS): 33 of 132 is too many.
+  assert_true(sm90::ep_overlap(4, 128, 8, 1536, 2, 33, 132));
+  assert_false(sm90::ep_overlap(4, 128, 8, 1536, 2, 34, 132));
 }
 
 }  // namespace

@@ -169,14 +169,14 @@ class EpEngine final : public Engine {
     if (host()) MOEBLAZE_CUDA_CHECK(cudaMallocHost(&host_matrix_, sizeof(int32_t) * (P_ * (P_ + 1) + 1)));
     // Rows sent beside the local GEMMs: on a second stream forked from and joined to the
     // caller's by events, which a CUDA graph capture records as edges.
+    int dev = 0;
+    MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev));
     overlap_ = !host() && local_->kind() == EngineKind::kCudaFused &&
                gemm::sm90::ep_overlap(P_, g_.num_experts, g_.top_k, g_.gate_up_cols(),
-                                      static_cast<int64_t>(dtype_size(g_.act_dtype)));
+                                      static_cast<int64_t>(dtype_size(g_.act_dtype)), row_ctas_, sms_);
     if (overlap_) {
       ep::preload_exchange_kernels();  // loaded now, not at a launch that would wait for a waiting GEMM
-      int dev = 0;
-      MOEBLAZE_CUDA_CHECK(cudaGetDevice(&dev));
-      MOEBLAZE_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev));
       side_.create();
     }
   }

@@ -26,13 +26,13 @@ const char* knob(const char* name) {
 // than any measured keep cuBLASLt.
 bool fused_engine_auto(int64_t, int64_t ffn_hidden, int64_t, int64_t) { return ffn_hidden <= 16384; }
 
-bool ep_overlap(int32_t P, int64_t E, int64_t k, int64_t gate_up_cols, int64_t es) {
+bool ep_overlap(int32_t P, int64_t E, int64_t k, int64_t gate_up_cols, int64_t es, int32_t send_ctas, int32_t sms) {
   static const int forced = [] {  // 0: by the rule, 1: always, -1: never
     const char* v = knob("MOEBLAZE_EP_OVERLAP");
     return !std::strcmp(v, "1") ? 1 : !std::strcmp(v, "0") ? -1 : 0;
   }();
   if (forced) return forced > 0;
-  if (P < 2 || E <= 0 || k <= 0 || gate_up_cols <= 0) return false;
+  if (P < 2 || E <= 0 || k <= 0 || gate_up_cols <= 0 || static_cast<int64_t>(send_ctas) * 4 > sms) return false;
   double none_here = 1.0;  // C(E - E/P, k) / C(E, k): a token reaches none of a rank's experts
   for (int64_t i = 0; i < k; ++i) none_here *= static_cast<double>(E - E / P - i) / static_cast<double>(E - i);
   const double ranks = P * (1.0 - std::max(none_here, 0.0));

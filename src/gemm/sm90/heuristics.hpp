@@ -53,8 +53,11 @@ bool pregather(int64_t gate_up_cols, int64_t ffn_hidden);
 // FLOP of its up GEMM (2 k d g h). Measured on 4 H100s, 16,384 tokens per rank, rows beside /
 // before: Qwen3-30B-A3B-like EP 4 (2.9e-4) 10.83 / 11.62 ms, OLMoE-like EP 4 (2.2e-4) 12.68 /
 // 13.51; slower at EP 2 (1.2-1.6e-4: +0.4 ms on both) and on Mixtral-like (2.7-3.2e-5:
-// +0.7-2.5 ms). MOEBLAZE_EP_OVERLAP=0 turns it off, =1 on wherever it can run.
-bool ep_overlap(int32_t ranks, int64_t num_experts, int64_t top_k, int64_t gate_up_cols, int64_t elem_bytes);
+// +0.7-2.5 ms). Never where the senders' CTAs (send_ctas, EP_COMM_SMS when set) would take more
+// than a quarter of the device's SMs from the GEMMs. MOEBLAZE_EP_OVERLAP=0 turns it off, =1 on
+// wherever it can run.
+bool ep_overlap(int32_t ranks, int64_t num_experts, int64_t top_k, int64_t gate_up_cols, int64_t elem_bytes,
+                int32_t send_ctas, int32_t sms);
 
 // CTAs of the overlapped row dispatch when EP_COMM_SMS leaves it to the library: the waiting
 // GEMMs run on the other SMs for their whole length, so the dispatch gets few. 16 CTAs of row
