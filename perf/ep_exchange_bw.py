@@ -19,6 +19,7 @@ metadata, 8 + 8 k_loc bytes forward, is left out).
       [--shapes qwen3-30b-a3b ...]
 """
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -48,6 +49,13 @@ def rows_to_peers(x, wg, k, P, rank):
     reach.scatter_(1, owners, True)
     reach[:, rank] = False
     return int(reach.sum())
+
+
+def fwd_bwd_step(layer, x, dy):
+    """One training step of the layer: forward, backward of dy, the gradients dropped."""
+    xs = x.detach().requires_grad_()
+    layer(xs)[0].backward(dy)
+    layer.zero_grad(set_to_none=True)
 
 
 def kernel_ms(prof, name_part):
@@ -84,10 +92,7 @@ def main():
                              max_tokens=args.tokens, ep_group=dist.group.WORLD, ep_comm_sms=sms)
             rows = rows_to_peers(x, layer.router_weight.detach(), k, P, rank)
 
-            def step():
-                xs = x.detach().requires_grad_()
-                layer(xs)[0].backward(dy)
-                layer.zero_grad(set_to_none=True)
+            step = functools.partial(fwd_bwd_step, layer, x, dy)
             for _ in range(3):
                 step()
             torch.cuda.synchronize()

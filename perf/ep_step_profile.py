@@ -13,25 +13,16 @@ costs and saves (scripts/gpu-check.sh epprofile does both):
 """
 import argparse
 import collections
+import functools
 import json
 import os
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if os.environ.get("MOEBLAZE_LIBRARY"):
-    sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
-from moeblaze.torch import MoELayer  # noqa: E402
-
-SHAPES = {  # d, h, E, k
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "olmoe": (2048, 1024, 64, 8),
-    "deepseek-v3": (7168, 2048, 256, 8),
-    "mixtral": (4096, 14336, 8, 2),
-}
+# The shapes and the binding as perf/ep_exchange_bw.py sets them up (perf/ is the script's directory).
+from ep_exchange_bw import SHAPES, MoELayer, fwd_bwd_step  # noqa: E402
 
 
 def main():
@@ -55,11 +46,7 @@ def main():
     layer = MoELayer(d, h, E, k, dtype=torch.bfloat16, device=dev, normalize_topk=1, max_tokens=args.tokens,
                      ep_group=dist.group.WORLD)
 
-    def step():
-        xs = x.detach().requires_grad_()
-        layer(xs)[0].backward(dy)
-        layer.zero_grad(set_to_none=True)
-
+    step = functools.partial(fwd_bwd_step, layer, x, dy)
     for _ in range(3):
         step()
     times = []

@@ -141,6 +141,11 @@ if want ep; then
   rc=$?
   grep -E 'FAILED|rror' "$OUT/test_ep_gpu-rows-before.log" | tail -10
   summary+=("test_ep_gpu, rows before the GEMMs: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu-rows-before.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu-rows-before.log") FAILED")
+  # and with the local combine storing the returning rows into the peers (off by default)
+  MOEBLAZE_EP_RETURN=combine timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_gpu > "$OUT/test_ep_gpu-return-combine.log" 2>&1
+  rc=$?
+  grep -E 'FAILED|rror' "$OUT/test_ep_gpu-return-combine.log" | tail -10
+  summary+=("test_ep_gpu, returns from the combine: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu-return-combine.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu-return-combine.log") FAILED")
   # one process per rank (layers made from an ncclUniqueId) and the soak (EP_SOAK_STEPS, 1000)
   timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_processes > "$OUT/test_ep_processes.log" 2>&1
   rc=$?

@@ -14,12 +14,18 @@ namespace {
 // column chunk and pick).
 constexpr int kStagedPicks = 32;
 
-template <class T, int W, bool kStaged>
+template <class T, int W, bool kStaged, bool kRowOut>
 __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int64_t k, int64_t d, const T* src,
-                                    const float* extra, T* out, int64_t out_stride, bool accumulate) {
+                                    const float* extra, T* out, int64_t out_stride, bool accumulate,
+                                    char* const* row_out) {
   __shared__ int32_t s_pos[kStaged ? kStagedPicks : 1];
   __shared__ float s_weight[kStaged ? kStagedPicks : 1];
   const int64_t t = blockIdx.x;
+  T* row = out + t * out_stride;
+  if constexpr (kRowOut) {
+    row = reinterpret_cast<T*>(row_out[t]);
+    if (!row) return;  // the whole block: no barrier is passed before this
+  }
   // A position outside [0, L k) only comes from a bad saved plan, which the fused engine flags on
   // the device and answers with NaN outputs: read nothing for it.
   const int64_t rows = static_cast<int64_t>(gridDim.x) * k;
@@ -31,7 +37,6 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
     }
     __syncthreads();
   }
-  T* row = out + t * out_stride;
   for (int64_t c = threadIdx.x * W; c < d; c += blockDim.x * W) {
     float acc[W], v[W];
 #pragma unroll
@@ -60,15 +65,16 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
   }
 }
 
-template <class T, int W>
+template <class T, int W, bool kRowOut>
 void launch_combine(const int32_t* map, const float* gates, int64_t L, int64_t k, int64_t d, const T* in,
-                    const float* extra, T* out, int64_t out_stride, bool accumulate, int threads, cudaStream_t s) {
+                    const float* extra, T* out, int64_t out_stride, bool accumulate, char* const* row_out, int threads,
+                    cudaStream_t s) {
   if (k <= kStagedPicks)
-    combine_rows_kernel<T, W, true><<<static_cast<unsigned>(L), threads, 0, s>>>(map, gates, k, d, in, extra, out,
-                                                                                out_stride, accumulate);
+    combine_rows_kernel<T, W, true, kRowOut><<<static_cast<unsigned>(L), threads, 0, s>>>(
+        map, gates, k, d, in, extra, out, out_stride, accumulate, row_out);
   else
-    combine_rows_kernel<T, W, false><<<static_cast<unsigned>(L), threads, 0, s>>>(map, gates, k, d, in, extra, out,
-                                                                                 out_stride, accumulate);
+    combine_rows_kernel<T, W, false, kRowOut><<<static_cast<unsigned>(L), threads, 0, s>>>(
+        map, gates, k, d, in, extra, out, out_stride, accumulate, row_out);
 }
 
 __global__ void to_token_order_kernel(const int32_t* map, const float* v, int64_t n, int64_t parts, int64_t ld,
@@ -98,17 +104,23 @@ __global__ void store_rows_kernel(const float* src, const float* add, int64_t ro
 }  // namespace
 
 void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_t k, int64_t d, const void* src,
-                       const float* extra, const View& out, cudaStream_t s) {
+                       const float* extra, const View& out, cudaStream_t s, char* const* row_out) {
   if (L == 0) return;
-  // Vector path when every row start is 16-byte aligned.
-  const bool vec = d % 8 == 0 && (out.stride[0] * static_cast<int64_t>(out.elem())) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
+  // Vector path when every row start is 16-byte aligned (row_out: the caller's promise for d % 8 == 0).
+  const bool vec = d % 8 == 0 && (row_out || ((out.stride[0] * static_cast<int64_t>(out.elem())) % 16 == 0 &&
+                                              reinterpret_cast<uintptr_t>(out.data) % 16 == 0));
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d, vec ? 8 : 1))));
+  const bool acc = out.accumulate && !row_out;
   MOEBLAZE_DISPATCH_FLOAT(out.dtype, T, {
     const T* in = static_cast<const T*>(src);
     T* o = reinterpret_cast<T*>(out.data);
-    if (vec) launch_combine<T, 8>(map, gates, L, k, d, in, extra, o, out.stride[0], out.accumulate, threads, s);
-    else launch_combine<T, 1>(map, gates, L, k, d, in, extra, o, out.stride[0], out.accumulate, threads, s);
+    if (row_out) {
+      if (vec) launch_combine<T, 8, true>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, row_out, threads, s);
+      else launch_combine<T, 1, true>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, row_out, threads, s);
+    } else {
+      if (vec) launch_combine<T, 8, false>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, nullptr, threads, s);
+      else launch_combine<T, 1, false>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, nullptr, threads, s);
+    }
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("combine_rows");
 }

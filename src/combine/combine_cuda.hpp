@@ -16,9 +16,13 @@ namespace combine {
 
 // out_t = sum_j w_tj src[token_index_map[t k + j]] (+ extra_f32[t]) (+ out_t if out.accumulate),
 // with w = gates, or 1 when gates is null. src is dense [L k, d] of out's dtype; extra dense
-// fp32 [L, d] or null. Serves y (w = gates) and dx (w = 1, extra = the router path).
+// fp32 [L, d] or null. Serves y (w = gates) and dx (w = 1, extra = the router path). With
+// row_out, row t goes to row_out[t] instead (nothing where it is null; out gives the dtype, and
+// its rows are not written): an expert-parallel layer's rows stored straight into the ranks
+// they return to. The addresses must be 16-byte aligned where d % 8 == 0.
 void combine_rows_cuda(const int32_t* token_index_map, const float* gates, int64_t L, int64_t k, int64_t d,
-                       const void* src, const float* extra_f32, const View& out, cudaStream_t s);
+                       const void* src, const float* extra_f32, const View& out, cudaStream_t s,
+                       char* const* row_out = nullptr);
 
 // out[t k + j] = v[pos] with pos = token_index_map[t k + j]; with parts > 1, the sum of
 // v[c ld + pos] over c < parts in that order (per-column-block partial sums). A position past

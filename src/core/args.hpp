@@ -55,6 +55,10 @@ struct CallArgs {
   // still arriving from other GPUs while the call runs; engines that cannot wait ignore it, and
   // their caller waits for every row first.
   RowArrival arrival;
+  // Internal (an expert-parallel layer's local call): where the token-order combine stores row t
+  // of y (forward) or dx (backward): out_rows[t], none where null, instead of the dense view.
+  // Engines that cannot take it ignore it, and their caller moves the dense rows.
+  char* const* out_rows = nullptr;
 };
 
 // Decodes and validates args for `pass`; throws Error(kInvalidArgument) naming the problem.

@@ -259,6 +259,36 @@ __global__ void __launch_bounds__(kThreads) return_kernel(Exchange x, const char
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
 }
 
+__global__ void return_addresses_kernel(Exchange x, char** addr) {
+  const WindowLayout& lay = x.layout;
+  const int32_t P = lay.ranks;
+  const int64_t n = x.recv_offset[P];
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < lay.recv_rows;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    char* dst = nullptr;
+    if (i < n) {  // checked as return_kernel checks it
+      const int2 m = reinterpret_cast<const int2*>(x.local + lay.meta)[i];
+      if (m.x >= 0 && m.x < lay.max_tokens && m.y >= 0 && m.y < lay.token_slots)
+        dst = peer_part(x, lay.ret_rows + (static_cast<int64_t>(m.x) * lay.token_slots + m.y) * lay.row_bytes,
+                        last_at_or_below(x.recv_offset, P, i));
+    }
+    addr[i] = dst;
+  }
+}
+
+// One warp per row: all-ones bytes, a NaN in every float format.
+__global__ void poison_returns_kernel(Exchange x, char* const* addr, const int32_t* status) {
+  if (*status == 0) return;
+  const WindowLayout& lay = x.layout;
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(warps) + threadIdx.x / 32; i < lay.recv_rows;
+       i += static_cast<int64_t>(gridDim.x) * warps) {
+    char* row = addr[i];
+    if (!row) continue;
+    for (int64_t b = lane * 2; b < lay.row_bytes; b += 64) *reinterpret_cast<uint16_t*>(row + b) = 0xffff;
+  }
+}
+
 // HOST: the rows (and gate gradients) that came back into the staging in send order go to the
 // token's return rows at (token, place), which the staged dispatch recorded for each send.
 __global__ void __launch_bounds__(kThreads) place_returned_kernel(Exchange x, const int32_t* dest_start, bool rows,
@@ -373,6 +403,18 @@ void preload_exchange_kernels() {
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, dispatch_rows_by_expert_kernel));
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, take_received_kernel));
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, return_kernel));
+}
+
+void return_addresses_cuda(const Exchange& x, char** addr, cudaStream_t s) {
+  const int64_t blocks = std::clamp<int64_t>(ceil_div(x.layout.recv_rows, 256), 1, 1024);
+  return_addresses_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, addr);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_return_addresses");
+}
+
+void poison_returns_cuda(const Exchange& x, char* const* addr, const int32_t* status, cudaStream_t s) {
+  const int64_t blocks = std::clamp<int64_t>(ceil_div(x.layout.recv_rows, 8), 1, 1024);
+  poison_returns_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, addr, status);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_poison_returns");
 }
 
 void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s, bool mark_empty) {

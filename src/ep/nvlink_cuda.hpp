@@ -125,6 +125,14 @@ void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s, bool 
 // metadata in the window names.
 void return_rows_cuda(const Exchange& x, const char* rows, const float* gates, cudaStream_t s);
 
+// Where each received row's result goes when the local experts' combine stores it there itself
+// (instead of return_rows_cuda moving it): addr[i] = the return row at (token, place) in the
+// window of row i's source, null past the received rows or for metadata out of range.
+// poison_returns_cuda fills those rows with NaN when *status != 0 (the local call failed).
+// return_rows_cuda(x, nullptr, nullptr) then only meets the peers.
+void return_addresses_cuda(const Exchange& x, char** addr, cudaStream_t s);
+void poison_returns_cuda(const Exchange& x, char* const* addr, const int32_t* status, cudaStream_t s);
+
 // HOST, after the rows (and gate gradients) of this rank's sends came back into the staging in
 // send order: each goes to the token's return rows at the place its dispatch recorded.
 void place_returned_cuda(const Exchange& x, const int32_t* dest_start, bool rows, bool gates, cudaStream_t s);

@@ -116,6 +116,7 @@ struct EpWork {
   int32_t* recv_offset = nullptr;
   int32_t* local_status = nullptr;
   void* rows = nullptr;          // [R, d] y parts (forward) or dx parts (backward)
+  char** ret_addr = nullptr;     // [R] where the local combine stores each row's result (returns_from_combine_)
   float* dg_recv = nullptr;      // backward: [R, k_loc]
   float* dg_tok = nullptr;       // backward: [L, k]
   EpSaved inference;             // forward inference: what training keeps in saved
@@ -179,6 +180,8 @@ class EpEngine final : public Engine {
       ep::preload_exchange_kernels();  // loaded now, not at a launch that would wait for a waiting GEMM
       side_.create();
     }
+    returns_from_combine_ =
+        !host() && local_->kind() == EngineKind::kCudaFused && gemm::sm90::ep_returns_from_combine();
   }
   ~EpEngine() override {
     if (host_matrix_) cudaFreeHost(host_matrix_);
@@ -275,6 +278,18 @@ class EpEngine final : public Engine {
   }
   void join_rows(cudaStream_t s) const { MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(s, side_.join, 0)); }
 
+  // The local combine's rows straight to the ranks they return to: their addresses, from the
+  // received rows' metadata (in the window once the dispatch's metadata barrier has passed).
+  void return_from_combine(const ep::Exchange& x, const EpWork& w, CallArgs& la, cudaStream_t s) const {
+    ep::return_addresses_cuda(x, w.ret_addr, s);
+    la.out_rows = w.ret_addr;
+  }
+  // After the local call: NaN rows where it failed, then the return's barrier alone.
+  void finish_return_from_combine(const ep::Exchange& x, const EpWork& w, cudaStream_t s) const {
+    ep::poison_returns_cuda(x, w.ret_addr, w.local_status, s);
+    ep::return_rows_cuda(x, nullptr, nullptr, s);
+  }
+
   // The step's three exchanges on either transport (ep/nvlink_cuda.hpp says what each moves).
   HostCounts exchange_counts(const ep::Exchange& x, const EpWork& w, cudaStream_t s) const;
   void dispatch(const ep::Exchange& x, const EpWork& w, const HostCounts& hc, const View& rows, const RoutingPlan& plan,
@@ -288,6 +303,7 @@ class EpEngine final : public Engine {
   int64_t R_;
   int32_t ctas_, row_ctas_, P_ = 1, epr_ = 1, c_ = 1;
   bool overlap_ = false;  // rows sent beside the local GEMMs
+  bool returns_from_combine_ = false;  // the local combine stores the returning rows into the peers
   int sms_ = 0;
   SideStream side_;
   ep::WindowLayout layout_, stage_layout_;
@@ -318,6 +334,7 @@ EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
   w.recv_offset = c.take<int32_t>(static_cast<size_t>(P_ + 1));
   w.local_status = c.take<int32_t>(1);
   w.rows = c.take<char>(static_cast<size_t>(R_ * layout_.row_bytes));
+  if (returns_from_combine_) w.ret_addr = c.take<char*>(static_cast<size_t>(R_));
   if (pass == Pass::kBackward) {
     w.dg_recv = c.take<float>(static_cast<size_t>(R_ * l_.top_k));
     w.dg_tok = c.take<float>(static_cast<size_t>(std::max<int64_t>(L * g_.top_k, 1)));
@@ -460,10 +477,12 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
     la = local_args(a, w, sv.recv_x ? sv.recv_x : comm_->local() + layout_.rows);
   }
   la.y = dense(w.rows, g_.act_dtype, R_, g_.hidden);
+  if (returns_from_combine_) return_from_combine(x, w, la, s);
   local_->forward(pass, la, w.local_ws, sv.local, s);
   if (overlap_) join_rows(s);
   cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
-  give_back(x, w, hc, static_cast<const char*>(w.rows), nullptr, s);
+  if (returns_from_combine_) finish_return_from_combine(x, w, s);
+  else give_back(x, w, hc, static_cast<const char*>(w.rows), nullptr, s);
   combine::combine_rows_cuda(w.send.return_map, nullptr, L, c_, g_.hidden, comm_->local() + layout_.ret_rows, nullptr,
                              a.y, s);
   if (sv.header) cuda::store_saved_header(make_saved_header(g_, L), sv.header, s, flag);
@@ -504,10 +523,14 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
   la.d_w_gate_up = a.d_w_gate_up;
   la.d_w_down = a.d_w_down;
   la.d_topk_weights = dense(w.dg_recv, DType::kF32, R_, l_.top_k);
+  const bool dx_from_combine = returns_from_combine_ && a.dx.present;
+  if (dx_from_combine) return_from_combine(x, w, la, s);
   local_->backward(la, sv.local, w.local_ws, s);
   if (overlap_) join_rows(s);
   cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
-  give_back(x, w, hc, a.dx.present ? static_cast<const char*>(w.rows) : nullptr, w.dg_recv, s);
+  if (dx_from_combine) ep::poison_returns_cuda(x, w.ret_addr, w.local_status, s);
+  // The gate gradients (and the dx parts, unless the combine stored them) go back, then the barrier.
+  give_back(x, w, hc, a.dx.present && !dx_from_combine ? static_cast<const char*>(w.rows) : nullptr, w.dg_recv, s);
   ep::gather_returned_gates_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, static_cast<int32_t>(l_.top_k),
                                  reinterpret_cast<const float*>(comm_->local() + layout_.ret_gates), w.dg_tok, s);
   const bool router_dx = router_->backward(a, needs, sv.plan, w.dg_tok, w.router, s);

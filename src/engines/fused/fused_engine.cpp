@@ -266,7 +266,8 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
     up.sched = down.sched = begin_window(w, plan, L, i, t0, rows, s);
     sm90::grouped_gemm(dt, up, up_epi, {}, s);
     sm90::grouped_gemm(dt, down, down_epi, {}, s);
-    combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.out, nullptr, a.y.rows(t0, rows), s);
+    combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.out, nullptr, a.y.rows(t0, rows), s,
+                               a.out_rows ? a.out_rows + t0 : nullptr);
   }
   if (sv.header) cuda::store_saved_header(make_saved_header(cfg_, L), sv.header, s, w.router.error_flag);
   cuda::poison_if_flagged(w.router.error_flag, a.y, s);
@@ -397,7 +398,8 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
     if (a.dx.present) {
       combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,
-                                 router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s);
+                                 router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s,
+                                 a.out_rows ? a.out_rows + t0 : nullptr);
       router_->add_router_dx(a, needs, a.dx.rows(t0, rows), w.router, s);
     }
   }

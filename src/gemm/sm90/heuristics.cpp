@@ -39,6 +39,11 @@ bool ep_overlap(int32_t P, int64_t E, int64_t k, int64_t gate_up_cols, int64_t e
   return ranks * static_cast<double>(es) / (2.0 * static_cast<double>(k) * static_cast<double>(gate_up_cols)) >= 2e-4;
 }
 
+bool ep_returns_from_combine() {
+  static const bool on = std::strcmp(knob("MOEBLAZE_EP_RETURN"), "combine") == 0;
+  return on;
+}
+
 bool pregather(int64_t gate_up_cols, int64_t ffn_hidden) {
   static const int forced = [] {  // 0: by the rule, 1: always, -1: never
     const char* v = knob("MOEBLAZE_FUSED_PREGATHER");

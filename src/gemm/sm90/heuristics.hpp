@@ -65,6 +65,12 @@ bool ep_overlap(int32_t ranks, int64_t num_experts, int64_t top_k, int64_t gate_
 // Qwen3-30B-A3B-like layer its 181 MB take ~1.3 ms, under the ~1.4 ms up GEMM.
 constexpr int32_t kEpOverlapCtas = 16;
 
+// Whether such a layer's local combine stores each received row's result (y parts forward, dx
+// parts backward) straight into the window of the rank it returns to, from every SM, instead of
+// into local rows that a return exchange of 64 CTAs then moves. Off until measured (perf/NOTES.md,
+// "The returns"); MOEBLAZE_EP_RETURN=combine turns it on.
+bool ep_returns_from_combine();
+
 // ---- the grouped GEMM ----------------------------------------------------------------------
 
 // How the two consumer warpgroups share the work (grouped_gemm.cu): both on every 128 x BN tile
