@@ -59,12 +59,14 @@ __global__ void __launch_bounds__(kTile) send_place_kernel(const int32_t* ids, i
     if (mine) {
       const int32_t i = bases[q * tiles + blockIdx.x] + before;
       send_token[i] = static_cast<int32_t>(t);
-      int32_t first = epr;
-      for (int32_t j = 0; j < k; ++j) {
-        const int32_t e = ids[t * k + j];
-        if (owner_of(e, P, epr) == q) first = min(first, e - q * epr);
+      if (send_first) {
+        int32_t first = epr;
+        for (int32_t j = 0; j < k; ++j) {
+          const int32_t e = ids[t * k + j];
+          if (owner_of(e, P, epr) == q) first = min(first, e - q * epr);
+        }
+        send_first[i] = first;
       }
-      send_first[i] = first;
     }
   }
   if (t < L) {

@@ -23,7 +23,8 @@ struct DeviceSendPlan {
   // map the token-order combine sums the returned rows through, in rank order.
   int32_t* return_map = nullptr;
   // [L c] the destination's lowest local expert the send's row feeds: the row is sent in that
-  // expert's turn, so a destination's rows arrive in the order its GEMMs read them.
+  // expert's turn, so a destination's rows arrive in the order its GEMMs read them (null: not
+  // needed, rows sent before the GEMMs).
   int32_t* send_first = nullptr;
 };
 

@@ -327,7 +327,7 @@ EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
   w.send.dest_start = c.take<int32_t>(static_cast<size_t>(P_ + 1));
   w.send.send_token = c.take<int32_t>(Lc);
   w.send.return_map = c.take<int32_t>(Lc);
-  w.send.send_first = c.take<int32_t>(Lc);
+  if (overlap_) w.send.send_first = c.take<int32_t>(Lc);
   w.send_scratch = c.take<char>(ep::send_plan_scratch_bytes_cuda(L, P_));
   w.matrix = c.take<int32_t>(static_cast<size_t>(P_ * (P_ + 1)));
   w.send_offset = c.take<int32_t>(static_cast<size_t>(P_));
