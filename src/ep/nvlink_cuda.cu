@@ -222,6 +222,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_rows_by_expert_kernel(Excha
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
 }
 
+// The return row of a received row's metadata (token, place among the token's ranks), or -1
+// when either is out of range: written by this step's dispatch, checked all the same, so no
+// byte can send a row astray.
+__device__ int64_t return_row(const WindowLayout& lay, int2 m) {
+  if (m.x < 0 || m.x >= lay.max_tokens || m.y < 0 || m.y >= lay.token_slots) return -1;
+  return static_cast<int64_t>(m.x) * lay.token_slots + m.y;
+}
+
 __global__ void take_received_kernel(Exchange x, char* rows_out, bool mark_empty) {
   const WindowLayout& lay = x.layout;
   const int64_t n = x.recv_offset[lay.ranks];
@@ -245,10 +253,8 @@ __global__ void __launch_bounds__(kThreads) return_kernel(Exchange x, const char
   const int64_t n = x.recv_offset[P];
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + warp; i < n; i += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int32_t src = last_at_or_below(x.recv_offset, P, i);
-    const int2 m = reinterpret_cast<const int2*>(x.local + lay.meta)[i];
-    // Written by this step's dispatch; checked all the same, so no byte can send a row astray.
-    if (m.x < 0 || m.x >= lay.max_tokens || m.y < 0 || m.y >= lay.token_slots) continue;
-    const int64_t r = static_cast<int64_t>(m.x) * lay.token_slots + m.y;
+    const int64_t r = return_row(lay, reinterpret_cast<const int2*>(x.local + lay.meta)[i]);
+    if (r < 0) continue;
     if (rows) copy_row(peer_part(x, lay.ret_rows + r * lay.row_bytes, src), rows + i * lay.row_bytes, lay.row_bytes, lane);
     if (gates) {
       float* dst = reinterpret_cast<float*>(peer_part(x, lay.ret_gates + r * lay.row_slots * 4, src));
@@ -266,11 +272,9 @@ __global__ void return_addresses_kernel(Exchange x, char** addr) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < lay.recv_rows;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     char* dst = nullptr;
-    if (i < n) {  // checked as return_kernel checks it
-      const int2 m = reinterpret_cast<const int2*>(x.local + lay.meta)[i];
-      if (m.x >= 0 && m.x < lay.max_tokens && m.y >= 0 && m.y < lay.token_slots)
-        dst = peer_part(x, lay.ret_rows + (static_cast<int64_t>(m.x) * lay.token_slots + m.y) * lay.row_bytes,
-                        last_at_or_below(x.recv_offset, P, i));
+    if (i < n) {
+      const int64_t r = return_row(lay, reinterpret_cast<const int2*>(x.local + lay.meta)[i]);
+      if (r >= 0) dst = peer_part(x, lay.ret_rows + r * lay.row_bytes, last_at_or_below(x.recv_offset, P, i));
     }
     addr[i] = dst;
   }
@@ -300,8 +304,8 @@ __global__ void __launch_bounds__(kThreads) place_returned_kernel(Exchange x, co
   const int64_t sends = sent ? dest_start[lay.ranks] : 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(warps) + warp; i < sends; i += static_cast<int64_t>(gridDim.x) * warps) {
     const int2 m = reinterpret_cast<const int2*>(x.stage + st.meta)[i];
-    if (m.x < 0 || m.x >= lay.max_tokens || m.y < 0 || m.y >= lay.token_slots) continue;
-    const int64_t r = static_cast<int64_t>(m.x) * lay.token_slots + m.y;
+    const int64_t r = return_row(lay, m);
+    if (r < 0) continue;
     if (rows) copy_row(x.local + lay.ret_rows + r * lay.row_bytes, x.stage + st.rows + i * st.row_bytes, lay.row_bytes, lane);
     if (gates) {
       const float* src = reinterpret_cast<const float*>(x.stage + st.gates) + i * st.row_slots;
