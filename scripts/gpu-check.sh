@@ -98,7 +98,7 @@ nccl_args=()
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEBLAZE_ENABLE_CUDA=ON -DMOEBLAZE_BUILD_DOCS=OFF \
       -DMOEBLAZE_BUILD_RUST=OFF "${nccl_args[@]}" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "NCCL: $(grep -E 'MOEBLAZE_NCCL_(INCLUDE_DIR|LIBRARY):' build-gpu/CMakeCache.txt | tr '\n' ' ')"
-if ! cmake --build build-gpu --parallel 16 >> "$OUT/build.log" 2>&1; then
+if ! cmake --build build-gpu --parallel "$(nproc)" >> "$OUT/build.log" 2>&1; then
   grep -E 'error|FAILED' "$OUT/build.log" | head -30; exit 1
 fi
 summary+=("build: ok in $(( $(date +%s) - t0 )) s; fatbin: $(cuobjdump --list-elf build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';') PTX: $(cuobjdump --list-ptx build-gpu/src/libmoeblaze.so.0 2>/dev/null | grep -o 'sm_[0-9a]*' | sort | uniq -c | tr -s ' ' | tr '\n' ';')")
@@ -141,11 +141,12 @@ if want ep; then
   rc=$?
   grep -E 'FAILED|rror' "$OUT/test_ep_gpu-rows-before.log" | tail -10
   summary+=("test_ep_gpu, rows before the GEMMs: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu-rows-before.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu-rows-before.log") FAILED")
-  # and with the local combine storing the returning rows into the peers (off by default)
-  MOEBLAZE_EP_RETURN=combine timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_gpu > "$OUT/test_ep_gpu-return-combine.log" 2>&1
+  # and with the returning rows moved by the return exchange (the local combine stores them into
+  # the peers by default)
+  MOEBLAZE_EP_RETURN=kernel timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_gpu > "$OUT/test_ep_gpu-return-kernel.log" 2>&1
   rc=$?
-  grep -E 'FAILED|rror' "$OUT/test_ep_gpu-return-combine.log" | tail -10
-  summary+=("test_ep_gpu, returns from the combine: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu-return-combine.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu-return-combine.log") FAILED")
+  grep -E 'FAILED|rror' "$OUT/test_ep_gpu-return-kernel.log" | tail -10
+  summary+=("test_ep_gpu, returns by the return exchange: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu-return-kernel.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu-return-kernel.log") FAILED")
   # one process per rank (layers made from an ncclUniqueId) and the soak (EP_SOAK_STEPS, 1000)
   timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_processes > "$OUT/test_ep_processes.log" 2>&1
   rc=$?

@@ -8,6 +8,7 @@
 #include "core/config.hpp"
 #include "core/view.hpp"
 #include "cuda/row_arrival.hpp"
+#include "cuda/side_lane.hpp"
 #include "util/dtype.hpp"
 
 namespace moeblaze {
@@ -59,6 +60,9 @@ struct CallArgs {
   // of y (forward) or dx (backward): out_rows[t], none where null, instead of the dense view.
   // Engines that cannot take it ignore it, and their caller moves the dense rows.
   char* const* out_rows = nullptr;
+  // Internal (an expert-parallel layer's local call): a stream beside the call's, on which an
+  // engine may combine its out_rows while its weight-gradient GEMMs run. Engines ignore it.
+  SideLane side;
 };
 
 // Decodes and validates args for `pass`; throws Error(kInvalidArgument) naming the problem.

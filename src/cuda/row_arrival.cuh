@@ -14,12 +14,33 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
-// After a warp stored a row (every lane's part): lane 0 marks it arrived at `ready`, which may
-// lie on another GPU. The warp barrier orders the other lanes' stores before lane 0's, and the
-// release at system scope carries them to the reader's acquire.
+// A warp's marks for the rows it stored: note() after each row keeps the row's mark in the next
+// lane; flush() (at 32 held, and when the warp is done with a batch) marks them all arrived with
+// one release fence at system scope. The warp barrier orders every lane's row stores before the
+// fence; a fence waits for the warp's stores to reach their GPU, so one fence per row held a
+// warp to a round trip per row.
+struct ArrivalMarks {
+  uint32_t* mine = nullptr;  // this lane's held mark (lane < held)
+  int held = 0;              // the same in every lane
+
+  __device__ __forceinline__ void note(uint32_t* ready, int lane) {
+    if (lane == held) mine = ready;
+    if (++held == 32) flush(lane);
+  }
+  __device__ __forceinline__ void flush(int lane) {
+    if (held == 0) return;
+    __syncwarp();
+    ::cuda::atomic_thread_fence(::cuda::memory_order_release, ::cuda::thread_scope_system);
+    if (lane < held) ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(*mine).store(1u, ::cuda::memory_order_relaxed);
+    held = 0;
+  }
+};
+
+// After a warp stored one row (every lane's part): its mark at `ready`, which may lie on another GPU.
 __device__ __forceinline__ void signal_row_arrived(uint32_t* ready, int lane) {
-  __syncwarp();
-  if (lane == 0) ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(*ready).store(1u, ::cuda::memory_order_release);
+  ArrivalMarks m;
+  m.note(ready, lane);
+  m.flush(lane);
 }
 
 // Waits until rows[i] (i < N; negative: no row) have all arrived: relaxed polls of every

@@ -189,10 +189,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Exchange x, const ch
 
 // The rows alone, in turns of the destination's local experts: in turn e each warp sends, of
 // its chunks of 32 consecutive sends, those whose lowest local expert is e (send_first, kept in
-// [0, epr) so that every send has exactly one turn), then marks the row arrived. Every warp is
-// in about the same turn at a time, so a destination receives its experts' rows in about the
-// order its GEMMs' tiles read them, from every source at once; where each row lands is the
-// dispatch's fixed layout, never the timing.
+// [0, epr) so that every send has exactly one turn), and marks them arrived in batches, the
+// last when the turn ends. Every warp is in about the same turn at a time, so a destination
+// receives its experts' rows in about the order its GEMMs' tiles read them, from every source
+// at once; where each row lands is the dispatch's fixed layout, never the timing.
 __global__ void __launch_bounds__(kThreads) dispatch_rows_by_expert_kernel(Exchange x, const char* rows,
                                                                            int64_t stride_bytes,
                                                                            const int32_t* dest_start,
@@ -204,6 +204,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_rows_by_expert_kernel(Excha
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int32_t e = 0; e < epr; ++e) {
+    ArrivalMarks marks;  // this turn's rows are marked in batches, at the latest when the turn ends
     for (int64_t c = warp; c * 32 < sends; c += warps) {
       const int64_t mine = c * 32 + lane;
       const bool turn = mine < sends && min(max(send_first[mine], 0), epr - 1) == e;
@@ -213,9 +214,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_rows_by_expert_kernel(Excha
         const int64_t r = x.send_offset[q] + (i - dest_start[q]);
         copy_row(peer_part(x, lay.rows + r * lay.row_bytes, q), rows + send_token[i] * stride_bytes, lay.row_bytes,
                  lane);
-        signal_row_arrived(reinterpret_cast<uint32_t*>(peer_part(x, lay.ready + r * 4, q)), lane);
+        marks.note(reinterpret_cast<uint32_t*>(peer_part(x, lay.ready + r * 4, q)), lane);
       }
     }
+    marks.flush(lane);
   }
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, blockIdx.x + 1};
   __syncthreads();
@@ -246,10 +248,12 @@ __global__ void take_received_kernel(Exchange x, char* rows_out, bool mark_empty
   }
 }
 
+// kMeet: the peers are met at the end (an LSA barrier); without it the rows only go out, and a
+// later return_rows_cuda's barrier covers them.
+template <bool kMeet>
 __global__ void __launch_bounds__(kThreads) return_kernel(Exchange x, const char* rows, const float* gates) {
   const WindowLayout& lay = x.layout;
   const int32_t P = lay.ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, blockIdx.x + 1};
   const int64_t n = x.recv_offset[P];
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + warp; i < n; i += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int32_t src = last_at_or_below(x.recv_offset, P, i);
@@ -261,8 +265,12 @@ __global__ void __launch_bounds__(kThreads) return_kernel(Exchange x, const char
       for (int32_t p = lane; p < lay.row_slots; p += 32) dst[p] = gates[i * lay.row_slots + p];
     }
   }
-  __syncthreads();
-  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  if constexpr (kMeet) {
+    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier,
+                                           blockIdx.x + 1};
+    __syncthreads();
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  }
 }
 
 __global__ void return_addresses_kernel(Exchange x, char** addr) {
@@ -406,7 +414,8 @@ void preload_exchange_kernels() {
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, dispatch_kernel<false>));
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, dispatch_rows_by_expert_kernel));
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, take_received_kernel));
-  MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, return_kernel));
+  MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, return_kernel<true>));
+  MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, return_kernel<false>));
 }
 
 void return_addresses_cuda(const Exchange& x, char** addr, cudaStream_t s) {
@@ -428,8 +437,13 @@ void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s, bool 
 }
 
 void return_rows_cuda(const Exchange& x, const char* rows, const float* gates, cudaStream_t s) {
-  return_kernel<<<static_cast<unsigned>(x.ctas), kThreads, 0, s>>>(x, rows, gates);
+  return_kernel<true><<<static_cast<unsigned>(x.ctas), kThreads, 0, s>>>(x, rows, gates);
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_return");
+}
+
+void send_return_rows_cuda(const Exchange& x, const char* rows, int32_t ctas, cudaStream_t s) {
+  return_kernel<false><<<static_cast<unsigned>(std::max(ctas, 1)), kThreads, 0, s>>>(x, rows, nullptr);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_send_return_rows");
 }
 
 }  // namespace ep

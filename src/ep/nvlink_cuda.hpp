@@ -124,6 +124,9 @@ void take_received_cuda(const Exchange& x, char* rows_out, cudaStream_t s, bool 
 // gradients ([R, k_loc]) to the return rows of the token's rank, at the place the row's
 // metadata in the window names.
 void return_rows_cuda(const Exchange& x, const char* rows, const float* gates, cudaStream_t s);
+// The rows alone, from `ctas` CTAs and without meeting the peers: a return_rows_cuda after them
+// (stream-ordered) meets the peers for both.
+void send_return_rows_cuda(const Exchange& x, const char* rows, int32_t ctas, cudaStream_t s);
 
 // Where each received row's result goes when the local experts' combine stores it there itself
 // (instead of return_rows_cuda moving it): addr[i] = the return row at (token, place) in the

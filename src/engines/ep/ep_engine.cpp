@@ -176,12 +176,11 @@ class EpEngine final : public Engine {
     overlap_ = !host() && local_->kind() == EngineKind::kCudaFused &&
                gemm::sm90::ep_overlap(P_, g_.num_experts, g_.top_k, g_.gate_up_cols(),
                                       static_cast<int64_t>(dtype_size(g_.act_dtype)), row_ctas_, sms_);
-    if (overlap_) {
-      ep::preload_exchange_kernels();  // loaded now, not at a launch that would wait for a waiting GEMM
-      side_.create();
-    }
     returns_from_combine_ =
         !host() && local_->kind() == EngineKind::kCudaFused && gemm::sm90::ep_returns_from_combine();
+    lane_ = !host() && local_->kind() == EngineKind::kCudaFused;
+    if (overlap_) ep::preload_exchange_kernels();  // loaded now, not at a launch that would wait for a waiting GEMM
+    if (lane_) side_.create();
   }
   ~EpEngine() override {
     if (host_matrix_) cudaFreeHost(host_matrix_);
@@ -277,6 +276,28 @@ class EpEngine final : public Engine {
     MOEBLAZE_CUDA_CHECK(cudaEventRecord(side_.join, side_.stream));
   }
   void join_rows(cudaStream_t s) const { MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(s, side_.join, 0)); }
+  // The local backward's dx rows go back on the second stream, from few CTAs, while its
+  // weight-gradient GEMMs run on the other SMs; the gate gradients' return meets the peers after.
+  struct SendDxRows final : LaneWork {
+    ep::Exchange x;
+    const char* rows = nullptr;
+    int32_t ctas = 0;
+    void enqueue(void* stream) const override {
+      ep::send_return_rows_cuda(x, rows, ctas, static_cast<cudaStream_t>(stream));
+    }
+  };
+  SideLane lane(const SendDxRows& work) const {
+    SideLane l;
+    l.stream = side_.stream;
+    l.fork = side_.fork;
+    l.join = side_.join;
+    l.ctas = work.ctas;
+    l.gemm_ctas = std::max(1, sms_ - work.ctas);
+    l.after_dx = &work;
+    return l;
+  }
+  // A large EP_COMM_SMS still leaves the GEMMs most SMs.
+  int32_t lane_ctas() const { return std::min(row_ctas_, std::max(1, sms_ / 4)); }
 
   // The local combine's rows straight to the ranks they return to: their addresses, from the
   // received rows' metadata (in the window once the dispatch's metadata barrier has passed).
@@ -303,7 +324,8 @@ class EpEngine final : public Engine {
   int64_t R_;
   int32_t ctas_, row_ctas_, P_ = 1, epr_ = 1, c_ = 1;
   bool overlap_ = false;  // rows sent beside the local GEMMs
-  bool returns_from_combine_ = false;  // the local combine stores the returning rows into the peers
+  bool returns_from_combine_ = false;  // the forward's local combine stores the returning rows into the peers
+  bool lane_ = false;  // a second stream (side_): the rows beside the GEMMs, the dx rows beside the weight gradients
   int sms_ = 0;
   SideStream side_;
   ep::WindowLayout layout_, stage_layout_;
@@ -334,7 +356,7 @@ EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
   w.recv_offset = c.take<int32_t>(static_cast<size_t>(P_ + 1));
   w.local_status = c.take<int32_t>(1);
   w.rows = c.take<char>(static_cast<size_t>(R_ * layout_.row_bytes));
-  if (returns_from_combine_) w.ret_addr = c.take<char*>(static_cast<size_t>(R_));
+  if (returns_from_combine_ || lane_) w.ret_addr = c.take<char*>(static_cast<size_t>(R_));
   if (pass == Pass::kBackward) {
     w.dg_recv = c.take<float>(static_cast<size_t>(R_ * l_.top_k));
     w.dg_tok = c.take<float>(static_cast<size_t>(std::max<int64_t>(L * g_.top_k, 1)));
@@ -523,14 +545,22 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
   la.d_w_gate_up = a.d_w_gate_up;
   la.d_w_down = a.d_w_down;
   la.d_topk_weights = dense(w.dg_recv, DType::kF32, R_, l_.top_k);
-  const bool dx_from_combine = returns_from_combine_ && a.dx.present;
-  if (dx_from_combine) return_from_combine(x, w, la, s);
+  // The dx parts go back from the local call once final, beside its weight gradients.
+  SendDxRows send_dx;
+  const bool dx_beside = lane_ && a.dx.present;
+  if (dx_beside) {
+    ep::return_addresses_cuda(x, w.ret_addr, s);  // where poison_returns_cuda writes, should the call fail
+    send_dx.x = x;
+    send_dx.rows = static_cast<const char*>(w.rows);
+    send_dx.ctas = lane_ctas();
+    la.side = lane(send_dx);
+  }
   local_->backward(la, sv.local, w.local_ws, s);
   if (overlap_) join_rows(s);
   cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
-  if (dx_from_combine) ep::poison_returns_cuda(x, w.ret_addr, w.local_status, s);
-  // The gate gradients (and the dx parts, unless the combine stored them) go back, then the barrier.
-  give_back(x, w, hc, a.dx.present && !dx_from_combine ? static_cast<const char*>(w.rows) : nullptr, w.dg_recv, s);
+  if (dx_beside) ep::poison_returns_cuda(x, w.ret_addr, w.local_status, s);
+  // The gate gradients (and the dx parts, unless they went beside) go back, then the barrier.
+  give_back(x, w, hc, a.dx.present && !dx_beside ? static_cast<const char*>(w.rows) : nullptr, w.dg_recv, s);
   ep::gather_returned_gates_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, static_cast<int32_t>(l_.top_k),
                                  reinterpret_cast<const float*>(comm_->local() + layout_.ret_gates), w.dg_tok, s);
   const bool router_dx = router_->backward(a, needs, sv.plan, w.dg_tok, w.router, s);

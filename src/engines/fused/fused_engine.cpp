@@ -363,6 +363,13 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   cuda::check_saved_header_cuda(make_saved_header(cfg_, L), sv.header, flag, routing::kSavedHeaderInvalid, s);
   routing::validate_plan_cuda(plan, L, k, E, /*empty_slots=*/true, flag, s);  // a TOKEN_MASK leaves empty slots
   router_->backward_begin(a, needs, w.router, s);
+  // With work for a side lane once dx is final (an expert-parallel layer's local call sending
+  // its dx rows back): the last window's dx GEMM and combine before its weight gradients, and the
+  // lane's work beside them, which leave the lane's SMs free. Not with the copy (dx_part holds
+  // x's rows until the dW_gate_up GEMM reads them).
+  const bool after_dx = a.side.present() && a.side.after_dx && a.dx.present;
+  const bool dx_first = after_dx && !pregather_;
+  bool lane_forked = false;
   for (int64_t i = 0; i < w.windows.count; ++i) {
     int64_t t0, rows;
     const sm90::Schedule sched = begin_window(w, plan, L, i, t0, rows, s);
@@ -379,30 +386,49 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
       experts::activation_backward_cuda(cfg_.activation, dt, rows * k, h, pre, pre_rows, win.gate, w.dpre, w.act,
                                         w.dg_pos, s, rows_done);
     }
+    // dx: its GEMM, dg in token order (the epilogue's partial sums per column block, or the
+    // separate pass's one row), the router's part, the combine.
+    auto dx_and_dg = [&] {
+      if (a.dx.present) sm90::grouped_gemm(dt, dxg, dx_epi, {}, s);
+      float* dg_tok = w.dg_tok + t0 * k;
+      combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s,
+                                   act_in_epilogue ? fused_dg_parts(cfg_) : 1, W, rows_done);
+      const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
+      if (a.dx.present) {
+        combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,
+                                   router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s,
+                                   a.out_rows ? a.out_rows + t0 : nullptr);
+        router_->add_router_dx(a, needs, a.dx.rows(t0, rows), w.router, s);
+      }
+    };
+    const bool last = i + 1 == w.windows.count;
+    if (dx_first && last) {
+      dx_and_dg();
+      cudaStream_t lane = static_cast<cudaStream_t>(a.side.stream);
+      MOEBLAZE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(a.side.fork), s));
+      MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(lane, static_cast<cudaEvent_t>(a.side.fork), 0));
+      a.side.after_dx->enqueue(lane);
+      MOEBLAZE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(a.side.join), lane));
+      lane_forked = true;
+    }
+    const int32_t wg_ctas = lane_forked ? a.side.gemm_ctas : 0;
     if (a.d_w_down.present) {
       sm90::WeightGradParams p = dwd(i);
       p.sched = sched;
+      p.max_ctas = wg_ctas;
       sm90::weight_grad(dt, p, s);
     }
     if (a.d_w_gate_up.present) {
       if (pregather_) experts::gather_rows_cuda(a.x, win.token, rows * k, d, w.dx_part, s);
       sm90::WeightGradParams p = dwgu(i);
       p.sched = sched;
+      p.max_ctas = wg_ctas;
       sm90::weight_grad(dt, p, s);
     }
-    if (a.dx.present) sm90::grouped_gemm(dt, dxg, dx_epi, {}, s);
-    float* dg_tok = w.dg_tok + t0 * k;
-    // dg: the epilogue's partial sums per column block, or the separate pass's one row.
-    combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s,
-                                 act_in_epilogue ? fused_dg_parts(cfg_) : 1, W, rows_done);
-    const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
-    if (a.dx.present) {
-      combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,
-                                 router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s,
-                                 a.out_rows ? a.out_rows + t0 : nullptr);
-      router_->add_router_dx(a, needs, a.dx.rows(t0, rows), w.router, s);
-    }
+    if (!(dx_first && last)) dx_and_dg();
   }
+  if (lane_forked) MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(a.side.join), 0));
+  else if (after_dx) a.side.after_dx->enqueue(s);
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
   router_->backward_finish(a, needs, w.router, s);
   for (const View* out : {&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight})

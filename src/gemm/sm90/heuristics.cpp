@@ -40,7 +40,7 @@ bool ep_overlap(int32_t P, int64_t E, int64_t k, int64_t gate_up_cols, int64_t e
 }
 
 bool ep_returns_from_combine() {
-  static const bool on = std::strcmp(knob("MOEBLAZE_EP_RETURN"), "combine") == 0;
+  static const bool on = std::strcmp(knob("MOEBLAZE_EP_RETURN"), "kernel") != 0;
   return on;
 }
 

@@ -53,7 +53,9 @@ bool pregather(int64_t gate_up_cols, int64_t ffn_hidden);
 // FLOP of its up GEMM (2 k d g h). Measured on 4 H100s, 16,384 tokens per rank, rows beside /
 // before: Qwen3-30B-A3B-like EP 4 (2.9e-4) 10.83 / 11.62 ms, OLMoE-like EP 4 (2.2e-4) 12.68 /
 // 13.51; slower at EP 2 (1.2-1.6e-4: +0.4 ms on both) and on Mixtral-like (2.7-3.2e-5:
-// +0.7-2.5 ms). Never where the senders' CTAs (send_ctas, EP_COMM_SMS when set) would take more
+// +0.7-2.5 ms); with the arrival marks batched (faster senders), still slower at EP 2 (Qwen3-,
+// OLMoE-, Mixtral-like 8.977 / 8.858, 11.165 / 10.813, 60.359 / 58.451 ms beside / before).
+// Never where the senders' CTAs (send_ctas, EP_COMM_SMS when set) would take more
 // than a quarter of the device's SMs from the GEMMs. MOEBLAZE_EP_OVERLAP=0 turns it off, =1 on
 // wherever it can run.
 bool ep_overlap(int32_t ranks, int64_t num_experts, int64_t top_k, int64_t gate_up_cols, int64_t elem_bytes,
@@ -65,10 +67,13 @@ bool ep_overlap(int32_t ranks, int64_t num_experts, int64_t top_k, int64_t gate_
 // Qwen3-30B-A3B-like layer its 181 MB take ~1.3 ms, under the ~1.4 ms up GEMM.
 constexpr int32_t kEpOverlapCtas = 16;
 
-// Whether such a layer's local combine stores each received row's result (y parts forward, dx
-// parts backward) straight into the window of the rank it returns to, from every SM, instead of
-// into local rows that a return exchange of 64 CTAs then moves. Off until measured (perf/NOTES.md,
-// "The returns"); MOEBLAZE_EP_RETURN=combine turns it on.
+// Whether such a layer's forward local combine stores each received row's y part straight into
+// the window of the rank it returns to, instead of into local rows that a return exchange of 64
+// CTAs then moves. Measured on 4 H100s, 16,384 tokens per rank, fwd+bwd with the backward's dx
+// parts returned the same way, combine / return exchange: Qwen3-30B-A3B-like EP 2 8.656 /
+// 8.869 ms, EP 4 10.779 / 10.930; OLMoE-like EP 2 10.701 / 10.984, EP 4 12.749 / 12.937. (The
+// backward now sends its dx parts beside the weight-gradient GEMMs instead.)
+// MOEBLAZE_EP_RETURN=kernel turns it off.
 bool ep_returns_from_combine();
 
 // ---- the grouped GEMM ----------------------------------------------------------------------
