@@ -147,6 +147,13 @@ if want ep; then
   rc=$?
   grep -E 'FAILED|rror' "$OUT/test_ep_gpu-return-kernel.log" | tail -10
   summary+=("test_ep_gpu, returns by the return exchange: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu-return-kernel.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu-return-kernel.log") FAILED")
+  # on a machine of more GPUs, once more on two of them (P = 2: the returns and the rule's other side)
+  if [ "$(nvidia-smi -L | wc -l)" -gt 2 ]; then
+    CUDA_VISIBLE_DEVICES=0,1 MOEBLAZE_EP_OVERLAP=1 timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_gpu > "$OUT/test_ep_gpu-2.log" 2>&1
+    rc=$?
+    grep -E 'FAILED|rror' "$OUT/test_ep_gpu-2.log" | tail -10
+    summary+=("test_ep_gpu on 2 of the GPUs, rows beside the GEMMs: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu-2.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu-2.log") FAILED")
+  fi
   # one process per rank (layers made from an ncclUniqueId) and the soak (EP_SOAK_STEPS, 1000)
   timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_processes > "$OUT/test_ep_processes.log" 2>&1
   rc=$?
@@ -177,7 +184,9 @@ if want eptorch; then
     timeout ${EP_TIMEOUT:-300} torchrun --standalone --nproc_per_node=2 examples/moe_lm_ep.py ${EP_EXAMPLE_ARGS:-} \
     > "$OUT/moe-lm-ep.log" 2>&1
   rc=$?
-  grep -vE '^W[0-9]' "$OUT/moe-lm-ep.log" | tail -30
+  # the loss table and the comparison, not the launcher's traceback of a failed rank
+  grep -E '^(model|ep |single|step|largest|PASS|FAIL)|^ *[0-9]+  ' "$OUT/moe-lm-ep.log" | tail -40
+  grep -E 'Error|error' "$OUT/moe-lm-ep.log" | grep -v ChildFailedError | tail -5
   summary+=("examples/moe_lm_ep.py on 2 GPUs: rc=$rc; $(grep -E '^(PASS|FAIL)' "$OUT/moe-lm-ep.log" | tail -1)")
 fi
 if want epexchange; then
