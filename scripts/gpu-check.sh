@@ -10,8 +10,9 @@
 # shared: where a shared expert runs best (perf/shared_expert_overlap.py, SHARED_ARGS): after the
 # routed experts, beside them on a second stream, or as more groups of their grouped GEMM; on a
 # machine of several GPUs, in line or beside on the expert-parallel layer; not part of "all".
-# ep: the expert-parallel layer on every GPU of the machine (at least 2) against the single-GPU
-# layer (tests/ep/test_ep_gpu.cpp, tests/ep/test_ep_processes.cpp); EP_SANITIZE="memcheck racecheck"
+# ep: the expert-parallel layer on every GPU of the machine (at least 2; test_ep_gpu also on 2 of
+# more) against the single-GPU layer (tests/ep/test_ep_gpu.cpp, tests/ep/test_ep_processes.cpp);
+# EP_SANITIZE="memcheck racecheck"
 # runs the one-process-per-rank test on two GPUs under those tools too;
 # not part of "all" (the tests mode runs it through ctest).
 # eptorch: MoELayer(ep_group=...) on every GPU (tests/gpu/ep_torch_check.py) and
@@ -147,13 +148,6 @@ if want ep; then
   rc=$?
   grep -E 'FAILED|rror' "$OUT/test_ep_gpu-return-kernel.log" | tail -10
   summary+=("test_ep_gpu, returns by the return exchange: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu-return-kernel.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu-return-kernel.log") FAILED")
-  # on a machine of more GPUs, once more on two of them (P = 2: the returns and the rule's other side)
-  if [ "$(nvidia-smi -L | wc -l)" -gt 2 ]; then
-    CUDA_VISIBLE_DEVICES=0,1 MOEBLAZE_EP_OVERLAP=1 timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_gpu > "$OUT/test_ep_gpu-2.log" 2>&1
-    rc=$?
-    grep -E 'FAILED|rror' "$OUT/test_ep_gpu-2.log" | tail -10
-    summary+=("test_ep_gpu on 2 of the GPUs, rows beside the GEMMs: rc=$rc; $(grep -c '^  ok ' "$OUT/test_ep_gpu-2.log") checks ok, $(grep -c FAILED "$OUT/test_ep_gpu-2.log") FAILED")
-  fi
   # one process per rank (layers made from an ncclUniqueId) and the soak (EP_SOAK_STEPS, 1000)
   timeout ${EP_TIMEOUT:-300} build-gpu/tests/ep/test_ep_processes > "$OUT/test_ep_processes.log" 2>&1
   rc=$?

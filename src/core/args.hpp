@@ -57,11 +57,13 @@ struct CallArgs {
   // their caller waits for every row first.
   RowArrival arrival;
   // Internal (an expert-parallel layer's local call): where the token-order combine stores row t
-  // of y (forward) or dx (backward): out_rows[t], none where null, instead of the dense view.
+  // of y in forward: out_rows[t], none where null, instead of the dense view.
   // Engines that cannot take it ignore it, and their caller moves the dense rows.
   char* const* out_rows = nullptr;
   // Internal (an expert-parallel layer's local call): a stream beside the call's, on which an
-  // engine may combine its out_rows while its weight-gradient GEMMs run. Engines ignore it.
+  // engine enqueues the lane's work once dx is final (cuda/side_lane.hpp). Only the fused
+  // engine takes it (on the lane, or on the call's stream where it cannot go beside), so an
+  // expert-parallel layer hands it to no other.
   SideLane side;
 };
 

@@ -396,8 +396,7 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
       const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
       if (a.dx.present) {
         combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,
-                                   router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s,
-                                   a.out_rows ? a.out_rows + t0 : nullptr);
+                                   router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s);
         router_->add_router_dx(a, needs, a.dx.rows(t0, rows), w.router, s);
       }
     };
