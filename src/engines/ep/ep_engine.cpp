@@ -116,7 +116,7 @@ struct EpWork {
   int32_t* recv_offset = nullptr;
   int32_t* local_status = nullptr;
   void* rows = nullptr;          // [R, d] y parts (forward) or dx parts (backward)
-  char** ret_addr = nullptr;     // [R] where the local combine stores each row's result (returns_from_combine_)
+  char** ret_addr = nullptr;     // [R] where the local combine stores each row's result (NVLink, fused local engine)
   float* dg_recv = nullptr;      // backward: [R, k_loc]
   float* dg_tok = nullptr;       // backward: [L, k]
   EpSaved inference;             // forward inference: what training keeps in saved
@@ -356,7 +356,7 @@ EpWork EpEngine::carve_work(Pass pass, int64_t L, void* base) const {
   w.recv_offset = c.take<int32_t>(static_cast<size_t>(P_ + 1));
   w.local_status = c.take<int32_t>(1);
   w.rows = c.take<char>(static_cast<size_t>(R_ * layout_.row_bytes));
-  if (returns_from_combine_ || lane_) w.ret_addr = c.take<char*>(static_cast<size_t>(R_));
+  if (lane_) w.ret_addr = c.take<char*>(static_cast<size_t>(R_));  // the forward's combine, the backward's poison
   if (pass == Pass::kBackward) {
     w.dg_recv = c.take<float>(static_cast<size_t>(R_ * l_.top_k));
     w.dg_tok = c.take<float>(static_cast<size_t>(std::max<int64_t>(L * g_.top_k, 1)));
