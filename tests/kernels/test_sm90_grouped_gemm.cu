@@ -32,12 +32,10 @@ double tolerance(DType dt) { return dt == DType::kBF16 ? 1e-2 : 2e-3; }
 
 // The kernels under test, as bn codes in the messages: 128 and 256 cooperative, -128 ping-pong.
 const int kBlockNs[] = {128, 256, -128};
-// pair: gathered A shared by CTA pairs (1), not (0), or by the rule (-1: wherever they can).
-sm90::KernelChoice kernel_choice(int bn, int pair = -1) {
+sm90::KernelChoice kernel_choice(int bn) {
   sm90::KernelChoice kc;
   kc.block_n = bn < 0 ? -bn : bn;
   kc.schedule = bn < 0 ? sm90::ConsumerSchedule::kPingPong : sm90::ConsumerSchedule::kCooperative;
-  kc.pair = pair;
   return kc;
 }
 
@@ -45,7 +43,7 @@ sm90::KernelChoice kernel_choice(int bn, int pair = -1) {
 // path with padding; 2: an ld that is not a multiple of 8, the pair-store path).
 // max_ctas: the persistent grid capped (0: one CTA per SM).
 std::vector<uint16_t> run_store(const Problem& P, int bn, bool scaled, Check* c, int64_t ld_pad = 0,
-                                int32_t max_ctas = 0, int pair = -1) {
+                                int32_t max_ctas = 0) {
   const int64_t ld = P.s.n + ld_pad;
   void* out = alloc_poisoned(P.s.m_total * ld);
   sm90::EpilogueParams e;
@@ -55,7 +53,7 @@ std::vector<uint16_t> run_store(const Problem& P, int bn, bool scaled, Check* c,
   e.row_scale = scaled ? P.d_scale : nullptr;
   sm90::GroupedGemmParams p = P.params();
   p.max_ctas = max_ctas;
-  sm90::grouped_gemm(P.dt, p, e, kernel_choice(bn, pair), nullptr);
+  sm90::grouped_gemm(P.dt, p, e, kernel_choice(bn), nullptr);
   GGP_CK(cudaDeviceSynchronize());
   *c = compare(out, P.s.m_total, P.s.n, ld, P.dt, want_store(P, scaled));
   std::vector<uint16_t> bits(std::max<int64_t>(P.s.m_total * ld, 1));
@@ -191,12 +189,12 @@ std::vector<uint16_t> valid_bits(const void* d, int64_t rows, int64_t cols, int6
 // pre and act of the activation epilogue, valid columns as bits, with rows padded by ld_pad;
 // `outputs`: bit 0 pre, bit 1 act (an output left out is not written, its bits empty).
 void run_activation_bits(const Problem& P, Activation a, int bn, int64_t ld_pad, std::vector<uint16_t>* pre_bits,
-                         std::vector<uint16_t>* act_bits, int outputs = 3, int pair = -1) {
+                         std::vector<uint16_t>* act_bits, int outputs = 3) {
   const int64_t n = P.s.n, nc = P.ncols(), ld_pre = nc + ld_pad, ld_act = n + ld_pad;
   void* pre = outputs & 1 ? alloc_poisoned(P.s.m_total * ld_pre) : nullptr;
   void* act = outputs & 2 ? alloc_poisoned(P.s.m_total * ld_act) : nullptr;
   const sm90::EpilogueParams e = activation_params(a, pre, ld_pre, act, ld_act);
-  sm90::grouped_gemm(P.dt, P.params(), e, kernel_choice(bn, pair), nullptr);
+  sm90::grouped_gemm(P.dt, P.params(), e, kernel_choice(bn), nullptr);
   GGP_CK(cudaDeviceSynchronize());
   *pre_bits = pre ? valid_bits(pre, P.s.m_total, nc, ld_pre) : std::vector<uint16_t>{};
   *act_bits = act ? valid_bits(act, P.s.m_total, n, ld_act) : std::vector<uint16_t>{};
@@ -348,52 +346,6 @@ void deterministic(void**) {
   free_problem(P);
 }
 
-// Gathered A shared by CTA pairs (two CTAs of a cluster, each gathering half of a row block's
-// rows for both) against each CTA gathering alone: within tolerance of the reference and the
-// same bits, for the store and the activation epilogues, with partial tiles, K not a multiple
-// of 64, skewed and single-expert routings, bad indices (zero rows), a capped grid (an odd cap:
-// three pairs), and column blocks of odd count (the launch takes no pair there).
-void paired_gather(void**) {
-  uint64_t seed = 300;
-  const Shape shapes[] = {
-      {3000, 1000, 6, 256, 200, false, true, Major::kMN, 0.6},   // bn 128: 2 column blocks
-      {5000, 2000, 16, 512, 136, false, true, Major::kK, 1.2},   // bn 256: 2; bn 128: 4
-      {2000, 500, 4, 384, 520, false, true, Major::kMN, -1.0},   // one expert; bn 128: 3 (alone)
-      {1, 1, 1, 256, 64, false, true, Major::kK, 0.0},           // one row
-      {16000, 6000, 40, 512, 136, false, true, Major::kMN, 0.3},  // many tiles per pair (bf16, good rows only)
-  };
-  for (const Shape& sh : shapes)
-    for (DType dt : kTypes)
-      for (int bn : {128, 256}) {
-        for (bool bad : {false, true}) {
-          if (sh.m_total > 10000 && (dt != DType::kBF16 || bad)) continue;  // the reference's CPU time
-          Problem P = make_problem(sh, dt, seed++, bad);
-          Check alone, paired, capped;
-          const std::vector<uint16_t> a = run_store(P, bn, true, &alone, 0, 0, 0);
-          const std::vector<uint16_t> b = run_store(P, bn, true, &paired, 0, 0, 1);
-          const std::vector<uint16_t> c = run_store(P, bn, true, &capped, 0, 7, 1);
-          if (a != b || a != c || paired.rel_err > tolerance(dt) || paired.unwritten)
-            std::printf("pairs: m=%lld n=%d k=%d bn=%d %s bad=%d: paired == alone %d, capped == alone %d, rel %.3g\n",
-                        static_cast<long long>(sh.m_total), sh.n, sh.k, bn, dtype_name(dt), bad, a == b, a == c,
-                        paired.rel_err);
-          assert_true(a == b);
-          assert_true(a == c);
-          assert_true(alone.rel_err <= tolerance(dt) && paired.rel_err <= tolerance(dt));
-          assert_int_equal(paired.unwritten, 0);
-          assert_int_equal(paired.clobbered, 0);
-          free_problem(P);
-        }
-      }
-  for (Activation act : {Activation::kSwiglu, Activation::kGelu}) {
-    Problem Q = make_problem({2500, 900, 4, 256, 264, is_gated(act), true, Major::kK, 0.4}, DType::kBF16, seed++);
-    std::vector<uint16_t> pre0, act0, pre1, act1;
-    run_activation_bits(Q, act, 256, 0, &pre0, &act0, 3, 0);
-    run_activation_bits(Q, act, 256, 0, &pre1, &act1, 3, 1);
-    assert_true(pre0 == pre1 && act0 == act1);
-    free_problem(Q);
-  }
-}
-
 // A grid capped below the SM count (SMs left to another stream's kernels): every tile still
 // computed, the same bits as the full grid.
 void capped_grid(void**) {
@@ -517,6 +469,6 @@ int main() {
       cmocka_unit_test(store_shapes),   cmocka_unit_test(many_experts),  cmocka_unit_test(bad_indices),
       cmocka_unit_test(activations),    cmocka_unit_test(padded_outputs), cmocka_unit_test(deterministic),
       cmocka_unit_test(no_rows),        cmocka_unit_test(capped_grid),        cmocka_unit_test(staged_matches_registers), cmocka_unit_test(deferred_matches_registers),
-      cmocka_unit_test(placed_rows),    cmocka_unit_test(arriving_rows), cmocka_unit_test(paired_gather)};
+      cmocka_unit_test(placed_rows),    cmocka_unit_test(arriving_rows)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kThreads, 1) pipeline_kernel(const uint32_t* s
   arrivals.consumer_warps = Sch == Scheme::kPingPong ? 4 : 8;
   arrivals.per_warp = Sch == Scheme::kPerThread ? 32 : 1;
   const Pipe pipe = Pipe::init(barriers, arrivals);
-  const sm90::MmaTurns turns = sm90::MmaTurns::init(barriers + 3 * S);
+  const sm90::MmaTurns turns = sm90::MmaTurns::init(barriers + 2 * S);
   if (threadIdx.x == 0) cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   __syncthreads();
   const uint32_t smem_base = sm90::smem_addr(smem);
@@ -141,7 +141,7 @@ Counters run(uint32_t fills) {
   GGP_CK(cudaMalloc(&out, sizeof(Counters)));
   GGP_CK(cudaMemcpy(src, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
   GGP_CK(cudaMemset(out, 0, sizeof(Counters)));
-  const int smem = S * kStageBytes + (3 * S + 2) * 8;  // full, empty, gathered, turns
+  const int smem = S * kStageBytes + (2 * S + 2) * 8;
   auto* kernel = pipeline_kernel<S, Sch>;
   GGP_CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // Several CTAs at once, each its own ring: the SMs interleave them differently every run.

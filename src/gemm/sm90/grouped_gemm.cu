@@ -86,29 +86,28 @@ bool a_by_tma(const GroupedGemmParams& p) { return a_by_tma_allowed() && !p.a_in
 namespace {
 
 template <class T, int BN, bool PingPong>
-void dispatch_major(const GroupedGemmParams& p, const EpilogueParams& e, bool pair, cudaStream_t s) {
+void dispatch_major(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
   if constexpr (!PingPong) {
     if (e.kind == EpilogueKind::kActivationBackward) {
-      if (p.b_major == Major::kMN) launch_grouped_gemm<T, BN, Major::kMN, EpilogueKind::kActivationBackward, false>(p, e, pair, s);
-      else launch_grouped_gemm<T, BN, Major::kK, EpilogueKind::kActivationBackward, false>(p, e, pair, s);
+      if (p.b_major == Major::kMN) launch_grouped_gemm<T, BN, Major::kMN, EpilogueKind::kActivationBackward, false>(p, e, s);
+      else launch_grouped_gemm<T, BN, Major::kK, EpilogueKind::kActivationBackward, false>(p, e, s);
       return;
     }
   }
   const bool mn = p.b_major == Major::kMN, store = e.kind == EpilogueKind::kStore;
-  if (mn && store) launch_grouped_gemm<T, BN, Major::kMN, EpilogueKind::kStore, PingPong>(p, e, pair, s);
-  else if (mn) launch_grouped_gemm<T, BN, Major::kMN, EpilogueKind::kActivation, PingPong>(p, e, pair, s);
-  else if (store) launch_grouped_gemm<T, BN, Major::kK, EpilogueKind::kStore, PingPong>(p, e, pair, s);
-  else launch_grouped_gemm<T, BN, Major::kK, EpilogueKind::kActivation, PingPong>(p, e, pair, s);
+  if (mn && store) launch_grouped_gemm<T, BN, Major::kMN, EpilogueKind::kStore, PingPong>(p, e, s);
+  else if (mn) launch_grouped_gemm<T, BN, Major::kMN, EpilogueKind::kActivation, PingPong>(p, e, s);
+  else if (store) launch_grouped_gemm<T, BN, Major::kK, EpilogueKind::kStore, PingPong>(p, e, s);
+  else launch_grouped_gemm<T, BN, Major::kK, EpilogueKind::kActivation, PingPong>(p, e, s);
 }
 
 // Ping-pong tiles are 128 x 128 per warpgroup: its two m64n128 fragments hold as many
 // accumulators as one m64n256 fragment of a cooperative 128 x 256 tile.
 template <class T>
 void dispatch(const KernelChoice& kc, const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
-  const bool pair = kc.pair > 0;
-  if (kc.schedule == ConsumerSchedule::kPingPong) dispatch_major<T, 128, true>(p, e, pair, s);
-  else if (kc.block_n == 256) dispatch_major<T, 256, false>(p, e, pair, s);
-  else dispatch_major<T, 128, false>(p, e, pair, s);
+  if (kc.schedule == ConsumerSchedule::kPingPong) dispatch_major<T, 128, true>(p, e, s);
+  else if (kc.block_n == 256) dispatch_major<T, 256, false>(p, e, s);
+  else dispatch_major<T, 128, false>(p, e, s);
 }
 
 }  // namespace

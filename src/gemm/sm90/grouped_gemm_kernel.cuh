@@ -9,7 +9,6 @@
 #include "gemm/sm90/epilogue.cuh"
 #include "gemm/sm90/epilogue_act_backward.cuh"
 #include "gemm/sm90/epilogue_deferred.cuh"
-#include "gemm/sm90/heuristics.hpp"
 #include "gemm/sm90/kernel_variants.hpp"
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/mainloop.cuh"
@@ -66,7 +65,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(!kActBackward || !PingPong, "the activation backward runs on cooperative tiles");
   PipelineArrivals arrivals;
   arrivals.producer = PipelineArrivals::producer_count(!ab.a_by_tma);
-  arrivals.pair = ab.pair;
   arrivals.consumer_warps = PingPong ? 4 : 8;  // the warps that read a stage
   arrivals.per_warp = kActBackward ? 32 : 1;   // the pre stages are released thread by thread
   const auto ring = init_ring<TileConfig<BN>>(smem_raw, arrivals);
@@ -83,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     regs_alloc<kConsumerRegs>();
     TileStore ts = TileStore::make(ring.staging, wg - 1);
     const int num_kb = (p.k + kBlockK - 1) / kBlockK;
-    const auto sched = grouped_scheduler<BN>(p, ab.pair);
+    const PersistentTileScheduler<GroupedTiles> sched({p.sched, column_blocks(p.n, p.gated, BN)});
     if constexpr (PingPong) {
       const int me = wg - 1;
       float acc[2][BN / 2];
@@ -138,36 +136,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     ts.drain();
   }
-  // A pair: neither CTA leaves while the other may still arrive on its barriers or copy into
-  // its stages.
-  if (ab.pair) cluster_sync();
 #endif
 }
 
 }  // namespace grouped_gemm_detail
 
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
-void launch_grouped_gemm(const GroupedGemmParams& p, const EpilogueParams& e, bool pair, cudaStream_t s) {
+void launch_grouped_gemm(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
   using Cfg = TileConfig<BN>;
   auto* kernel = grouped_gemm_detail::grouped_gemm_kernel<T, BN, BMajor, Epi, PingPong>;
-  const int32_t col_blocks = column_blocks(p.n, p.gated, BN);
-  const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, col_blocks);
+  const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
+  const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound, p.max_ctas);
   OperandMaps ab;
   ab.b = weight_tensor_map(Elem<T>::kType, p, tile_columns(p.gated, BN));
   ab.a_by_tma = a_by_tma(p);
   if (ab.a_by_tma) ab.a = rows_tensor_map(Elem<T>::kType, p.a, p.a_rows, p.k, p.lda);
-  const EpilogueMaps maps = epilogue_maps(Elem<T>::kType, p, e);
-  // A pair needs gathered A, an even number of column blocks and room for a cluster of two.
-  const int pairs = pair && !ab.a_by_tma && !PingPong && Epi != EpilogueKind::kActivationBackward && col_blocks % 2 == 0
-                        ? persistent_pairs(kernel, Cfg::kSmemBytes, bound / 2, p.max_ctas)
-                        : 0;
-  if (pairs > 0) {
-    ab.pair = pair_mode();
-    launch_pairs(kernel, pairs, Cfg::kSmemBytes, s, p, ab, e, maps);
-    return;
-  }
-  const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound, p.max_ctas);
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, ab, e, maps);
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, ab, e, epilogue_maps(Elem<T>::kType, p, e));
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,5 +1,4 @@
 #include "gemm/sm90/heuristics.hpp"
-#include "gemm/sm90/tile_config.hpp"
 
 #include <algorithm>
 #include <cstdlib>
@@ -63,30 +62,13 @@ static ConsumerSchedule schedule_override() {
   return forced;
 }
 
-static bool pairs_allowed() {  // EXPERIMENT: off unless MOEBLAZE_SM90_PAIR names a mode
-  static const bool on = *knob("MOEBLAZE_SM90_PAIR") && std::strcmp(knob("MOEBLAZE_SM90_PAIR"), "0") != 0;
-  return on;
-}
-
-int32_t pair_mode() {  // EXPERIMENT
-  static const int32_t m = [] {
-    const char* v = knob("MOEBLAZE_SM90_PAIR");
-    return *v ? static_cast<int32_t>(std::strtol(v, nullptr, 10)) : 3;
-  }();
-  return m;
-}
-
 KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc) {
   // The activation backward: cooperative tiles only (its pre stages follow each tile's k-blocks).
-  if (epilogue == EpilogueKind::kActivationBackward) return {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative, 0};
+  if (epilogue == EpilogueKind::kActivationBackward) return {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative};
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = ConsumerSchedule::kCooperative;
   if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;
   if (kc.block_n == 0) kc.block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
-  const bool can_pair = p.a_index && kc.schedule == ConsumerSchedule::kCooperative &&
-                        column_blocks(p.n, p.gated, kc.block_n) % 2 == 0 && p.max_ctas != 1;
-  if (kc.pair < 0) kc.pair = pairs_allowed() ? 1 : 0;
-  if (!can_pair) kc.pair = 0;
   return kc;
 }
 

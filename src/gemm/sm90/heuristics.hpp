@@ -86,7 +86,6 @@ enum class ConsumerSchedule : int32_t { kAuto = 0, kCooperative = 1, kPingPong =
 struct KernelChoice {
   int block_n = 0;  // cooperative: 128 or 256 (0: choose from n); ping-pong: 128
   ConsumerSchedule schedule = ConsumerSchedule::kAuto;
-  int pair = -1;    // gathered A shared by CTA pairs: 1 yes, 0 no, -1 by the rule
 };
 
 // The kernel a choice resolves to for these parameters and epilogue (every field set).
@@ -95,13 +94,7 @@ struct KernelChoice {
 // epilogue stalled its MMAs; with that epilogue drained by TMA under the next tile, the larger
 // tile's reuse wins there too (fwd+bwd 1.5-6% faster at n = 256..768).
 // MOEBLAZE_SM90_SCHEDULE=cooperative|pingpong overrides the schedule.
-// CTA pairs for every gathered A that can take them (cooperative, a store or activation
-// epilogue, an even number of column blocks): the 16-byte cp.async gather, not the MMAs, bounds
-// these GEMMs, and a pair gathers each row block once for two column blocks. Halving the gather
-// took the up GEMM from 70% to 92% of the dense rate at (32768, 4096, 512, 128, 8) (measured on
-// half the rows, perf/NOTES.md). MOEBLAZE_SM90_PAIR=0 turns pairs off.
 KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc);
-int32_t pair_mode();  // EXPERIMENT
 
 // Whether the dact GEMM (K = d, n = h) carries the activation backward in its epilogue
 // (EpilogueKind::kActivationBackward, when unsupported_reason allows it) rather than leave it to

@@ -33,10 +33,9 @@ constexpr const char* kDtypeLeftOut =
 
 // grouped_gemm_kernel.cuh: one persistent grid of the varlen-M grouped GEMM. Variants: BN 128
 // ping-pong (kStore, kActivation), BN 128 and 256 cooperative (kStore, kActivation,
-// kActivationBackward), each for both B majors. pair: gathered A shared by CTA pairs where the
-// launch can (cooperative, not the activation backward, an even number of column blocks).
+// kActivationBackward), each for both B majors.
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
-void launch_grouped_gemm(const GroupedGemmParams& p, const EpilogueParams& e, bool pair, cudaStream_t s);
+void launch_grouped_gemm(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s);
 
 // weight_grad_kernel.cuh: one persistent grid of the varlen-K weight gradients; TmaA / TmaB say
 // which operands are read in expert order by TMA (all four combinations).

@@ -65,7 +65,7 @@ function(moeblaze_sm90_kernel_sources out_var)
       foreach(major kMN kK)
         foreach(epi ${_epis})
           string(APPEND _body "template void launch_grouped_gemm<${T}, ${BN}, Major::${major}, EpilogueKind::${epi}, ${PP}>(\n"
-                              "    const GroupedGemmParams&, const EpilogueParams&, bool, cudaStream_t);\n")
+                              "    const GroupedGemmParams&, const EpilogueParams&, cudaStream_t);\n")
         endforeach()
       endforeach()
       set(_file ${_dir}/grouped_gemm_${dt}_${sched}.cu)

@@ -16,8 +16,6 @@
 
 #include <cuda/ptx>
 
-#include <type_traits>
-
 #include "cuda/row_arrival.cuh"
 #include "gemm/grouped_tiles.hpp"
 #include "gemm/sm90/params.hpp"
@@ -51,8 +49,7 @@ struct StageRing {
 
 // Carves the ring from the dynamic shared memory (Cfg::kSmemBytes) and initialises its
 // barriers with the given arrival counts. Every thread of the block calls it (it ends with a
-// block barrier; for a pair, a cluster barrier, so that neither CTA's barriers are used by the
-// other before they exist).
+// block barrier).
 template <class Cfg>
 __device__ __forceinline__ StageRing<Cfg> init_ring(uint8_t* smem_raw, const PipelineArrivals& arrivals) {
   constexpr int S = Cfg::kStages;
@@ -61,16 +58,14 @@ __device__ __forceinline__ StageRing<Cfg> init_ring(uint8_t* smem_raw, const Pip
   ring.ptr = smem;
   ring.base = smem_addr(smem);
   ring.staging = smem + S * Cfg::kStageBytes;
-  // full[S], empty[S], gathered[S], turn[2], the tile slots
-  uint64_t* barriers = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes);
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes);  // full[S], empty[S], turn[2]
   ring.pipe = StagePipeline<S>::init(barriers, arrivals);
-  ring.turns = MmaTurns::init(barriers + 3 * S);
-  ring.tiles = reinterpret_cast<TileCoord*>(barriers + 3 * S + 2);
+  ring.turns = MmaTurns::init(barriers + 2 * S);
+  ring.tiles = reinterpret_cast<TileCoord*>(barriers + 2 * S + 2);
   static_assert(sizeof(TileCoord) == kTileSlotBytes, "TileConfig sizes the tile slots");
-  static_assert((3 * S + 2) * 8 % 16 == 0, "the tile slots are 16-byte aligned (read_tile_slot)");
+  static_assert((2 * S + 2) * 8 % 16 == 0, "the tile slots are 16-byte aligned (read_tile_slot)");
   if (threadIdx.x == 0) cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
-  if (arrivals.pair) cluster_sync();
-  else __syncthreads();
+  __syncthreads();
   return ring;
 }
 
@@ -128,87 +123,44 @@ struct NoEpilogueLoads {
   __device__ void issue(int, uint8_t*, const TileCoord&, uint64_t*) const {}
 };
 
-// The grouped GEMM's tile walk for every warp role. A CTA pair walks row blocks x pairs of
-// column blocks by cluster, each CTA taking its rank's column block of the pair.
-template <int BN>
-__device__ __forceinline__ PersistentTileScheduler<GroupedTiles> grouped_scheduler(const GroupedGemmParams& p, bool pair) {
-  const int32_t cb = column_blocks(p.n, p.gated, BN);
-  if (pair) return PersistentTileScheduler<GroupedTiles>({p.sched, cb / 2, 2, static_cast<int32_t>(cluster_rank())}, 2);
-  return PersistentTileScheduler<GroupedTiles>({p.sched, cb, 1, 0});
-}
-
-// Gathered A (a_index set): the producer warpgroup's 128 threads copy A rows by 16-byte
-// cp.async (thread t: rows first_row + 16 i, chunk t % 8), B comes by TMA from the elected
-// thread (full[s] counts the 128 cp.async arrivals + its expect_tx: PipelineArrivals'
+// Gathered A (a_index set): the producer warpgroup's 128 threads copy A rows with 16-byte
+// cp.async (full[s] counts their arrivals + the elected thread's expect_tx: PipelineArrivals'
 // producer_count(true); an epilogue stage, their plain arrivals and its expect_tx).
-//   Alone: all 128 rows, eight per thread (first_row = t / 8).
-//   CTA pair (PipelineArrivals::pair): both CTAs compute the same rows for neighbouring column
-//   blocks, so each gathers only its half, four rows per thread (rank r: first_row = 64 r + t /
-//   8), and thread 0 copies each stage's half into the peer's stage once it has landed
-//   (gathered[s]), polling for landed stages whenever it would otherwise wait; the peer's half
-//   lands on this CTA's full[s] as bytes. The 16-byte gather is these GEMMs' limit (perf/NOTES.md).
 template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads>
 __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing<TileConfig<BN>>& ring,
                         const Loads& loads = {}) {
   using Cfg = TileConfig<BN>;
-  using State = typename StageRing<Cfg>::State;
   const int t = threadIdx.x;  // 0..127
   const T* A = static_cast<const T*>(p.a);
   const int num_kb = (p.k + kBlockK - 1) / kBlockK;
-  // Never a pair with epilogue loads (the host's rule): compiled out there.
-  const uint32_t mode = std::is_same<Loads, NoEpilogueLoads>::value ? ring.pipe.mode() : 0u;
-  const bool pair = mode != 0;
-  const bool forwards = pair && !(mode & 4);
-  const auto sched = grouped_scheduler<BN>(p, pair);
-  const int a_chunk = t & 7;
-  const int rows = pair ? 4 : 8;
-  const int first_row = (pair ? static_cast<int>(cluster_rank()) * (kBlockM / 2) : 0) + (t >> 3);
-  const uint32_t dst0 = sw128_offset(first_row, a_chunk);  // row first_row + 16 i: + 2048 i
-  // Thread 0 of a pair: the next stage to copy to the peer.
-  State fwd, st;
-  const auto forward_landed = [&](bool wait) {
-    while (fwd.count < st.count) {
-      if (!ring.pipe.landed(fwd)) {
-        if (wait) continue;
-        return;
-      }
-      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // the landed rows, before the async proxy reads them
-      const uint32_t rank = cluster_rank(), half = rank * (Cfg::kABytes / 2), at = fwd.index() * Cfg::kStageBytes + half;
-      copy_to_peer(peer_addr(ring.base + at, rank ^ 1u), ring.base + at, Cfg::kABytes / 2, ring.pipe.peer_full_barrier(fwd));
-      fwd.advance();
-    }
-  };
-  const bool forwarder = forwards && t == 0;
+  const PersistentTileScheduler<GroupedTiles> sched({p.sched, column_blocks(p.n, p.gated, BN)});
+  const int a_chunk = t & 7, a_row = t >> 3;  // A: rows a_row + 16 i, chunk a_chunk
+  typename StageRing<Cfg>::State st;
   for (const TileWork w : sched.walk()) {
     const TileCoord tc = sched.decode(w);
-    // The tile's source rows: all loads first, then the checks, so the loads overlap instead
-    // of each check waiting for its own L2 round trip.
+    // The tile's eight source rows per thread: all loads first, then the checks, so the loads
+    // overlap instead of each check waiting for its own L2 round trip.
     int32_t src_row[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const int r = first_row + 16 * i;
-      src_row[i] = i >= rows || r >= tc.rows ? -1 : p.a_index ? __ldg(p.a_index + tc.row0 + r) : tc.row0 + r;
+      const int r = a_row + 16 * i;
+      src_row[i] = r >= tc.rows ? -1 : p.a_index ? __ldg(p.a_index + tc.row0 + r) : tc.row0 + r;
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i)
       if (src_row[i] >= p.a_rows) src_row[i] = -1;  // negative stays negative: a zero row
     wait_rows(p.arrival, src_row);
     for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
-      if (forwarder) {
-        while (!ring.pipe.acquired(st)) forward_landed(false);
-      } else {
-        ring.pipe.acquire(st);
-      }
+      ring.pipe.acquire(st);
       const uint32_t a_dst = ring.stage_addr(st);
       const int32_t k0 = kb * kBlockK;
       {
         const int32_t kk = k0 + a_chunk * 8;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          if (i >= rows) break;
           const bool ok = kk < p.k && src_row[i] >= 0;
           const T* src = ok ? A + static_cast<int64_t>(src_row[i]) * p.lda + kk : A;
-          cp_async_16(a_dst + dst0 + i * 2048, src, ok ? 16u : 0u);
+          cp_async_16(a_dst + sw128_offset(a_row + 16 * i, a_chunk), src, ok ? 16u : 0u);
         }
       }
       if (t == 0) {
@@ -216,13 +168,12 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
         // next tile, and this stage's acquire waited for a release in that tile or later
         // (TileConfig: kTileSlots - 1 >= kStages).
         if (kb == 0) ring.tiles[w.j % kTileSlots] = tc;
-        ring.pipe.arrive_expect_tx(st, Cfg::kBBytes + (forwards ? Cfg::kABytes / 2 : 0));  // + the peer's half
+        ring.pipe.arrive_expect_tx(st, Cfg::kBBytes);
         issue_b<BN, BMajor>(p, bmap, ring.stage_ptr(st) + Cfg::kABytes, ring.pipe.full_barrier(st), tc, k0);
       }
       ring.pipe.arrive_cp_async(st);
-      if (pair) ring.pipe.arrive_gathered(st);
     }
-    for (int q = 0; q < loads.stages(); ++q, st.advance()) {  // never in a pair (the host's rule)
+    for (int q = 0; q < loads.stages(); ++q, st.advance()) {
       ring.pipe.acquire(st);
       if (t == 0) {
         ring.pipe.arrive_expect_tx(st, uint32_t{Loads::kBytes});
@@ -231,7 +182,6 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
       ring.pipe.arrive(st);
     }
   }
-  if (forwarder) forward_landed(true);
 }
 
 // A in expert order (no a_index): one producer warp, whose lane 0 loads A by TMA as two boxes
@@ -247,7 +197,7 @@ __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& a
   if (threadIdx.x >= 32) return;
   const bool leader = threadIdx.x == 0;
   const int num_kb = (p.k + kBlockK - 1) / kBlockK;
-  const auto sched = grouped_scheduler<BN>(p, false);
+  const PersistentTileScheduler<GroupedTiles> sched({p.sched, column_blocks(p.n, p.gated, BN)});
   typename StageRing<Cfg>::State st;
   for (const TileWork w : sched.walk()) {
     const TileCoord tc = sched.decode(w);

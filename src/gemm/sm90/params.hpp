@@ -78,8 +78,6 @@ struct OperandMaps {
   TmaDescriptor b;
   TmaDescriptor a;
   int32_t a_by_tma = 0;
-  // Gathered A shared by a CTA pair (a cluster of two; gemm/sm90/mainloop.cuh's produce).
-  int32_t pair = 0;
 };
 
 struct EpilogueParams {

@@ -38,7 +38,7 @@ struct PipelineState {
 // Who completes each phase of the ring's barriers.
 struct PipelineArrivals {
   // full[s]: one elected producer thread's arrive_expect_tx (every operand by TMA), or that
-  // plus each gathering thread's cp.async arrival (gathered operands): producer_count.
+  // plus each producer thread's cp.async arrival (gathered operands): gathered(true).
   uint32_t producer = 1;
   // empty[s]: the consumer warps that read each stage (8 when two warpgroups share a tile, 4
   // under ping-pong) ...
@@ -47,14 +47,10 @@ struct PipelineArrivals {
   // release its own share (release_thread: compute-sanitizer's racecheck orders a thread's
   // reads before the producer's refill only through that thread's own arrival).
   uint32_t per_warp = 1;
-  // A CTA pair (a cluster of two) sharing its gathered operand: each CTA gathers half of every
-  // stage's A rows and copies them into the other's stage too, so a stage is refilled only
-  // once both CTAs' consumers have released it (empty[s] counts both; per_warp 1 only), and
-  // gathered[s] counts this CTA's gathering threads (all 128), after which its half goes to the
-  // peer.
-  uint32_t pair = 0;
 
-  __host__ __device__ static constexpr uint32_t producer_count(bool gathered) { return gathered ? kProducerThreads + 1 : 1; }
+  __host__ __device__ static constexpr uint32_t producer_count(bool gathered) {
+    return gathered ? kProducerThreads + 1 : 1;
+  }
 };
 
 template <int S>
@@ -63,29 +59,24 @@ class StagePipeline {
   static constexpr int kStages = S;
   using State = PipelineState<S>;
 
-  // barriers: 3 S mbarriers in shared memory (full, empty, then gathered, used by a pair
-  // only). Thread 0 initialises them; the caller makes them visible to the block (or, for a
-  // pair, to the cluster) before any other use.
+  // barriers: 2 S mbarriers in shared memory (full, then empty). Thread 0 initialises them;
+  // the caller makes them visible to the block (a block barrier) before any other use.
   __device__ __forceinline__ static StagePipeline init(uint64_t* barriers, const PipelineArrivals& a) {
     StagePipeline pipe;
     pipe.full_ = barriers;
+    pipe.empty_ = barriers + S;
     pipe.per_warp_ = a.per_warp;
-    pipe.peer_empty_ = a.pair ? peer_addr(smem_addr(barriers + S), cluster_rank() ^ 1u) : 0u;
-    pipe.peer_mode_ = a.pair;
     if (threadIdx.x == 0) {
       for (int s = 0; s < S; ++s) {
         cuda::ptx::mbarrier_init(&pipe.full_[s], a.producer);
-        cuda::ptx::mbarrier_init(pipe.empty(s), (a.pair ? 2 : 1) * a.consumer_warps * a.per_warp);
-        if (a.pair) cuda::ptx::mbarrier_init(pipe.gathered(s), uint32_t{kProducerThreads});
+        cuda::ptx::mbarrier_init(&pipe.empty_[s], a.consumer_warps * a.per_warp);
       }
     }
     return pipe;
   }
 
   // Producer side.
-  __device__ __forceinline__ void acquire(State st) const { mbar_wait(empty(st.index()), st.phase() ^ 1u); }
-  // acquire without waiting: whether stage st is free now.
-  __device__ __forceinline__ bool acquired(State st) const { return mbar_test(empty(st.index()), st.phase() ^ 1u); }
+  __device__ __forceinline__ void acquire(State st) const { mbar_wait(&empty_[st.index()], st.phase() ^ 1u); }
   // The full barrier that TMA copies into stage st complete their bytes on.
   __device__ __forceinline__ uint64_t* full_barrier(State st) const { return &full_[st.index()]; }
   // The elected thread's arrival, announcing the bytes TMA brings into the stage (0: none).
@@ -101,41 +92,19 @@ class StagePipeline {
   // A producer thread's plain arrival (its stores, if any, made before it).
   __device__ __forceinline__ void arrive(State st) const { cuda::ptx::mbarrier_arrive(&full_[st.index()]); }
 
-  // A pair's gathering thread: its arrival on gathered[s] once its copies into stage st have
-  // landed (beside arrive_cp_async on full[s]).
-  __device__ __forceinline__ void arrive_gathered(State st) const {
-    cuda::ptx::cp_async_mbarrier_arrive_noinc(gathered(st.index()));
-  }
-  // A pair's forwarding thread: whether this CTA's half of stage st has landed (no wait).
-  __device__ __forceinline__ bool landed(State st) const { return mbar_test(gathered(st.index()), st.phase()); }
-  // The peer's full barrier of stage st (shared::cluster), on which this CTA's half lands.
-  __device__ __forceinline__ uint32_t peer_full_barrier(State st) const { return peer_empty_ - 8u * (S - st.index()); }
-  __device__ __forceinline__ uint32_t mode() const { return peer_mode_; }
-
   // Consumer side.
   __device__ __forceinline__ void wait(State st) const { mbar_wait(&full_[st.index()], st.phase()); }
   // A consumer warp's release (every lane calls it; lane 0 arrives for the warp).
-  // In a pair it also releases the peer's stage: the peer's copy of this CTA's half writes it.
   __device__ __forceinline__ void release(State st) const {
-    if ((threadIdx.x & 31) == 0) {
-      cuda::ptx::mbarrier_arrive(empty(st.index()), per_warp_);
-      if (peer_empty_) {
-        if (peer_mode_ & 2) mbar_arrive_remote_cta(peer_empty_ + 8u * st.index());
-        else mbar_arrive_remote(peer_empty_ + 8u * st.index());
-      }
-    }
+    if ((threadIdx.x & 31) == 0) cuda::ptx::mbarrier_arrive(&empty_[st.index()], per_warp_);
   }
   // One thread's own share of its warp's release (a ring made with per_warp = 32).
-  __device__ __forceinline__ void release_thread(State st) const { cuda::ptx::mbarrier_arrive(empty(st.index())); }
+  __device__ __forceinline__ void release_thread(State st) const { cuda::ptx::mbarrier_arrive(&empty_[st.index()]); }
 
  private:
-  __device__ __forceinline__ uint64_t* empty(uint32_t s) const { return full_ + S + s; }
-  __device__ __forceinline__ uint64_t* gathered(uint32_t s) const { return full_ + 2 * S + s; }
-
   uint64_t* full_;
+  uint64_t* empty_;
   uint32_t per_warp_;
-  uint32_t peer_empty_;  // the peer's empty[0] (shared::cluster address; 0: no pair)
-  uint32_t peer_mode_;
 };
 
 // Ping-pong's order of MMAs between the two consumer warpgroups: warpgroup w's tiles are the

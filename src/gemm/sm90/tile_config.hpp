@@ -51,11 +51,11 @@ struct TileConfig {
   // The epilogue's staging boxes (gemm/sm90/epilogue_tma.cuh): two 64 x 64 boxes per consumer
   // warpgroup, 32 KB.
   static constexpr int kStagingBytes = kStagingBoxes * kStagingBoxBytes;
-  // + 1 KB to align the stages to the 1024-byte swizzle atom, + the stage barriers (full,
-  // empty, and a CTA pair's gathered), the two ping-pong turn barriers and the tile slots (the
-  // default configurations: 230,640 and 230,688 bytes of the 232,448 a block may have).
+  // + 1 KB to align the stages to the 1024-byte swizzle atom, + the stage barriers, the two
+  // ping-pong turn barriers and the tile slots (the default configurations: 230,608 bytes of the
+  // 232,448 a block may have).
   static constexpr int kSmemBytes =
-      kStages * kStageBytes + kStagingBytes + 1024 + 3 * kStages * 8 + 2 * 8 + kTileSlots * kTileSlotBytes;
+      kStages * kStageBytes + kStagingBytes + 1024 + 2 * kStages * 8 + 2 * 8 + kTileSlots * kTileSlotBytes;
   static_assert(kTileSlots - 1 >= kStages, "a tile slot must outlive its readers' tile");
   static_assert(kSmemBytes <= 232448, "more shared memory than a block may have");
 };

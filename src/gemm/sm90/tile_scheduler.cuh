@@ -30,9 +30,7 @@ struct TileWork {
 template <class Tiles>
 class PersistentTileScheduler {
  public:
-  // cluster: CTAs per cluster that walk one sequence together (a CTA pair: 2).
-  __device__ __forceinline__ explicit PersistentTileScheduler(const Tiles& tiles, int32_t cluster = 1)
-      : tiles_(tiles), total_(tiles.count()), cluster_(cluster) {}
+  __device__ __forceinline__ explicit PersistentTileScheduler(const Tiles& tiles) : tiles_(tiles), total_(tiles.count()) {}
 
   struct End {};
   struct Iterator {
@@ -53,11 +51,10 @@ class PersistentTileScheduler {
     __device__ __forceinline__ End end() const { return {}; }
   };
 
-  // The CTA's (or its cluster's) items j = first, first + step, ... (ping-pong: warpgroup w
-  // walks (w, 2)).
+  // The CTA's items j = first, first + step, ... (ping-pong: warpgroup w walks (w, 2)).
   __device__ __forceinline__ Walk walk(uint32_t first = 0, uint32_t step = 1) const {
-    const int64_t stride = gridDim.x / cluster_;
-    return {{{blockIdx.x / cluster_ + first * stride, first}, total_, step * stride, step}};
+    const int64_t stride = gridDim.x;
+    return {{{blockIdx.x + first * stride, first}, total_, step * stride, step}};
   }
   __device__ __forceinline__ int64_t total() const { return total_; }
   __device__ __forceinline__ decltype(auto) decode(const TileWork& w) const { return tiles_.decode(w.item); }
@@ -65,16 +62,12 @@ class PersistentTileScheduler {
  private:
   Tiles tiles_;
   int64_t total_;
-  int32_t cluster_;
 };
 
-// The varlen-M grouped GEMM's tiles (gemm/grouped_tiles.hpp) for BN-wide column blocks. With
-// split = 2 (a CTA pair), an item is a row block and a pair of column blocks (col_blocks counts
-// the pairs), and the CTA of rank `rank` takes column block 2 c + rank of pair c.
+// The varlen-M grouped GEMM's tiles (gemm/grouped_tiles.hpp) for BN-wide column blocks.
 struct GroupedTiles {
   Schedule sched;
   int32_t col_blocks;
-  int32_t split = 1, rank = 0;
 
   __device__ __forceinline__ int64_t count() const { return total_tiles(sched.rb_prefix, sched.num_experts, col_blocks); }
 
@@ -94,9 +87,7 @@ struct GroupedTiles {
       lo += last * step;
       span = min(step, num_experts - lo);
     }
-    TileCoord t = expert_tile(work, lo, sched.offsets, prefix, kBlockM, col_blocks, sched.raster_group);
-    t.col_block = t.col_block * split + rank;
-    return t;
+    return expert_tile(work, lo, sched.offsets, prefix, kBlockM, col_blocks, sched.raster_group);
   }
 };
 
