@@ -332,7 +332,6 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   act_epi.pre_out_rows = sv.preact ? static_cast<int32_t>(L * k) : 0;
   act_epi.dg = w.dg_pos;
   act_epi.ld_dg = W;
-  act_epi.pre_direct = sm90::act_backward_pre_direct(dact, is_gated(cfg_.activation)) ? 1 : 0;
   const bool act_in_epilogue =
       sm90::act_backward_in_epilogue(dact, is_gated(cfg_.activation)) && !sm90::unsupported_reason(dt, dact, act_epi);
   // dx parts = dpre W_gate_up^T, per window row.

@@ -35,18 +35,16 @@ __device__ __forceinline__ int32_t clamp_i32(int64_t v) {
 // [128 q, 128 q + 128) of the tile, or, gated, the gate and up halves of columns [64 q, 64 q + 64)
 // (pre_load is then pre's [rows][2][n] map). A box reaching past pre's rows or past n is
 // zero-filled by TMA, whatever the placed row (a bad plan's included): nothing outside pre is
-// read, and every box counts its full bytes. With pre_direct there are no such stages: the same
-// boxes are only prefetched into L2, for the epilogue's own loads (act_backward_fragment_direct).
+// read, and every box counts its full bytes.
 template <int BN>
 struct PreLoads {
   static constexpr uint32_t kBytes = 4 * kPreBoxBytes;
   const GroupedGemmParams& p;
   const EpilogueParams& e;
   const EpilogueMaps& maps;
-  __device__ __forceinline__ int stages() const { return e.pre_direct ? 0 : pre_stages(BN, is_gated(e.activation)); }
-  // box(slot, coordinates) for the four boxes of stage q: slot 2 f + j, fragment f.
-  template <class Box>
-  __device__ __forceinline__ void for_each_box(int q, const TileCoord& tc, Box&& box) const {
+  __device__ __forceinline__ int stages() const { return pre_stages(BN, is_gated(e.activation)); }
+  __device__ __forceinline__ void issue(int q, uint8_t* stage, const TileCoord& tc, uint64_t* bar) const {
+    using namespace cuda::ptx;
     const bool gated = is_gated(e.activation);
     const int32_t col = tc.col_block * BN + (gated ? 64 : kActBackwardBlockN) * q;
 #pragma unroll
@@ -54,31 +52,16 @@ struct PreLoads {
       const int32_t row = clamp_i32(placed_row(p, e.pre_expert_row, tc, tc.row0 + 64 * f));
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        if (gated) box(2 * f + j, col, j, row, true);
-        else box(2 * f + j, col + 64 * j, row, 0, false);
+        uint8_t* box = stage + (2 * f + j) * kPreBoxBytes;
+        if (gated) {
+          const int32_t c[3] = {col, j, row};
+          cp_async_bulk_tensor(space_cluster, space_global, box, &maps.pre_load, c, bar);
+        } else {
+          const int32_t c[2] = {col + 64 * j, row};
+          cp_async_bulk_tensor(space_cluster, space_global, box, &maps.pre_load, c, bar);
+        }
       }
     }
-  }
-  __device__ __forceinline__ void issue(int q, uint8_t* stage, const TileCoord& tc, uint64_t* bar) const {
-    using namespace cuda::ptx;
-    for_each_box(q, tc, [&](int slot, int32_t c0, int32_t c1, int32_t c2, bool rank3) {
-      uint8_t* dst = stage + slot * kPreBoxBytes;
-      if (rank3) {
-        const int32_t c[3] = {c0, c1, c2};
-        cp_async_bulk_tensor(space_cluster, space_global, dst, &maps.pre_load, c, bar);
-      } else {
-        const int32_t c[2] = {c0, c1};
-        cp_async_bulk_tensor(space_cluster, space_global, dst, &maps.pre_load, c, bar);
-      }
-    });
-  }
-  __device__ __forceinline__ void prefetch(const TileCoord& tc) const {
-    if (!e.pre_direct) return;
-    for (int q = 0; q < pre_stages(BN, is_gated(e.activation)); ++q)
-      for_each_box(q, tc, [&](int, int32_t c0, int32_t c1, int32_t c2, bool rank3) {
-        if (rank3) prefetch_box_l2(&maps.pre_load, c0, c1, c2);
-        else prefetch_box_l2(&maps.pre_load, c0, c1);
-      });
   }
 };
 
@@ -246,96 +229,6 @@ __device__ __forceinline__ void act_backward_fragment_as(const GroupedGemmParams
   }
 }
 
-// The same fragment with pre read from global memory (EpilogueParams::pre_direct; PreLoads has
-// brought the tile's boxes into L2): for each 64 columns, every thread loads its pairs' pre (and
-// up) at its rows' placed rows, then dpre (gated: both halves) and g act go through the staging
-// boxes (a full tile with TMA-addressable outputs) or from registers. A placed row outside pre,
-// a row past the tile's or a column past n reads as zeros and is never written. The ring holds
-// operands only, so the producer fills it with the next tile while this runs.
-template <class T, Activation A, int BN>
-__device__ __forceinline__ void act_backward_fragment_direct_as(const GroupedGemmParams& p, const EpilogueParams& e,
-                                                                const EpilogueMaps& maps, TileStore& ts,
-                                                                const TileCoord& tc, int frag, const RowScales& gate,
-                                                                const float (&acc)[BN / 2]) {
-  constexpr int kIn = is_gated(A) ? 2 : 1;
-  const int lane = threadIdx.x & 31, rr = 16 * ((threadIdx.x / 32) & 3) + lane / 4;
-  const int32_t col0 = tc.col_block * BN, cols = p.n - col0, row = tc.row0 + 64 * frag;
-  const bool staged = tile_staged(maps, tc);
-  const int64_t pre_rows = e.pre_out_rows ? e.pre_out_rows : p.sched.m_total;
-  const T* src[2];  // the thread's two rows' pre at the tile's first column, or nullptr
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = 64 * frag + rr + 8 * half;
-    const int64_t pr = r < tc.rows ? placed_row(p, e.pre_expert_row, tc, tc.row0 + r) : -1;
-    src[half] = pr >= 0 && pr < pre_rows ? static_cast<const T*>(e.pre) + pr * e.ld_pre + col0 : nullptr;
-  }
-  float dot[2] = {0.f, 0.f};
-#pragma unroll
-  for (int cb = 0; cb < BN / 64; ++cb) {
-    if (64 * cb < cols) {
-      uint32_t v[kIn][8][2], gact[8][2];
-#pragma unroll
-      for (int g = 0; g < 8; ++g)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int c = 64 * cb + 8 * g + 2 * (lane & 3);
-          const bool ok = src[half] != nullptr && c < cols;
-#pragma unroll
-          for (int j = 0; j < kIn; ++j) v[j][g][half] = ok ? ldg_b32(src[half] + j * p.n + c) : 0u;
-        }
-#pragma unroll
-      for (int g = 0; g < 8; ++g)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int q = staged_acc(cb, g, half);
-          const bool valid = 64 * cb + 8 * g + 2 * (lane & 3) < cols && 64 * frag + rr + 8 * half < tc.rows;
-          const BackwardPair<T, A> r(acc[q], acc[q + 1], v[0][g][half], v[kIn - 1][g][half], gate.v[half], valid,
-                                     dot[half]);
-#pragma unroll
-          for (int j = 0; j < kIn; ++j) v[j][g][half] = r.dpre[j];
-          gact[g][half] = r.gact;
-        }
-      if (staged) {
-#pragma unroll
-        for (int j = 0; j < kIn; ++j) {
-          auto dpre = [&](int g, int half) { return v[j][g][half]; };
-          if constexpr (kIn == 2) {  // dpre [rows][2][n]: the gate half, then the up half
-            const int32_t c[3] = {col0 + 64 * cb, j, row};
-            ts.box(maps.pre, c, dpre);
-          } else {
-            const int32_t c[2] = {col0 + 64 * cb, row};
-            ts.box(maps.pre, c, dpre);
-          }
-        }
-        const int32_t c[2] = {col0 + 64 * cb, row};
-        ts.box(maps.out, c, [&](int g, int half) { return gact[g][half]; });
-      } else {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = 64 * frag + rr + 8 * half;
-          if (r >= tc.rows) continue;
-          T* d = static_cast<T*>(e.c) + static_cast<int64_t>(tc.row0 + r) * e.ldc + col0;
-          T* a = static_cast<T*>(e.act) + static_cast<int64_t>(tc.row0 + r) * e.ld_act + col0;
-#pragma unroll
-          for (int g = 0; g < 8; ++g) {
-            const int c = 64 * cb + 8 * g + 2 * (lane & 3);
-            if (c >= cols) continue;
-#pragma unroll
-            for (int j = 0; j < kIn; ++j) *reinterpret_cast<uint32_t*>(d + j * p.n + c) = v[j][g][half];
-            *reinterpret_cast<uint32_t*>(a + c) = gact[g][half];
-          }
-        }
-      }
-    }
-    static_assert(kActBackwardBlockN == 128, "a dg part is two 64-column boxes");
-    if (cb % 2 == 1) {
-      const int part = cb / 2;
-      if (kActBackwardBlockN * part < cols) store_dg(e, tc, frag, tc.col_block * (BN / kActBackwardBlockN) + part, dot);
-      dot[0] = dot[1] = 0.f;
-    }
-  }
-}
-
 template <class T, int BN>
 __device__ __forceinline__ void act_backward_fragment(const GroupedGemmParams& p, const EpilogueParams& e,
                                                       const EpilogueMaps& maps, TileStore& ts,
@@ -343,8 +236,7 @@ __device__ __forceinline__ void act_backward_fragment(const GroupedGemmParams& p
                                                       typename StageRing<TileConfig<BN>>::State& st, const TileCoord& tc, int frag,
                                                       const RowScales& gate, const float (&acc)[BN / 2]) {
   with_activation(e.activation, [&](auto a) {
-    if (e.pre_direct) act_backward_fragment_direct_as<T, decltype(a)::value, BN>(p, e, maps, ts, tc, frag, gate, acc);
-    else act_backward_fragment_as<T, decltype(a)::value, BN>(p, e, maps, ts, ring, st, tc, frag, gate, acc);
+    act_backward_fragment_as<T, decltype(a)::value, BN>(p, e, maps, ts, ring, st, tc, frag, gate, acc);
   });
 }
 

@@ -72,22 +72,13 @@ KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, Ke
   return kc;
 }
 
-namespace {
-int act_backward_forced() {  // 0: by the rule, 1: epilogue (pre through the ring), 2: epilogue (pre direct), -1: separate
-  static const int forced = [] {
-    const char* v = knob("MOEBLAZE_SM90_ACT_BACKWARD");
-    return !std::strcmp(v, "separate") ? -1 : !std::strcmp(v, "epilogue") ? 1 : !std::strcmp(v, "direct") ? 2 : 0;
-  }();
-  return forced;
-}
-}  // namespace
-
 bool act_backward_in_epilogue(const GroupedGemmParams& dact, bool gated) {
-  const int forced = act_backward_forced();
+  static const int forced = [] {  // 0: by the rule, 1: epilogue, -1: separate
+    const char* v = knob("MOEBLAZE_SM90_ACT_BACKWARD");
+    return !std::strcmp(v, "separate") ? -1 : !std::strcmp(v, "epilogue") ? 1 : 0;
+  }();
   return forced ? forced > 0 : dact.k <= (dact.a_index ? 1024 : 2048) && (!gated || dact.n >= 2048);
 }
-
-bool act_backward_pre_direct(const GroupedGemmParams&, bool) { return act_backward_forced() == 2; }
 
 int32_t raster_group() {
   static const int32_t group = [] {

@@ -107,10 +107,6 @@ KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, Ke
 // MOEBLAZE_SM90_ACT_BACKWARD=separate|epilogue forces either.
 bool act_backward_in_epilogue(const GroupedGemmParams& dact, bool gated);
 
-// Whether that epilogue reads the saved pre straight from global memory (EpilogueParams::
-// pre_direct) rather than through ring stages after each tile's k-blocks.
-bool act_backward_pre_direct(const GroupedGemmParams& dact, bool gated);
-
 // Row blocks per raster group of the tile order (gemm/grouped_tiles.hpp): 16, so that a wave of
 // the persistent grid keeps both operands' panels in L2. MOEBLAZE_SM90_RASTER=<row blocks>
 // overrides it (0: a whole expert).

@@ -117,15 +117,11 @@ __device__ __forceinline__ void issue_b(const GroupedGemmParams& p, const TmaDes
 // the elected producer thread. The consumers take those stages after their MMAs, in ring order,
 // and release them like operand stages (gemm/sm90/epilogue_act_backward.cuh: the saved pre).
 // Most epilogues read nothing.
-// prefetch(tc), by the same thread kPrefetchKBlocks k-blocks before the tile's last (or at its
-// first), may bring what the epilogue reads into L2 instead.
 struct NoEpilogueLoads {
   static constexpr uint32_t kBytes = 0;
   __device__ int stages() const { return 0; }
   __device__ void issue(int, uint8_t*, const TileCoord&, uint64_t*) const {}
-  __device__ void prefetch(const TileCoord&) const {}
 };
-constexpr int kPrefetchKBlocks = 8;
 
 // Gathered A (a_index set): the producer warpgroup's 128 threads copy A rows with 16-byte
 // cp.async (full[s] counts their arrivals + the elected thread's expect_tx: PipelineArrivals'
@@ -172,7 +168,6 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
         // next tile, and this stage's acquire waited for a release in that tile or later
         // (TileConfig: kTileSlots - 1 >= kStages).
         if (kb == 0) ring.tiles[w.j % kTileSlots] = tc;
-        if (kb == max(0, num_kb - kPrefetchKBlocks)) loads.prefetch(tc);
         ring.pipe.arrive_expect_tx(st, Cfg::kBBytes);
         issue_b<BN, BMajor>(p, bmap, ring.stage_ptr(st) + Cfg::kABytes, ring.pipe.full_barrier(st), tc, k0);
       }
@@ -212,7 +207,6 @@ __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& a
         ring.pipe.acquire(st);
         const int32_t k0 = kb * kBlockK;
         if (kb == 0) ring.tiles[w.j % kTileSlots] = tc;  // as in produce()
-        if (kb == max(0, num_kb - kPrefetchKBlocks)) loads.prefetch(tc);
         ring.pipe.arrive_expect_tx(st, Cfg::kABytes + Cfg::kBBytes);
         uint8_t* a_ptr = ring.stage_ptr(st);
 #pragma unroll

@@ -110,10 +110,6 @@ struct EpilogueParams {
   // Rows and columns past the problem's are never written.
   float* dg = nullptr;
   int64_t ld_dg = 0;
-  // kActivationBackward: the epilogue reads pre straight from global memory, the producer having
-  // brought the tile's pre into L2 during its last k-blocks (pre_direct = 1), instead of through
-  // ring stages after the tile's k-blocks (0), so the ring keeps filling with the next tile.
-  int32_t pre_direct = 0;
 };
 
 // The epilogue's TMA store maps, encoded on the host per launch (gemm/sm90/tensor_map.hpp). With

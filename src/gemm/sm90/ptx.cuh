@@ -97,20 +97,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_
                : "memory");
 }
 
-// A TMA box of a tensor map brought into L2 (no shared memory, no completion to wait for).
-__device__ __forceinline__ void prefetch_box_l2(const void* map, int32_t c0, int32_t c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(map), "r"(c0), "r"(c1)
-               : "memory");
-}
-__device__ __forceinline__ void prefetch_box_l2(const void* map, int32_t c0, int32_t c1, int32_t c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(map), "r"(c0), "r"(c1),
-               "r"(c2)
-               : "memory");
-}
-
-// A 32-bit word (a packed b16 pair) from global memory through the read-only path.
-__device__ __forceinline__ uint32_t ldg_b32(const void* p) { return __ldg(static_cast<const unsigned int*>(p)); }
-
 // One 32-bit word from / to shared memory (a packed b16 pair).
 __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
   uint32_t v;
