@@ -28,6 +28,8 @@
 # sidebyside: perf/side_by_side.py on SonicMoE's configs (SIDE_CONFIGS), with SonicMoE run first
 # through .peers/run_sonic.sh when its bundle is carried in .peers/sonic/site (not part of "all").
 # profile: the CUDA kernels of one MoEBlaze fwd+bwd through moeblaze.torch (PROFILE_CONFIG).
+# kernels: perf/step_kernels.py, a step's kernels grouped by what they do, MoEBlaze beside SonicMoE
+# in one process when its bundle is carried in .peers/ (KERNELS_CONFIGS; not part of "all").
 # torch: perf/torch_baselines.py (TORCH_ARGS, e.g. "--configs modern --skip-naive").
 # engines: both CUDA engines (fused, cuBLASLt) on the paper's configs (SiLU, SwiGLU) and the modern
 # ones (SwiGLU), one table per engine and config file (not part of "all": about 6 minutes;
@@ -63,7 +65,7 @@ want() {
     [ "$w" = "$1" ] && return 0
     [ "$w" = all ] && [ "$1" != sanitize-full ] && [ "$1" != engines ] && [ "$1" != fsdp ] && [ "$1" != sidebyside ] \
       && [ "$1" != profile ] && [ "$1" != ncu ] && [ "$1" != ep ] && [ "$1" != routing ] && [ "$1" != shared ] && [ "$1" != epbench ] && [ "$1" != eptorch ] \
-      && [ "$1" != epexchange ] && [ "$1" != epprofile ] && return 0
+      && [ "$1" != epexchange ] && [ "$1" != epprofile ] && [ "$1" != kernels ] && return 0
   done
   return 1
 }
@@ -416,6 +418,20 @@ if want profile; then  # the kernels of one MoEBlaze fwd+bwd through moeblaze.to
     python3 perf/side_by_side.py --profile ${PROFILE_CONFIG:-40960,768,256,128,8} > "$OUT/profile.md" 2>&1
   summary+=("profile: rc=$?")
   head -40 "$OUT/profile.md"
+fi
+if want kernels; then  # perf/step_kernels.py; SonicMoE beside MoEBlaze when its bundle is carried in .peers/
+  sk_env=() sk_arg=()
+  if [ -f .peers/run_sonic.sh ] && [ -d .peers/sonic/site ]; then
+    sw=/tmp/sonic-site  # unpacked and import-checked by run_sonic.sh's dry run
+    SONIC_BUNDLE=$PWD/.peers/sonic/site SONIC_WORK=$sw SONIC_DRYRUN=1 OUT=$OUT bash .peers/run_sonic.sh 1,1,1,1,1 \
+      > "$OUT/sonic-unpack.txt" 2>&1
+    sk_env=(PYTHONPATH="$sw:$sw/nvidia_cutlass_dsl/python_packages" USE_QUACK_GEMM=0 TORCH_CUDA_ARCH_LIST=9.0)
+    sk_arg=(--sonic)
+  fi
+  env "${sk_env[@]}" MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 PYTHONUNBUFFERED=1 timeout ${KERNELS_TIMEOUT:-500} \
+    python3 perf/step_kernels.py "${sk_arg[@]}" ${KERNELS_CONFIGS:-32768,2048,768,128,8} > "$OUT/step_kernels.md" 2>&1
+  summary+=("step kernels: rc=$?")
+  grep -E '^###' "$OUT/step_kernels.md"
 fi
 if want ncu; then  # Nsight Compute on the named kernels of one fwd+bwd through moeblaze.torch
   MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 timeout 400 ncu --kernel-name "regex:${NCU_KERNELS:-route_tokens|router_backward|loss_partials}" \
