@@ -146,6 +146,12 @@ def main():
     if args.steps < 5:
         sys.exit("--steps must be at least 5")
     print("# %s; torch %s" % (torch.cuda.get_device_name(), torch.__version__))
+    if args.sonic:
+        try:
+            import sonicmoe.functional  # noqa: F401
+        except Exception as e:  # the bundle missing or broken: MoEBlaze alone, said so
+            print("# SonicMoE not importable (%s: %s): MoEBlaze alone" % (type(e).__name__, e))
+            args.sonic = False
     layers = [("SonicMoE", sonic_step), ("MoEBlaze", moeblaze_step), ("MoEBlaze", moeblaze_step),
               ("SonicMoE", sonic_step)] if args.sonic else [("MoEBlaze", moeblaze_step)]
     for cfg in args.configs:
