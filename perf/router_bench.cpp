@@ -4,11 +4,14 @@
 // the median of CUDA-event timings and the effective bandwidth of each (the bytes each kernel
 // must read and write once: the floor against HBM), and checks that the pair is the fp32 rows
 // split, bit for bit. Cases (L, E, k) cover one to eight experts per lane and the E > 256 path;
-// `router-bench L E k` runs one case (for a profiler).
+// `router-bench L E k` runs one case (for a profiler). With ROUTER_BENCH_DUMP=dir set, each
+// case's outputs (ids, gates, lse, fp32 d logits) go to dir/L-E-k.bin, so that two builds can be
+// compared bit for bit with cmp.
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -27,7 +30,7 @@ int main(int argc, char** argv) {
     return 77;
   }
   struct Case { int64_t L, E, k; };
-  std::vector<Case> cases = {{40960, 128, 8}, {32768, 64, 4}, {16384, 8, 2}, {8192, 256, 8}, {4096, 512, 8}};
+  std::vector<Case> cases = {{40960, 128, 8}, {32768, 64, 4}, {16384, 8, 2}, {24576, 32, 2}, {8192, 256, 8}, {4096, 512, 8}};
   if (argc == 4) {
     const Case one{std::atoll(argv[1]), std::atoll(argv[2]), std::atoll(argv[3])};
     if (one.L < 1 || one.E < 1 || one.k < 1 || one.k > one.E || one.k > 64) {
@@ -110,6 +113,22 @@ int main(int argc, char** argv) {
           break;
         }
       }
+    if (const char* dir = std::getenv("ROUTER_BENCH_DUMP")) {
+      std::vector<int32_t> ids(static_cast<size_t>(P));
+      std::vector<float> gates(static_cast<size_t>(P)), lse(static_cast<size_t>(L));
+      CK(cudaMemcpy(ids.data(), d_ids, 4 * P, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(gates.data(), d_gates, 4 * P, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(lse.data(), d_lse, 4 * L, cudaMemcpyDeviceToHost));
+      const std::string path = std::string(dir) + "/" + std::to_string(L) + "-" + std::to_string(E) + "-" +
+                               std::to_string(k) + ".bin";
+      if (FILE* f = std::fopen(path.c_str(), "wb")) {
+        std::fwrite(ids.data(), 4, ids.size(), f);
+        std::fwrite(gates.data(), 4, gates.size(), f);
+        std::fwrite(lse.data(), 4, lse.size(), f);
+        std::fwrite(f32.data(), 4, f32.size(), f);
+        std::fclose(f);
+      }
+    }
     const double le = static_cast<double>(L * E), lk = static_cast<double>(P), l = static_cast<double>(L);
     const double route_bytes = 4 * le + 8 * lk + 4 * l;    // logits in; ids, gates, lse out
     const double loss_bytes = 4 * le + 4 * l + 4 * l;      // logits, lse and each token's first id in

@@ -88,6 +88,7 @@ __device__ __forceinline__ uint64_t group_cut(const TokenGroup& g, int64_t E, in
       const int64_t first = q * size + ((g.sub - q * size) % g.width + g.width) % g.width;
       for (int64_t e = first; e < (q + 1) * size; e += g.width) offer(rank_key(value(0, e), e));
     }
+#pragma unroll
     for (int o = g.width / 2; o > 0; o >>= 1) {
       const uint64_t o1 = __shfl_xor_sync(0xffffffffu, k1, o), o2 = __shfl_xor_sync(0xffffffffu, k2, o);
       const uint64_t n2 = k1 > o1 ? (k2 > o1 ? k2 : o1) : (k1 > o2 ? k1 : o2);
@@ -103,7 +104,6 @@ __device__ __forceinline__ uint64_t group_cut(const TokenGroup& g, int64_t E, in
   for (int i = 0; i < kGroupSlots; ++i) {
     const int64_t q = g.sub + static_cast<int64_t>(i) * g.width;
     cand.key[i] = q < groups ? key[q] : 0;
-    cand.score[i] = 0.f;
   }
   cand.sort();
   uint64_t cut = 0;
@@ -112,46 +112,32 @@ __device__ __forceinline__ uint64_t group_cut(const TokenGroup& g, int64_t E, in
 }
 
 // The token's top k among the allowed experts under rank(i, e) (a strict order with the ids),
-// and the gates from score_of, normalised when asked and times the route scale; writes ids,
+// and their gates: the scores, normalised when asked and times the route scale; writes ids,
 // gates and lse_out[t] (routing/router.cpp, route_tokens).
-template <int kPer, class Score, class Rank, class Allowed>
+template <int kPer, class Rank, class Allowed>
 __device__ __forceinline__ void pick_top_k(const TokenGroup& g, ScoreFn fn, int64_t E, int64_t k, const float* row,
-                                           float lse, const Score& score_of, const Rank& rank, const Allowed& allowed,
-                                           int64_t t, int32_t* ids, float* gates, bool normalize, float scale,
-                                           bool empty, float* lse_out) {
+                                           float lse, const Rank& rank, const Allowed& allowed, int64_t t,
+                                           int32_t* ids, float* gates, bool normalize, float scale, bool empty,
+                                           float* lse_out) {
   // Pick j is kept by lane j % width of the group (k <= 64 and k <= E, so at most two picks per
-  // lane), and the group writes its k ids and gates at the end as k consecutive stores, with no
-  // re-read of the gates to normalise them.
-  float norm = 0.f;
-  int kept_id[2] = {0, 0};
-  float kept_gate[2] = {0.f, 0.f};
-  auto emit = [&](int j, int best_i, float best) {
+  // lane), which computes its score from the row once the picks are known; the group writes its
+  // k ids and gates at the end as k consecutive stores.
+  int kept_id[2] = {-1, -1};
+  auto emit = [&](int j, int best_i) {
     if ((j & (g.width - 1)) == g.sub) {  // constant indices: the two slots stay in registers
-      if (j < g.width) {
-        kept_id[0] = best_i;
-        kept_gate[0] = best;
-      } else {
-        kept_id[1] = best_i;
-        kept_gate[1] = best;
-      }
+      if (j < g.width) kept_id[0] = best_i;
+      else kept_id[1] = best_i;
     }
-    norm += best;
   };
   if constexpr (kPer > 0) {
     SortedCandidates<kPer> cand;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int64_t e = g.sub + static_cast<int64_t>(i) * g.width;
-      cand.score[i] = e < E ? score_of(i, e) : 0.f;
       cand.key[i] = e < E && allowed(e) ? rank_key(rank(i, e), e) : 0;
     }
     cand.sort();
-    const int base = (threadIdx.x % 32) & ~(g.width - 1);  // the group's first lane
-    for (int j = 0; j < static_cast<int>(k); ++j) {
-      float best;
-      const int best_i = rank_key_id(cand.pop(g.width, base, best));
-      emit(j, best_i, best);
-    }
+    for (int j = 0; j < static_cast<int>(k); ++j) emit(j, rank_key_id(cand.pop_key(g.width)));
   } else {
     float prev = 0.f;  // the previous pick's rank value
     int prev_i = -1;
@@ -168,10 +154,24 @@ __device__ __forceinline__ void pick_top_k(const TokenGroup& g, ScoreFn fn, int6
         }
       });
       group_best(best, best_i, g.width);
-      emit(j, best_i, g.live && best_i >= 0 ? score(fn, row[best_i], lse) : 0.f);  // as its lane computed it
+      emit(j, best_i);
       prev = best;
       prev_i = best_i;
     }
+  }
+  // The picks' scores, the CPU engine's bits (score of the row's logit); the norm sums them in
+  // pick order, as the CPU engine does.
+  float kept_gate[2];
+#pragma unroll
+  for (int second = 0; second < 2; ++second) {
+    const int id = kept_id[second];
+    kept_gate[second] = g.live && id >= 0 ? score(fn, row[id], lse) : 0.f;
+  }
+  float norm = 0.f;
+  if (normalize) {
+    const int base = (threadIdx.x % 32) & ~(g.width - 1);  // the group's first lane
+    for (int j = 0; j < static_cast<int>(k); ++j)
+      norm += __shfl_sync(0xffffffffu, j < g.width ? kept_gate[0] : kept_gate[1], base + (j & (g.width - 1)));
   }
   if (!g.live) return;
 #pragma unroll
@@ -190,40 +190,40 @@ __device__ __forceinline__ void pick_top_k(const TokenGroup& g, ScoreFn fn, int6
 // engine's top_k): no taken-list, no shared memory,
 // and every lane of the group agrees on each pick. With the scores in registers (kPer > 0) each
 // lane sorts its experts' rank keys once and a pick is one integer maximum over the group
-// (SortedCandidates: the same order as ranks_before; measured in perf/NOTES.md); the pick's score
-// comes from its lane, bit for bit. The group's lane 0 writes the raw scores as gates, then
-// rescales its own writes when normalising. kOptions: an expert bias (experts ranked by biased
-// selection values) or a group limit (experts of closed groups never picked).
-template <int kPer, bool kOptions>
+// (SortedCandidates: the same order as ranks_before; measured in perf/NOTES.md); only the k
+// picks' scores are computed. kOptions: an expert bias (experts ranked by biased selection
+// values) or a group limit (experts of closed groups never picked).
+template <int kPer, int kWidth, bool kOptions>
 __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, RouteOptions opt, const float* logits, int64_t L,
                                     int64_t E, int64_t k, int width, int32_t* ids, float* gates, float* lse_out) {
   extern __shared__ uint64_t route_group_keys[];  // a group limit: [tokens per block][groups]
-  const TokenGroup g = token_group(L, width, kWarpsPerBlock);
+  const TokenGroup g = token_group<kWidth>(L, width, kWarpsPerBlock);
   if (!__any_sync(0xffffffffu, g.live)) return;  // the whole warp past the last token
   const float* row = logits + (g.live ? g.token : 0) * E;  // a dead group's lanes read nothing
   const auto logit = lane_values<kPer>(g, E, [=](int, int64_t e) { return g.live ? row[e] : 0.f; });
   const float lse = group_lse<kPer>(g, E, logit);
-  const auto score_of = lane_values<kPer>(g, E, [=](int i, int64_t e) { return score(fn, logit(i, e), lse); });
   const int64_t t = g.token;
   const bool empty = g.live && masked(opt.mask, t);
-  // Without options the value ranked is rank_value (the logit); with a bias, the biased
-  // selection value; closed groups' experts are left out.
-  auto rank_of = [&](int i, int64_t e) { return rank_value(logit(i, e), score_of(i, e)); };
+  // Without options the value ranked is rank_value (the logit, or the score where that is NaN);
+  // with a bias, the biased selection value; closed groups' experts are left out. A score is NaN
+  // exactly where its logit is, or, under softmax, everywhere once the log-sum-exp is (a NaN or
+  // +inf logit, or every logit -inf): otherwise the logit is at most lse, and exp of it minus
+  // lse is a number. So the ranking needs no scores.
+  const bool scores_nan = fn == ScoreFn::kSoftmax && lse != lse;
+  auto rank_of = [&](int i, int64_t e) { return scores_nan ? lse /* NaN */ : logit(i, e); };
   auto open = [](int64_t) { return true; };
   if constexpr (kOptions) {
     const auto value = selection_values<kPer>(g, fn, opt.bias, E, logit);
     uint64_t cut = 0;
     const bool limited = opt.keep > 0 && opt.keep < opt.groups;
-    uint64_t* key = route_group_keys + (threadIdx.x / width) * (limited ? opt.groups : 0);
+    uint64_t* key = route_group_keys + (threadIdx.x / g.width) * (limited ? opt.groups : 0);
     if (limited) cut = group_cut<kPer>(g, E, opt.groups, opt.keep, value, key);
     const int size = static_cast<int>(E / opt.groups);
     auto open_group = [=](int64_t e) { return !limited || key[static_cast<int>(e) / size] >= cut; };
-    auto biased = [&](int i, int64_t e) { return opt.bias ? value(i, e) : rank_value(logit(i, e), score_of(i, e)); };
-    pick_top_k<kPer>(g, fn, E, k, row, lse, score_of, biased, open_group, t, ids, gates, normalize, opt.scale, empty,
-                     lse_out);
+    auto biased = [&](int i, int64_t e) { return opt.bias ? value(i, e) : rank_of(i, e); };
+    pick_top_k<kPer>(g, fn, E, k, row, lse, biased, open_group, t, ids, gates, normalize, opt.scale, empty, lse_out);
   } else {
-    pick_top_k<kPer>(g, fn, E, k, row, lse, score_of, rank_of, open, t, ids, gates, normalize, opt.scale, empty,
-                     lse_out);
+    pick_top_k<kPer>(g, fn, E, k, row, lse, rank_of, open, t, ids, gates, normalize, opt.scale, empty, lse_out);
   }
 }
 
@@ -443,13 +443,13 @@ __global__ void sequence_starts_kernel(const char* len, bool i64, int64_t stride
 // terms[t] = E / (k T_q^2) sum_e n_qe s'_te for routed token t of sequence q (s' = s, or s / S_t
 // for sigmoid; 0 for a masked token), one token per group of lanes; the loss is coeff / B times
 // their sum.
-template <int kPer>
+template <int kPer, int kWidth>
 __global__ void sequence_terms_kernel(ScoreFn fn, const float* logits, const float* lse, int64_t L, int64_t E,
                                       int64_t k, int width, SequenceBalance sb, double* terms) {
   extern __shared__ int32_t terms_counts[];
   const BlockCounts counts =
       block_counts(sb, static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock * (32 / width), E, terms_counts);
-  const TokenGroup g = token_group(L, width, kWarpsPerBlock);
+  const TokenGroup g = token_group<kWidth>(L, width, kWarpsPerBlock);
   if (!__any_sync(0xffffffffu, g.live)) return;
   const int64_t t = g.live ? g.token : 0;
   const float* row = logits + t * E;
@@ -500,7 +500,7 @@ __global__ void sequence_loss_finish_kernel(double coeff, const int64_t* routed,
 // which passes its gradient on to the pick's expert through the token's ds row in shared
 // memory (E <= 32 * kMaxExpertsPerLane; larger E scans the picks per expert). Up to four experts
 // per lane, four blocks per SM (at most 64 registers, no spills): the kernel is bound by issue.
-template <int kPer>
+template <int kPer, int kWidth>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4)
     router_backward_kernel(ScoreFn fn, bool normalize, float aux_coeff, float z_coeff, float scale, const float* logits,
                            int64_t rows, int64_t L, int64_t E, int64_t k, int width, const int32_t* ids,
@@ -509,17 +509,31 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4)
   // [tokens per block][k] ids, then [tokens per block][k] values, then (kPer > 0) the tokens'
   // [E] ds rows, then BlockCounts' [E]
   extern __shared__ float picks_smem[];
-  const int tokens_per_block = kWarpsPerBlock * (32 / width);
+  const TokenGroup g = token_group<kWidth>(rows, width, kWarpsPerBlock);
+  const int tokens_per_block = kWarpsPerBlock * (32 / g.width);
   const int64_t ds_floats = kPer > 0 ? tokens_per_block * E : 0;
   const BlockCounts counts = block_counts(sb, sb.t0 + static_cast<int64_t>(blockIdx.x) * tokens_per_block, E,
                                           reinterpret_cast<int32_t*>(picks_smem + 2 * tokens_per_block * k + ds_floats));
-  const TokenGroup g = token_group(rows, width, kWarpsPerBlock);
   if (!__any_sync(0xffffffffu, g.live)) return;
   const int64_t t = g.token;
-  const int slot = static_cast<int>(threadIdx.x / width);  // the group's token within the block
+  const int slot = static_cast<int>(threadIdx.x / g.width);  // the group's token within the block
   int* sel = reinterpret_cast<int*>(picks_smem) + slot * k;
   float* dsel = picks_smem + tokens_per_block * k + slot * k;
   float* ds_row = picks_smem + 2 * tokens_per_block * k + slot * E;  // kPer > 0 only
+  // Pick j is held by lane j % width. Its id (from a saved plan; one out of [0, E), flagged on the
+  // device by the fused engine's plan check, is clamped so that nothing is read outside the
+  // logits row) and d gate are loaded before the logits, so that the two loads' latencies overlap.
+  int pick_id[2] = {0, 0};
+  float pick_dg[2] = {0.f, 0.f};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t j = g.sub + half * g.width;
+    if (g.live && j < k) {
+      pick_id[half] = min(max(ids[t * k + j], 0), static_cast<int32_t>(E - 1));
+      pick_dg[half] = dgates[t * k + j] * scale;
+    }
+  }
+  const bool empty = g.live && ids[t * k] < 0;
   const float* row = logits + (g.live ? g.token : 0) * E;  // a dead group's lanes read nothing
   const auto logit = lane_values<kPer>(g, E, [=](int, int64_t e) { return g.live ? row[e] : 0.f; });
   // Gradients need no bit-identical scores: the log-sum-exp in fp32 (the forward's picks and
@@ -531,23 +545,18 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4)
   const int64_t routed = routed_tokens(offsets, L, E, k);
   const bool any_masked = plan_has_masked(routed, L);
   L = max(routed, int64_t{1});
-  const bool empty = g.live && ids[t * k] < 0;
   const float aux_scale = aux_coeff * gaux * static_cast<float>(E) / (static_cast<float>(L) * static_cast<float>(L * k));
   const float z_scale = z_coeff * gz * 2.f / static_cast<float>(L);
-  // The gates are scale * (renormalised) scores: pick j is held by lane j % width, which turns
-  // d gate into d score; the norm and <d gate, gate> are group sums. Ids come from a saved
-  // plan; one out of [0, E) (flagged on the device by the fused engine's plan check) is clamped
-  // so that nothing is read outside the logits row.
-  float pick_s[2] = {0.f, 0.f}, pick_dg[2] = {0.f, 0.f};
+  // The gates are scale * (renormalised) scores: the lane of pick j turns its d gate into a d
+  // score; the norm and <d gate, gate> are group sums.
+  float pick_s[2] = {0.f, 0.f};
   float norm = 0.f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t j = g.sub + half * g.width;
     if (g.live && j < k) {
-      const int id = min(max(ids[t * k + j], 0), static_cast<int32_t>(E - 1));
-      sel[j] = id;
-      pick_s[half] = score(fn, row[id], lse);
-      pick_dg[half] = dgates[t * k + j] * scale;
+      sel[j] = pick_id[half];
+      pick_s[half] = score(fn, row[pick_id[half]], lse);
       norm += pick_s[half];
     }
   }
@@ -605,17 +614,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4)
   if constexpr (kPer > 0) {  // the loss terms into the token's ds row, then each pick's lane adds its d score
     for_each_expert<kPer>(g, E, [&](int, int64_t e) { ds_row[e] = g.live ? loss_ds(e) : 0.f; });
     __syncwarp();
-    // A routed token's picks are distinct experts. Only a plan that breaks the rules repeats one
-    // (its outputs are poisoned): the first pick of an id adds, so no two lanes write one entry.
-    auto first_of_its_id = [&](int64_t j) {
-      for (int64_t q = 0; q < j; ++q)
-        if (sel[q] == sel[j]) return false;
-      return true;
-    };
+    // A routed token's picks are distinct experts, so each entry takes at most one add (the same
+    // bits as a plain add). Only a plan that breaks the rules repeats one (its outputs are
+    // poisoned); the adds are shared atomics so that its lanes never race on an entry.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int64_t j = g.sub + half * g.width;
-      if (g.live && !empty && j < k && first_of_its_id(j)) ds_row[sel[j]] += dsel[j];
+      if (g.live && !empty && j < k) atomicAdd(&ds_row[sel[j]], dsel[j]);
     }
   }
   __syncwarp();
@@ -626,16 +631,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4)
   // (shift-invariant, and no fp32 cancellation when that score is near 1); the top score is
   // found under the ranking rule of routing/score_order.hpp.
   if (fn == ScoreFn::kSoftmax) {
-    float best = 0.f;
-    int best_i = -1;
+    uint64_t best = 0;  // the largest rank key (routing/score_order.hpp): the same order as ranks_before
     for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
-      const float v = score_of(i, e);
-      if (ranks_before(v, e, best, best_i)) {
-        best = v;
-        best_i = static_cast<int>(e);
-      }
+      const uint64_t key = rank_key(score_of(i, e), e);
+      best = key > best ? key : best;
     });
-    group_best(best, best_i, g.width);
+    const int best_i = rank_key_id(group_max_key(best, g.width));
     if constexpr (kPer > 0) shift = g.live ? ds_row[best_i] : 0.f;
     else shift = scanned_ds(best_i);
     for_each_expert<kPer>(g, E, [&](int i, int64_t e) {
@@ -719,15 +720,22 @@ __global__ void tokens_per_expert_kernel(const int32_t* offsets, int64_t E, char
 
 unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>(ceil_div(n, threads)); }
 
-// f(std::integral_constant<int, per>) for the experts cached per lane (token_group.cuh).
+// f(per, width) as integral constants for E experts (token_group.cuh): the experts cached per
+// lane, and the lanes per token when it is a whole warp (32), else 0 (known at run time; only
+// one expert per lane has fewer than 32 lanes).
 template <class F>
-void with_experts_per_lane(int per, F&& f) {
-  switch (per) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    default: f(std::integral_constant<int, 0>{}); break;
+void with_group_shape(int64_t E, F&& f) {
+  using std::integral_constant;
+  const int width = token_group_width(E);
+  switch (experts_per_lane(E, width)) {
+    case 1:
+      if (width == 32) f(integral_constant<int, 1>{}, integral_constant<int, 32>{});
+      else f(integral_constant<int, 1>{}, integral_constant<int, 0>{});
+      break;
+    case 2: f(integral_constant<int, 2>{}, integral_constant<int, 32>{}); break;
+    case 4: f(integral_constant<int, 4>{}, integral_constant<int, 32>{}); break;
+    case 8: f(integral_constant<int, 8>{}, integral_constant<int, 32>{}); break;
+    default: f(integral_constant<int, 0>{}, integral_constant<int, 32>{}); break;
   }
 }
 
@@ -753,10 +761,10 @@ void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, c
     kernel<<<blocks, 32 * kWarpsPerBlock, smem, s>>>(cfg.score_fn, cfg.normalize_topk, opt, logits, L, E, cfg.top_k,
                                                      width, ids, gates, lse);
   };
-  with_experts_per_lane(experts_per_lane(E, width), [&](auto per) {
-    constexpr int kPer = decltype(per)::value;
-    if (options) launch(route_tokens_kernel<kPer, true>);
-    else launch(route_tokens_kernel<kPer, false>);
+  with_group_shape(E, [&](auto per, auto lanes) {
+    constexpr int kPer = decltype(per)::value, kWidth = decltype(lanes)::value;
+    if (options) launch(route_tokens_kernel<kPer, kWidth, true>);
+    else launch(route_tokens_kernel<kPer, kWidth, false>);
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("route_tokens");
 }
@@ -800,7 +808,9 @@ void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t r
         static_cast<float>(cfg.route_scale), logits, rows, L, E, k, width, ids, dgates, grad_aux, grad_z, offsets, sb,
         dlogits, static_cast<__nv_bfloat16*>(dlogits_pair));
   };
-  with_experts_per_lane(per, [&](auto p) { launch(router_backward_kernel<decltype(p)::value>); });
+  with_group_shape(E, [&](auto p, auto lanes) {
+    launch(router_backward_kernel<decltype(p)::value, decltype(lanes)::value>);
+  });
   MOEBLAZE_CUDA_LAUNCH_CHECK("router_backward");
 }
 
@@ -822,10 +832,10 @@ void sequence_balance_loss_cuda(const LayerConfig& cfg, const float* logits, con
   const int64_t E = cfg.num_experts;
   const int width = token_group_width(E), tokens_per_block = kWarpsPerBlock * (32 / width);
   if (L > 0)
-    with_experts_per_lane(experts_per_lane(E, width), [&](auto per) {
-      sequence_terms_kernel<decltype(per)::value><<<blocks_for(L, tokens_per_block), 32 * kWarpsPerBlock,
-                                                    block_counts_bytes(sb, E), s>>>(
-          cfg.score_fn, logits, lse, L, E, cfg.top_k, width, sb, terms);
+    with_group_shape(E, [&](auto per, auto lanes) {
+      sequence_terms_kernel<decltype(per)::value, decltype(lanes)::value>
+          <<<blocks_for(L, tokens_per_block), 32 * kWarpsPerBlock, block_counts_bytes(sb, E), s>>>(
+              cfg.score_fn, logits, lse, L, E, cfg.top_k, width, sb, terms);
     });
   MOEBLAZE_CUDA_LAUNCH_CHECK("sequence_terms");
   sequence_loss_finish_kernel<<<1, kTermThreads, 0, s>>>(cfg.aux_loss_coeff, sb.routed, L, terms, flag, aux_out);

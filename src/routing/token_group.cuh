@@ -38,7 +38,12 @@ inline int experts_per_lane(int64_t E, int width) {
   return p;
 }
 
+// kWidth: the width when the kernel knows it at compile time (32 for E > 16), 0 when it comes at
+// run time. A known width unrolls every butterfly below and lets a whole warp reduce its keys
+// with redux instructions instead of shuffle rounds.
+template <int kWidth = 0>
 __device__ __forceinline__ TokenGroup token_group(int64_t rows, int width, int warps_per_block) {
+  if constexpr (kWidth > 0) width = kWidth;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   TokenGroup g;
   g.width = width;
@@ -66,11 +71,13 @@ __device__ __forceinline__ void for_each_expert(const TokenGroup& g, int64_t E, 
 // the CPU engine's bit for bit, float where it need not.
 template <class T>
 __device__ __forceinline__ T group_sum(T v, int width) {
+#pragma unroll
   for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
 __device__ __forceinline__ float group_max(float m, int width) {
+#pragma unroll
   for (int o = width / 2; o > 0; o >>= 1) m = max_skipping_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
   return m;
 }
@@ -78,6 +85,7 @@ __device__ __forceinline__ float group_max(float m, int width) {
 // The group's first (v, i) under ranks_before, in every lane of the group: a strict total
 // order, so the butterfly gives all lanes the same winner whatever the values.
 __device__ __forceinline__ void group_best(float& v, int& i, int width) {
+#pragma unroll
   for (int o = width / 2; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, v, o);
     const int oi = __shfl_xor_sync(0xffffffffu, i, o);
@@ -89,7 +97,16 @@ __device__ __forceinline__ void group_best(float& v, int& i, int width) {
 }
 
 // The group's largest 64-bit key (routing/score_order.hpp, rank_key), in every lane of the group.
+// A whole warp takes the largest high word, then the largest low word among the keys with that
+// high word: two redux instructions in place of five rounds of two shuffles.
 __device__ __forceinline__ uint64_t group_max_key(uint64_t key, int width) {
+  if (width == 32) {
+    const uint32_t key_hi = static_cast<uint32_t>(key >> 32);
+    const uint32_t hi = __reduce_max_sync(0xffffffffu, key_hi);
+    const uint32_t lo = __reduce_max_sync(0xffffffffu, key_hi == hi ? static_cast<uint32_t>(key) : 0u);
+    return (static_cast<uint64_t>(hi) << 32) | lo;
+  }
+#pragma unroll
   for (int o = width / 2; o > 0; o >>= 1) {
     const uint64_t other = __shfl_xor_sync(0xffffffffu, key, o);
     key = other > key ? other : key;
@@ -97,15 +114,13 @@ __device__ __forceinline__ uint64_t group_max_key(uint64_t key, int width) {
   return key;
 }
 
-// A lane's candidates for top-k: its experts' rank keys, with their scores, sorted in
-// descending key order (an odd-even transposition network, once per token). Picks come out in
-// descending key order across the group, so the lane whose first key is the group's maximum owns
-// the pick: it drops it, and its first score is the pick's score, bit for bit. Each pick is one
-// integer butterfly, with no rescans and no ranks_before calls.
+// A lane's candidates for top-k: its experts' rank keys, sorted in descending order (an
+// odd-even transposition network, once per token). Picks come out in descending key order across
+// the group, so the lane whose first key is the group's maximum owns the pick and drops it. Each
+// pick is one integer maximum over the group, with no rescans and no ranks_before calls.
 template <int kPer>
 struct SortedCandidates {
   uint64_t key[kPer];
-  float score[kPer];
 
   __device__ __forceinline__ void sort() {
 #pragma unroll
@@ -116,33 +131,17 @@ struct SortedCandidates {
           const uint64_t k = key[i];
           key[i] = key[i + 1];
           key[i + 1] = k;
-          const float v = score[i];
-          score[i] = score[i + 1];
-          score[i + 1] = v;
         }
   }
-  // The group's best remaining candidate (its key, and its score from the owning lane, whose
-  // index in the warp is base + id % width); the owner drops it.
-  __device__ __forceinline__ uint64_t pop(int width, int base, float& s) {
-    const uint64_t best = group_max_key(key[0], width);
-    s = __shfl_sync(0xffffffffu, score[0], base + rank_key_id(best) % width);
-    drop(best);
-    return best;
-  }
-  // The same without the score.
+  // The group's best remaining candidate's key; its owner drops it.
   __device__ __forceinline__ uint64_t pop_key(int width) {
     const uint64_t best = group_max_key(key[0], width);
-    drop(best);
-    return best;
-  }
-  __device__ __forceinline__ void drop(uint64_t best) {
-    if (key[0] != best) return;
+    if (key[0] == best) {
 #pragma unroll
-    for (int i = 0; i + 1 < kPer; ++i) {
-      key[i] = key[i + 1];
-      score[i] = score[i + 1];
+      for (int i = 0; i + 1 < kPer; ++i) key[i] = key[i + 1];
+      key[kPer - 1] = 0;
     }
-    key[kPer - 1] = 0;
+    return best;
   }
 };
 
