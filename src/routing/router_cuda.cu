@@ -204,13 +204,11 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, RouteOptions opt
   const float lse = group_lse<kPer>(g, E, logit);
   const int64_t t = g.token;
   const bool empty = g.live && masked(opt.mask, t);
-  // Without options the value ranked is rank_value (the logit, or the score where that is NaN);
-  // with a bias, the biased selection value; closed groups' experts are left out. A score is NaN
-  // exactly where its logit is, or, under softmax, everywhere once the log-sum-exp is (a NaN or
-  // +inf logit, or every logit -inf): otherwise the logit is at most lse, and exp of it minus
-  // lse is a number. So the ranking needs no scores.
-  const bool scores_nan = fn == ScoreFn::kSoftmax && lse != lse;
-  auto rank_of = [&](int i, int64_t e) { return scores_nan ? lse /* NaN */ : logit(i, e); };
+  // Without options the value ranked is rank_value (the logit, or the score where that is NaN),
+  // known without the scores (routing/score_order.hpp); with a bias, the biased selection value;
+  // closed groups' experts are left out.
+  const bool softmax = fn == ScoreFn::kSoftmax;
+  auto rank_of = [&](int i, int64_t e) { return rank_value_of_logit(softmax, logit(i, e), lse); };
   auto open = [](int64_t) { return true; };
   if constexpr (kOptions) {
     const auto value = selection_values<kPer>(g, fn, opt.bias, E, logit);

@@ -47,6 +47,15 @@ MOEBLAZE_HD uint64_t rank_key(float s, int64_t id) {
   return (static_cast<uint64_t>(hi) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(id));
 }
 
+// rank_value without the score, from the logit and its row's log-sum-exp: under softmax a score
+// exp(l - lse) is NaN exactly where l or lse is (lse is NaN for a row with a NaN or +inf logit,
+// or with every logit -inf; otherwise l <= lse), under sigmoid 1 / (1 + exp(-l)) exactly where
+// l is. So a top-k ranks the same without computing the scores it does not pick. Any NaN it
+// returns ranks as every NaN does.
+MOEBLAZE_HD float rank_value_of_logit(bool softmax, float logit, float lse) {
+  return softmax && lse != lse ? lse : logit;
+}
+
 // The id of a key.
 MOEBLAZE_HD int32_t rank_key_id(uint64_t key) { return static_cast<int32_t>(~static_cast<uint32_t>(key)); }
 

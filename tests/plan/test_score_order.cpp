@@ -1,7 +1,8 @@
 // The router's ranking rule (src/routing/score_order.hpp): rank_key, the 64-bit key the GPU
 // top-k compares as integers, must order every pair of (score, id) exactly as ranks_before
-// does, NaN, infinities, signed zeros, subnormals and ties included, and give back its id; and
-// rank_value makes the picks a function of the logits alone.
+// does, NaN, infinities, signed zeros, subnormals and ties included, and give back its id;
+// rank_value makes the picks a function of the logits alone; and rank_value_of_logit ranks as
+// rank_value does without the scores.
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -86,6 +87,40 @@ void rank_value_ignores_normaliser_rounding(void**) {
   assert_true(rank_value(-INFINITY, 0.f) == -INFINITY);
 }
 
+// rank_value_of_logit ranks every logit of a row as rank_value does with the row's scores,
+// computed as the CPU engine computes them (routing/router.cpp: the max skipping NaN, the fp64
+// normaliser, then exp(l - lse) or 1 / (1 + exp(-l))), on rows full of specials and extremes.
+void rank_without_scores_is_rank_value(void**) {
+  std::mt19937_64 rng(20261128);
+  const std::vector<float> pool = score_pool(rng);
+  std::uniform_int_distribution<size_t> pick(0, pool.size() - 1);
+  std::uniform_int_distribution<int> width(1, 40), mode(0, 3);
+  std::normal_distribution<float> normal(0.f, 3.f);
+  int64_t nan_rows = 0, checked = 0;
+  for (int row = 0; row < 20000; ++row) {
+    const int E = width(rng);
+    std::vector<float> l(static_cast<size_t>(E));
+    const int m = mode(rng);  // 0: normal; 1: a few specials; 2: all from the pool; 3: all -inf
+    for (float& v : l) v = m == 3 ? -INFINITY : m == 2 || (m == 1 && pick(rng) % 8 == 0) ? pool[pick(rng)] : normal(rng);
+    float mx = -INFINITY;
+    for (float v : l) mx = max_skipping_nan(mx, v);
+    double sum = 0.0;
+    for (float v : l) sum += std::exp(static_cast<double>(v - mx));
+    const float lse = mx + static_cast<float>(std::log(sum));
+    nan_rows += lse != lse;
+    for (int softmax = 0; softmax < 2; ++softmax)
+      for (int e = 0; e < E; ++e) {
+        const float s = softmax ? std::exp(l[e] - lse) : 1.f / (1.f + std::exp(-l[e]));
+        const uint64_t want = rank_key(rank_value(l[e], s), e), got = rank_key(rank_value_of_logit(softmax, l[e], lse), e);
+        if (want != got)
+          fail_msg("%s: logit %a, lse %a, score %a: key %llx, without the score %llx", softmax ? "softmax" : "sigmoid",
+                   l[e], lse, s, static_cast<unsigned long long>(want), static_cast<unsigned long long>(got));
+        ++checked;
+      }
+  }
+  assert_true(nan_rows > 1000 && checked > 100000);  // rows whose scores are all NaN were met
+}
+
 }  // namespace
 
 int main(void) {
@@ -93,6 +128,7 @@ int main(void) {
       cmocka_unit_test(key_order_is_ranks_before),
       cmocka_unit_test(key_gives_back_id),
       cmocka_unit_test(rank_value_ignores_normaliser_rounding),
+      cmocka_unit_test(rank_without_scores_is_rank_value),
   };
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }
