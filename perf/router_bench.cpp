@@ -11,8 +11,8 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <string>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/config.hpp"

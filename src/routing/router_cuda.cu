@@ -188,7 +188,7 @@ __device__ __forceinline__ void pick_top_k(const TokenGroup& g, ScoreFn fn, int6
 // One token per group of lanes (routing/token_group.cuh). Pick j is the group's best expert
 // (by rank_value: the logit, or a NaN score) among those ranked after pick j - 1 (the CPU
 // engine's top_k): no taken-list, no shared memory,
-// and every lane of the group agrees on each pick. With the scores in registers (kPer > 0) each
+// and every lane of the group agrees on each pick. With the logits in registers (kPer > 0) each
 // lane sorts its experts' rank keys once and a pick is one integer maximum over the group
 // (SortedCandidates: the same order as ranks_before; measured in perf/NOTES.md); only the k
 // picks' scores are computed. kOptions: an expert bias (experts ranked by biased selection
