@@ -31,7 +31,7 @@ import moeblaze.torch as mbt  # noqa: E402
 
 # What a kernel does, by the first pattern its name contains (both layers' kernels).
 GROUPS = [
-    ("expert GEMMs", ("grouped_gemm", "weight_grad_kernel", "HopperWgmma_MoE")),
+    ("expert GEMMs", ("grouped_gemm", "act_backward_warpgroup", "weight_grad_kernel", "HopperWgmma_MoE")),
     ("activation", ("activation_backward", "activation_forward")),
     ("combine", ("combine_rows", "token_gather_sum")),
     ("router and routing", ("nvjet", "route_tokens", "router_backward", "loss_", "logits", "routing::", "TopK_Softmax",

@@ -118,7 +118,7 @@ if want gemm; then
     grep -vE '^\[ *(RUN|  OK) *\]' "$OUT/$t.log" | tail -20
     summary+=("$t: rc=$rc; $(grep -E 'PASSED|FAILED' "$OUT/$t.log" | tr '\n' ' ')")
     for tool in ${GEMM_SANITIZE:-}; do  # e.g. "memcheck racecheck synccheck"
-      quick=(); [ $t = test_sm90_pipeline ] && quick=(quick)  # 1/16 of the fills under the tools
+      quick=(); [ $t = test_sm90_pipeline ] || [ $t = test_sm90_act_backward ] && quick=(quick)  # a subset under the tools
       timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
         build-gpu/tests/kernels/$t "${quick[@]}" > "$OUT/$t-$tool.log" 2>&1
       summary+=("$t under $tool: rc=$?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$t-$tool.log" | tail -1)")

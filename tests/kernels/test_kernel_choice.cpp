@@ -1,6 +1,7 @@
 // The grouped GEMM's automatic kernel choice (gemm/sm90 choose_kernel), host only: cooperative
-// for every epilogue and K, with 256-wide tiles from 256 output columns (gated: both halves); an
-// explicit choice is kept, ping-pong always 128 wide. The expert-parallel rule of rows sent beside
+// for every epilogue and K, with 256-wide tiles from 256 output columns (gated: both halves), the
+// activation backward on the epilogue warps where they win; an explicit choice is kept, ping-pong
+// always 128 wide. The expert-parallel rule of rows sent beside
 // the local GEMMs (ep_overlap) on the benchmarked layers. The measurements behind the rules are
 // in perf/NOTES.md.
 #include <cstdio>
@@ -66,33 +67,47 @@ void explicit_choices(void**) {
   expect(pick(4096, 4096, 0, EpilogueKind::kStore, bn), ConsumerSchedule::kCooperative, 128);
 }
 
-// The activation-backward epilogue runs on cooperative tiles (its pre stages follow each tile's
-// k-blocks), 256 wide from 256 columns, whatever is asked; the dact GEMM takes it for K <= 1024,
-// or K <= 2048 with dy in expert order, gated activations from h = 2048 (gemm/sm90/grouped_gemm.hpp).
+// The activation backward never runs ping-pong: on the epilogue warps' 256-wide tiles where they
+// win (from 256 columns: dy gathered with 1024 < K <= 2048, dy in expert order with K > 2048) or
+// when asked for, else on cooperative tiles with the in-ring epilogue; the epilogue warps serve
+// nothing else. The in-ring epilogue is taken for K <= 1024, or K <= 2048 with dy in expert order,
+// gated activations from h = 2048 (gemm/sm90/heuristics.hpp).
 void activation_backward(void**) {
-  sm90::KernelChoice pp;
+  const EpilogueKind ab = EpilogueKind::kActivationBackward;
+  const int32_t index[1] = {0};
+  sm90::KernelChoice pp, coop, warps;
   pp.schedule = ConsumerSchedule::kPingPong;
   pp.block_n = 128;
-  expect(pick(1024, 512, 0, EpilogueKind::kActivationBackward), ConsumerSchedule::kCooperative, 256);
-  expect(pick(4096, 2048, 0, EpilogueKind::kActivationBackward, pp), ConsumerSchedule::kCooperative, 256);
-  expect(pick(136, 512, 0, EpilogueKind::kActivationBackward), ConsumerSchedule::kCooperative, 128);
+  coop.schedule = ConsumerSchedule::kCooperative;
+  warps.schedule = ConsumerSchedule::kEpilogueWarpgroup;
+  auto pick_dact = [&](int32_t n, int32_t k, bool gathered, sm90::KernelChoice kc = {}) {
+    sm90::GroupedGemmParams p;
+    p.n = n;
+    p.k = k;
+    p.a_index = gathered ? index : nullptr;
+    return sm90::choose_kernel(p, ab, kc);
+  };
+  expect(pick_dact(136, 512, true, warps), ConsumerSchedule::kEpilogueWarpgroup, 256);  // asked for: any shape
+  expect(pick_dact(1024, 4096, false, coop), ConsumerSchedule::kCooperative, 256);
+  expect(pick_dact(136, 512, false, coop), ConsumerSchedule::kCooperative, 128);
+  expect(pick(4096, 512, 0, EpilogueKind::kStore, warps), ConsumerSchedule::kCooperative, 256);
+  expect(pick(1024, 512, 1, EpilogueKind::kActivation, warps), ConsumerSchedule::kCooperative, 256);
+  if (!std::getenv("MOEBLAZE_SM90_SCHEDULE")) {
+    expect(pick_dact(768, 2048, true), ConsumerSchedule::kEpilogueWarpgroup, 256);
+    expect(pick_dact(256, 1032, true), ConsumerSchedule::kEpilogueWarpgroup, 256);
+    expect(pick_dact(2048, 7168, false), ConsumerSchedule::kEpilogueWarpgroup, 256);
+    expect(pick_dact(2048, 4096, false, pp), ConsumerSchedule::kEpilogueWarpgroup, 256);  // ping-pong is not honoured
+    expect(pick_dact(1024, 1024, true), ConsumerSchedule::kCooperative, 256);
+    expect(pick_dact(1024, 4096, true), ConsumerSchedule::kCooperative, 256);
+    expect(pick_dact(1024, 2048, false), ConsumerSchedule::kCooperative, 256);
+    expect(pick_dact(248, 2048, true), ConsumerSchedule::kCooperative, 128);
+    expect(pick_dact(136, 4096, false, pp), ConsumerSchedule::kCooperative, 128);
+  }
   if (std::getenv("MOEBLAZE_SM90_ACT_BACKWARD")) return;  // the knob overrides the rule
   sm90::GroupedGemmParams p;
-  const int32_t index[1] = {0};
-  p.a_index = index;  // dy gathered: K <= 1024
-  p.n = 2048;  // h: gated from 2048
-  for (int32_t k : {8, 512, 1024}) {
-    p.k = k;
-    assert_true(sm90::act_backward_in_epilogue(p, false));
-    assert_true(sm90::act_backward_in_epilogue(p, true));
-  }
-  for (int32_t k : {1032, 2048, 7168}) {
-    p.k = k;
-    assert_false(sm90::act_backward_in_epilogue(p, false));
-    assert_false(sm90::act_backward_in_epilogue(p, true));
-  }
-  p.a_index = nullptr;  // dy in expert order (by TMA): K <= 2048
-  for (int32_t k : {8, 1024, 1032, 2048}) {
+  p.a_index = index;  // dy gathered: in the ring to K = 1024, on the epilogue warps to K = 2048
+  p.n = 2048;  // h: gated in the ring from 2048
+  for (int32_t k : {8, 512, 1024, 1032, 2048}) {
     p.k = k;
     assert_true(sm90::act_backward_in_epilogue(p, false));
     assert_true(sm90::act_backward_in_epilogue(p, true));
@@ -102,6 +117,19 @@ void activation_backward(void**) {
     assert_false(sm90::act_backward_in_epilogue(p, false));
     assert_false(sm90::act_backward_in_epilogue(p, true));
   }
+  p.n = 248;  // narrower than an epilogue-warps tile: the pass from K = 1032
+  p.k = 2048;
+  assert_false(sm90::act_backward_in_epilogue(p, false));
+  p.a_index = nullptr;  // dy in expert order (by TMA): in the ring to K = 2048, on the warps beyond
+  p.n = 2048;
+  for (int32_t k : {8, 1024, 1032, 2048, 2056, 4096, 7168}) {
+    p.k = k;
+    assert_true(sm90::act_backward_in_epilogue(p, false));
+    assert_true(sm90::act_backward_in_epilogue(p, true));
+  }
+  p.n = 136;
+  p.k = 4096;
+  assert_false(sm90::act_backward_in_epilogue(p, false));
   p.k = 768;  // narrow gated experts keep the pass (SonicMoE's n = 256); plain ones take the epilogue
   for (int32_t n : {256, 1024, 2040}) {
     p.n = n;

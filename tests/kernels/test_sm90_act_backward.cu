@@ -6,8 +6,9 @@
 // B layouts, h not a multiple of 64 or 128, skewed and single-expert routings, one row, the saved
 // pre placed per expert (the fused engine's windows) and hostile placements (nothing read or
 // written outside the buffers), output rows narrower than their columns refused, the staged
-// (TMA) path bitwise equal to the register one, and bitwise determinism. Outputs poisoned.
-// Exits 77 without an sm_90 GPU.
+// (TMA) path bitwise equal to the register one, and bitwise determinism. Every case runs on both
+// kernels, the in-ring epilogue and the epilogue warps (forced at any h; both give dpre and g act
+// with the same bits). Outputs poisoned. Exits 77 without an sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
 #include "gemm/sm90/tile_config.hpp"
 
@@ -49,8 +50,11 @@ struct Outputs {
 };
 
 // Runs the epilogue; fills the host pre it drew and the placement it used.
+using Schedule = sm90::ConsumerSchedule;
+constexpr Schedule kSchedules[] = {Schedule::kCooperative, Schedule::kEpilogueWarpgroup};
+
 Outputs run(const Problem& P, const Case& c, const std::vector<uint16_t>& pre_h, int64_t pre_rows,
-            const std::vector<int32_t>& place) {
+            const std::vector<int32_t>& place, Schedule schedule) {
   const int64_t m = P.s.m_total, h = c.h, ld_pre = pre_cols(c) + 8;
   const int64_t ldc = pre_cols(c) + c.ld_pad, ld_act = h + c.ld_pad, parts = sm90::act_backward_dg_parts(h);
   void* pre = alloc_poisoned(pre_rows * ld_pre);
@@ -82,7 +86,9 @@ Outputs run(const Problem& P, const Case& c, const std::vector<uint16_t>& pre_h,
   const char* why = sm90::unsupported_reason(P.dt, P.params(), e);
   if (why) std::printf("unsupported: %s\n", why);
   assert_null(why);
-  sm90::grouped_gemm(P.dt, P.params(), e, {}, nullptr);
+  sm90::KernelChoice kc;
+  kc.schedule = schedule;
+  sm90::grouped_gemm(P.dt, P.params(), e, kc, nullptr);
   GGP_CK(cudaDeviceSynchronize());
   Outputs o;
   o.dpre = download_bits(dpre, m * ldc);
@@ -123,15 +129,19 @@ void expect(const Case& c, uint64_t seed) {
   std::normal_distribution<float> nd(0.f, 1.5f);
   std::vector<uint16_t> pre_h(pre_rows * ld_pre);
   for (auto& v : pre_h) v = to_half_bits(nd(rng), c.dt);
-  const Outputs o = run(P, c, pre_h, pre_rows, place);
+  const Outputs ring = run(P, c, pre_h, pre_rows, place, Schedule::kCooperative);
+  const Outputs warps = run(P, c, pre_h, pre_rows, place, Schedule::kEpilogueWarpgroup);
   const int64_t ldc = cols + c.ld_pad, ld_act = h + c.ld_pad;
+  assert_true(ring.dpre == warps.dpre);
+  assert_true(ring.gact == warps.gact);
   if (c.placed == 2) {  // hostile: no reference, but every output element is written and finite
     // (pre rows outside the buffer read as zeros; compute-sanitizer memcheck sees no stray access)
-    for (int64_t p = 0; p < m; ++p) {
-      assert_false(std::isnan(o.dg[p]));
-      for (int64_t j = 0; j < h; ++j) assert_false(std::isnan(from_half_bits(o.gact[p * ld_act + j], c.dt)));
-      for (int64_t j = 0; j < cols; ++j) assert_false(std::isnan(from_half_bits(o.dpre[p * ldc + j], c.dt)));
-    }
+    for (const Outputs* o : {&ring, &warps})
+      for (int64_t p = 0; p < m; ++p) {
+        assert_false(std::isnan(o->dg[p]));
+        for (int64_t j = 0; j < h; ++j) assert_false(std::isnan(from_half_bits(o->gact[p * ld_act + j], c.dt)));
+        for (int64_t j = 0; j < cols; ++j) assert_false(std::isnan(from_half_bits(o->dpre[p * ldc + j], c.dt)));
+      }
     free_problem(P);
     return;
   }
@@ -155,26 +165,31 @@ void expect(const Case& c, uint64_t seed) {
     }
     want_dg[p] = static_cast<float>(dot);
   }
-  const Check cd = compare_bits(o.dpre, m, cols, ldc, c.dt, want_dpre), ca = compare_bits(o.gact, m, h, ld_act, c.dt, want_gact);
-  double num = 0, den = 0;
-  int64_t dg_nan = 0;
-  for (int64_t p = 0; p < m; ++p) {
-    if (std::isnan(o.dg[p])) ++dg_nan;
-    else num += (o.dg[p] - want_dg[p]) * double(o.dg[p] - want_dg[p]);
-    den += double(want_dg[p]) * want_dg[p];
+  for (const Outputs* out : {&ring, &warps}) {
+    const Outputs& o = *out;
+    const Check cd = compare_bits(o.dpre, m, cols, ldc, c.dt, want_dpre),
+                ca = compare_bits(o.gact, m, h, ld_act, c.dt, want_gact);
+    double num = 0, den = 0;
+    int64_t dg_nan = 0;
+    for (int64_t p = 0; p < m; ++p) {
+      if (std::isnan(o.dg[p])) ++dg_nan;
+      else num += (o.dg[p] - want_dg[p]) * double(o.dg[p] - want_dg[p]);
+      den += double(want_dg[p]) * want_dg[p];
+    }
+    const double dg_rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    const double tol = tolerance(c.dt);
+    if (cd.rel_err > tol || ca.rel_err > tol || dg_rel > tol || cd.unwritten || ca.unwritten || cd.clobbered ||
+        ca.clobbered || dg_nan)
+      std::printf("%s: act %d %s major=%d m=%lld E=%d h=%d d=%d placed=%d pad=%lld: dpre rel %.3g (unwritten %lld, "
+                  "clobbered %lld) gact rel %.3g (unwritten %lld, clobbered %lld) dg rel %.3g (NaN %lld)\n",
+                  out == &ring ? "in-ring" : "epilogue warps", static_cast<int>(c.a), dtype_name(c.dt),
+                  static_cast<int>(c.mj), static_cast<long long>(m), c.E, c.h, c.d, c.placed,
+                  static_cast<long long>(c.ld_pad), cd.rel_err, static_cast<long long>(cd.unwritten),
+                  static_cast<long long>(cd.clobbered), ca.rel_err, static_cast<long long>(ca.unwritten),
+                  static_cast<long long>(ca.clobbered), dg_rel, static_cast<long long>(dg_nan));
+    assert_true(cd.rel_err <= tol && ca.rel_err <= tol && dg_rel <= tol);
+    assert_int_equal(cd.unwritten + ca.unwritten + cd.clobbered + ca.clobbered + dg_nan, 0);
   }
-  const double dg_rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  const double tol = tolerance(c.dt);
-  if (cd.rel_err > tol || ca.rel_err > tol || dg_rel > tol || cd.unwritten || ca.unwritten || cd.clobbered ||
-      ca.clobbered || dg_nan)
-    std::printf("act %d %s major=%d m=%lld E=%d h=%d d=%d placed=%d pad=%lld: dpre rel %.3g (unwritten %lld, "
-                "clobbered %lld) gact rel %.3g (unwritten %lld, clobbered %lld) dg rel %.3g (NaN %lld)\n",
-                static_cast<int>(c.a), dtype_name(c.dt), static_cast<int>(c.mj), static_cast<long long>(m), c.E, c.h,
-                c.d, c.placed, static_cast<long long>(c.ld_pad), cd.rel_err, static_cast<long long>(cd.unwritten),
-                static_cast<long long>(cd.clobbered), ca.rel_err, static_cast<long long>(ca.unwritten),
-                static_cast<long long>(ca.clobbered), dg_rel, static_cast<long long>(dg_nan));
-  assert_true(cd.rel_err <= tol && ca.rel_err <= tol && dg_rel <= tol);
-  assert_int_equal(cd.unwritten + ca.unwritten + cd.clobbered + ca.clobbered + dg_nan, 0);
   free_problem(P);
 }
 
@@ -263,7 +278,8 @@ void registers_match_staged(void**) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.5f);
     for (auto& v : pre_h) v = to_half_bits(nd(rng), staged.dt);
-    const Outputs s = run(P, staged, pre_h, staged.m, {}), r = run(P, regs, pre_h, staged.m, {});
+    const Outputs s = run(P, staged, pre_h, staged.m, {}, Schedule::kCooperative),
+                  r = run(P, regs, pre_h, staged.m, {}, Schedule::kCooperative);
     for (int64_t p = 0; p < staged.m; ++p) {
       assert_memory_equal(&s.dpre[p * cols], &r.dpre[p * (cols + 2)], cols * 2);
       assert_memory_equal(&s.gact[p * staged.h], &r.gact[p * (staged.h + 2)], staged.h * 2);
@@ -284,21 +300,26 @@ void deterministic(void**) {
     std::mt19937_64 rng(5);
     std::normal_distribution<float> nd(0.f, 1.5f);
     for (auto& v : pre_h) v = to_half_bits(nd(rng), c.dt);
-    const Outputs a = run(P, c, pre_h, pre_rows, place), b = run(P, c, pre_h, pre_rows, place),
-                  d = run(P, c, pre_h, pre_rows, place);
-    assert_true(a.dpre == b.dpre && b.dpre == d.dpre && a.gact == b.gact && b.gact == d.gact);
-    assert_memory_equal(a.dg.data(), b.dg.data(), c.m * 4);
-    assert_memory_equal(a.dg.data(), d.dg.data(), c.m * 4);
+    for (Schedule sched : kSchedules) {
+      const Outputs a = run(P, c, pre_h, pre_rows, place, sched), b = run(P, c, pre_h, pre_rows, place, sched),
+                    d = run(P, c, pre_h, pre_rows, place, sched);
+      assert_true(a.dpre == b.dpre && b.dpre == d.dpre && a.gact == b.gact && b.gact == d.gact);
+      assert_memory_equal(a.dg.data(), b.dg.data(), c.m * 4);
+      assert_memory_equal(a.dg.data(), d.dg.data(), c.m * 4);
+    }
     free_problem(P);
   }
 }
 
 }  // namespace
 
-int main() {
+// `quick`: the shapes and the placed (and hostile) pre only, for compute-sanitizer's tools.
+int main(int argc, char** argv) {
   skip_without_sm90();
   const struct CMUnitTest tests[] = {cmocka_unit_test(activations), cmocka_unit_test(refusals), cmocka_unit_test(shapes),
                                      cmocka_unit_test(placed_pre), cmocka_unit_test(registers_match_staged),
                                      cmocka_unit_test(deterministic)};
+  const struct CMUnitTest quick[] = {cmocka_unit_test(shapes), cmocka_unit_test(placed_pre)};
+  if (argc > 1 && std::strcmp(argv[1], "quick") == 0) return cmocka_run_group_tests(quick, nullptr, nullptr);
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

@@ -65,16 +65,18 @@ struct PreLoads {
   }
 };
 
-// One packed pair of the backward: in, dact (fp32), the pre pair and, gated (act = f(gate) up),
-// the up pair; out, the packed dpre pair (gated: d gate, then d up) and g act pair, and da act
-// added to dot. The products are act_backward's, as in the separate pass (experts/expert_cuda.cu);
-// the rounding is one pack per pair (perf/NOTES.md).
+// One packed pair of the backward: in, the dact pair (rounded to the dtype, as the separate pass
+// reads it; or its fp32 accumulators), the pre pair and, gated (act = f(gate) up), the up pair;
+// out, the packed dpre pair (gated: d gate, then d up) and g act pair, and da act added to dot.
+// The products are act_backward's, as in the separate pass (experts/expert_cuda.cu); the
+// rounding is one pack per pair (perf/NOTES.md).
 template <class T, Activation A>
 struct BackwardPair {
   uint32_t dpre[2], gact;
-  __device__ __forceinline__ BackwardPair(float a0, float a1, uint32_t pre, uint32_t up, float g, bool valid,
-                                          float& dot) {
-    const float2 da = Elem<T>::unpack2(Elem<T>::pack2(a0, a1));  // dact in the dtype, as the separate pass reads it
+  __device__ __forceinline__ BackwardPair(float a0, float a1, uint32_t pre, uint32_t up, float g, bool valid, float& dot)
+      : BackwardPair(Elem<T>::pack2(a0, a1), pre, up, g, valid, dot) {}
+  __device__ __forceinline__ BackwardPair(uint32_t dact, uint32_t pre, uint32_t up, float g, bool valid, float& dot) {
+    const float2 da = Elem<T>::unpack2(dact);
     const float2 u = Elem<T>::unpack2(pre);
     const float2 b = is_gated(A) ? Elem<T>::unpack2(up) : make_float2(0.f, 0.f);
     const ActBackward v0 = act_backward<A>(u.x, b.x, g * da.x), v1 = act_backward<A>(u.y, b.y, g * da.y);

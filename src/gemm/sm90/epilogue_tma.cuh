@@ -28,6 +28,16 @@ __device__ __forceinline__ uint32_t box_matrices(uint32_t base, int g) {
   return base + sw128_offset(warp * 16 + (j & 1) * 8 + (lane & 7), g + (j >> 1));
 }
 
+// Writes a warpgroup's 64 x 64 box at `base` from its fragment pairs (TileStore::box's pair(g,
+// half)): stmatrix's four matrices are groups g and g + 1 (j / 2), rows 0-7 and 8-15 (j % 2) of
+// the warp's 16; lane addresses one 16-byte row of matrix j.
+template <class Pair>
+__device__ __forceinline__ void write_box(uint32_t base, Pair&& pair) {
+#pragma unroll
+  for (int g = 0; g < 8; g += 2)
+    stmatrix_x4(box_matrices(base, g), pair(g, 0), pair(g, 1), pair(g + 1, 0), pair(g + 1, 1));
+}
+
 // One consumer warpgroup's two staging boxes. Box b of the warpgroup's sequence (across tiles)
 // uses buffer b % 2; before a box's store is issued, the previous box's store has finished
 // reading its buffer (cp.async.bulk.wait_group.read 0 by the issuing thread, then the
@@ -85,16 +95,14 @@ struct TileStore {
   __device__ __forceinline__ void stage(const TmaDescriptor& map, const int32_t (&coords)[Rank], Pair&& pair) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3, j = lane / 8;
     put([&](uint32_t base) {
-      // stmatrix's four matrices: groups g and g + 1 (j / 2), rows 0-7 and 8-15 (j % 2) of the
-      // warp's 16; lane addresses one 16-byte row of matrix j.
+      if constexpr (Transposed) {  // box row: a fragment column; 16-byte chunk: 8 fragment rows
 #pragma unroll
-      for (int g = 0; g < 8; g += 2) {
-        if constexpr (Transposed) {  // box row: a fragment column; 16-byte chunk: 8 fragment rows
+        for (int g = 0; g < 8; g += 2) {
           const uint32_t addr = base + sw128_offset(8 * (g + (j >> 1)) + (lane & 7), 2 * warp + (j & 1));
           stmatrix_x4_trans(addr, pair(g, 0), pair(g, 1), pair(g + 1, 0), pair(g + 1, 1));
-        } else {
-          stmatrix_x4(box_matrices(base, g), pair(g, 0), pair(g, 1), pair(g + 1, 0), pair(g + 1, 1));
         }
+      } else {
+        write_box(base, pair);
       }
     }, [&](const uint8_t* b) {
       cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, &map, coords, b);

@@ -105,7 +105,10 @@ void dispatch_major(const GroupedGemmParams& p, const EpilogueParams& e, cudaStr
 // accumulators as one m64n256 fragment of a cooperative 128 x 256 tile.
 template <class T>
 void dispatch(const KernelChoice& kc, const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
-  if (kc.schedule == ConsumerSchedule::kPingPong) dispatch_major<T, 128, true>(p, e, s);
+  if (kc.schedule == ConsumerSchedule::kEpilogueWarpgroup) {
+    if (p.b_major == Major::kMN) launch_act_backward_warpgroup<T, Major::kMN>(p, e, s);
+    else launch_act_backward_warpgroup<T, Major::kK>(p, e, s);
+  } else if (kc.schedule == ConsumerSchedule::kPingPong) dispatch_major<T, 128, true>(p, e, s);
   else if (kc.block_n == 256) dispatch_major<T, 256, false>(p, e, s);
   else dispatch_major<T, 128, false>(p, e, s);
 }
@@ -170,6 +173,10 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
 void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s) {
   if (const char* why = unsupported_reason(dt, p, e)) fail(Status::kNotSupported, "%s", why);
   kc = choose_kernel(p, e.kind, kc);
+  // The epilogue warps store dpre and g act 16 bytes at a time.
+  const bool vector_outputs = aligned16(e.c) && aligned16(e.act) && e.ldc % 8 == 0 && e.ld_act % 8 == 0;
+  if (kc.schedule == ConsumerSchedule::kEpilogueWarpgroup && !vector_outputs)
+    kc = {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative};
 #if MOEBLAZE_SM90_BF16
   if (dt == DType::kBF16) dispatch<__nv_bfloat16>(kc, p, e, s);
 #endif

@@ -1,4 +1,5 @@
 #include "gemm/sm90/heuristics.hpp"
+#include "gemm/sm90/tile_config.hpp"
 
 #include <algorithm>
 #include <cstdlib>
@@ -57,15 +58,30 @@ static ConsumerSchedule schedule_override() {
     const char* v = knob("MOEBLAZE_SM90_SCHEDULE");
     if (!std::strcmp(v, "cooperative")) return ConsumerSchedule::kCooperative;
     if (!std::strcmp(v, "pingpong")) return ConsumerSchedule::kPingPong;
+    if (!std::strcmp(v, "epilogue-warpgroup")) return ConsumerSchedule::kEpilogueWarpgroup;
     return ConsumerSchedule::kAuto;
   }();
   return forced;
 }
 
+// Where the epilogue warps' dact GEMM beats the separate pass (and the in-ring epilogue): dy
+// gathered with 1024 < K <= 2048, or in expert order with K > 2048 (its producer is one TMA warp,
+// so the two gathering warps the epilogue warps leave are no cost there), from 256 columns.
+static bool epilogue_warps_win(const GroupedGemmParams& dact) {
+  if (dact.n < kActBackwardWarpgroupBlockN) return false;
+  return dact.a_index ? dact.k > 1024 && dact.k <= 2048 : dact.k > 2048;
+}
+
 KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc) {
-  // The activation backward: cooperative tiles only (its pre stages follow each tile's k-blocks).
-  if (epilogue == EpilogueKind::kActivationBackward) return {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative};
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
+  if (epilogue == EpilogueKind::kActivationBackward) {
+    const bool warps = kc.schedule == ConsumerSchedule::kEpilogueWarpgroup ||
+                       (kc.schedule != ConsumerSchedule::kCooperative && epilogue_warps_win(p));
+    if (warps) return {kActBackwardWarpgroupBlockN, ConsumerSchedule::kEpilogueWarpgroup};
+    return {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative};
+  }
+  // The epilogue warps serve the activation backward only.
+  if (kc.schedule == ConsumerSchedule::kEpilogueWarpgroup) kc.schedule = ConsumerSchedule::kCooperative;
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = ConsumerSchedule::kCooperative;
   if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;
   if (kc.block_n == 0) kc.block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
@@ -77,7 +93,9 @@ bool act_backward_in_epilogue(const GroupedGemmParams& dact, bool gated) {
     const char* v = knob("MOEBLAZE_SM90_ACT_BACKWARD");
     return !std::strcmp(v, "separate") ? -1 : !std::strcmp(v, "epilogue") ? 1 : 0;
   }();
-  return forced ? forced > 0 : dact.k <= (dact.a_index ? 1024 : 2048) && (!gated || dact.n >= 2048);
+  if (forced) return forced > 0;
+  const bool in_ring = dact.k <= (dact.a_index ? 1024 : 2048) && (!gated || dact.n >= 2048);
+  return in_ring || epilogue_warps_win(dact);
 }
 
 int32_t raster_group() {

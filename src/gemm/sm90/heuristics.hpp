@@ -80,8 +80,10 @@ bool ep_returns_from_combine();
 
 // How the two consumer warpgroups share the work (grouped_gemm.cu): both on every 128 x BN tile
 // (cooperative), or each on its own 128 x 128 tiles, alternating their MMAs so that one's
-// epilogue overlaps the other's MMAs (ping-pong).
-enum class ConsumerSchedule : int32_t { kAuto = 0, kCooperative = 1, kPingPong = 2 };
+// epilogue overlaps the other's MMAs (ping-pong); or, for the activation backward only, both on
+// every 128 x 256 tile with the epilogue on warps of its own under the next tile's MMAs
+// (epilogue warps).
+enum class ConsumerSchedule : int32_t { kAuto = 0, kCooperative = 1, kPingPong = 2, kEpilogueWarpgroup = 3 };
 
 struct KernelChoice {
   int block_n = 0;  // cooperative: 128 or 256 (0: choose from n); ping-pong: 128
@@ -93,17 +95,30 @@ struct KernelChoice {
 // store epilogues (the fine-grained down GEMMs, K = 256..768) only while the cooperative tile's
 // epilogue stalled its MMAs; with that epilogue drained by TMA under the next tile, the larger
 // tile's reuse wins there too (fwd+bwd 1.5-6% faster at n = 256..768).
-// MOEBLAZE_SM90_SCHEDULE=cooperative|pingpong overrides the schedule.
+// The activation backward never runs ping-pong: on the epilogue warps (128 x 256 tiles) where
+// they win (act_backward_in_epilogue says where) or when asked for, else on cooperative tiles
+// with the in-ring epilogue (128 or 256 wide). grouped_gemm() falls back to the in-ring
+// epilogue where the epilogue warps' 16-byte stores cannot address the outputs.
+// MOEBLAZE_SM90_SCHEDULE=cooperative|pingpong|epilogue-warpgroup overrides the schedule.
 KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc);
 
 // Whether the dact GEMM (K = d, n = h) carries the activation backward in its epilogue
 // (EpilogueKind::kActivationBackward, when unsupported_reason allows it) rather than leave it to
-// a separate pass: for K <= 1024, or K <= 2048 when dy comes in expert order (by TMA); gated
-// activations only from h = 2048. Measured: with dy gathered, dropping the pass wins at
-// K = 512 and evens out at K = 1024, and the mainloop loses more than the pass costs at
-// K = 1536-2048 and beyond; with dy's rows in expert order it wins at K = 2048 too (fwd+bwd
-// 1.5-3% at conf4 and conf7, SiLU; 1-3% on the paper's SwiGLU layers, h = 2048-8192). A gated
-// tile takes twice the pre stages: at h = 256 (K = 768) they cost more than the pass (1.5%).
+// a separate pass.
+// - In the ring (the cooperative tile's epilogue, pre loaded into operand stages): K <= 1024,
+//   or K <= 2048 when dy comes in expert order (by TMA); gated activations only from h = 2048.
+//   Measured: with dy gathered, dropping the pass wins at K = 512 and evens out at K = 1024,
+//   and the mainloop loses more than the pass costs at K = 1536-2048 and beyond; with dy's
+//   rows in expert order it wins at K = 2048 too (fwd+bwd 1.5-3% at conf4 and conf7, SiLU;
+//   1-3% on the paper's SwiGLU layers, h = 2048-8192). A gated tile takes twice the pre stages:
+//   at h = 256 (K = 768) they cost more than the pass (1.5%).
+// - On the epilogue warps (gemm/sm90/act_backward_warpgroup.cuh), from h = 256: dy gathered
+//   with 1024 < K <= 2048, dy in expert order with K > 2048. Measured on an H200 against the
+//   separate pass, SwiGLU fwd+bwd: (32768, 2048, 768, 128, 8) 14.634 / 14.763 ms, (32768, 4096,
+//   2048, 64, 4) 34.914 / 35.201, (8192, 7168, 2048, 256, 8) 47.015 / 47.788; slower with dy
+//   gathered at K = 4096 ((32768, 4096, 1024, 128, 8) 37.035 / 36.660: the gather on two warps
+//   instead of four costs 15% of the mainloop) and at K = 768 ((40960, 768, 256, 128, 8) 3.072
+//   / 2.984: the epilogue's traffic outlasts the short mainloop).
 // MOEBLAZE_SM90_ACT_BACKWARD=separate|epilogue forces either.
 bool act_backward_in_epilogue(const GroupedGemmParams& dact, bool gated);
 

@@ -37,6 +37,11 @@ constexpr const char* kDtypeLeftOut =
 template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
 void launch_grouped_gemm(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s);
 
+// act_backward_kernel.cuh: the dact GEMM with the activation backward on epilogue warps
+// (cooperative 128 x 256 tiles), for both B majors.
+template <class T, Major BMajor>
+void launch_act_backward_warpgroup(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s);
+
 // weight_grad_kernel.cuh: one persistent grid of the varlen-K weight gradients; TmaA / TmaB say
 // which operands are read in expert order by TMA (all four combinations).
 template <class T, bool TmaA, bool TmaB>

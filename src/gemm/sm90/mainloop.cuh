@@ -40,7 +40,10 @@ struct StageRing {
   uint32_t base;    // the same, shared address
   StagePipeline<kStages> pipe;
   MmaTurns turns;
-  uint8_t* staging; // the epilogue's staging boxes (Cfg::kStagingBytes, 1024-byte aligned)
+  uint8_t* staging; // the epilogue's staging (Cfg::kStagingBytes, 1024-byte aligned)
+  // A tile's hand-off from the consumers to epilogue warps through the staging area (one
+  // slot: the consumers fill it, the epilogue warps empty it), where a kernel has them.
+  StagePipeline<1> handoff;
   TileCoord* tiles; // [kTileSlots] the CTA's j-th tile's coordinates in slot j % kTileSlots
 
   __device__ __forceinline__ uint8_t* stage_ptr(State st) const { return ptr + st.index() * Cfg::kStageBytes; }
@@ -48,22 +51,25 @@ struct StageRing {
 };
 
 // Carves the ring from the dynamic shared memory (Cfg::kSmemBytes) and initialises its
-// barriers with the given arrival counts. Every thread of the block calls it (it ends with a
-// block barrier).
+// barriers with the given arrival counts (`handoff`: the epilogue hand-off's, where the kernel
+// has one). Every thread of the block calls it (it ends with a block barrier).
 template <class Cfg>
-__device__ __forceinline__ StageRing<Cfg> init_ring(uint8_t* smem_raw, const PipelineArrivals& arrivals) {
+__device__ __forceinline__ StageRing<Cfg> init_ring(uint8_t* smem_raw, const PipelineArrivals& arrivals,
+                                                    const PipelineArrivals& handoff = {}) {
   constexpr int S = Cfg::kStages;
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   StageRing<Cfg> ring;
   ring.ptr = smem;
   ring.base = smem_addr(smem);
   ring.staging = smem + S * Cfg::kStageBytes;
-  uint64_t* barriers = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes);  // full[S], empty[S], turn[2]
+  // full[S], empty[S], turn[2], the hand-off's full and empty, the tile slots
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(ring.staging + Cfg::kStagingBytes);
   ring.pipe = StagePipeline<S>::init(barriers, arrivals);
   ring.turns = MmaTurns::init(barriers + 2 * S);
-  ring.tiles = reinterpret_cast<TileCoord*>(barriers + 2 * S + 2);
+  ring.handoff = StagePipeline<1>::init(barriers + 2 * S + 2, handoff);
+  ring.tiles = reinterpret_cast<TileCoord*>(barriers + 2 * S + 4);
   static_assert(sizeof(TileCoord) == kTileSlotBytes, "TileConfig sizes the tile slots");
-  static_assert((2 * S + 2) * 8 % 16 == 0, "the tile slots are 16-byte aligned (read_tile_slot)");
+  static_assert((2 * S + 4) * 8 % 16 == 0, "the tile slots are 16-byte aligned (read_tile_slot)");
   if (threadIdx.x == 0) cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   __syncthreads();
   return ring;
@@ -123,31 +129,33 @@ struct NoEpilogueLoads {
   __device__ void issue(int, uint8_t*, const TileCoord&, uint64_t*) const {}
 };
 
-// Gathered A (a_index set): the producer warpgroup's 128 threads copy A rows with 16-byte
-// cp.async (full[s] counts their arrivals + the elected thread's expect_tx: PipelineArrivals'
-// producer_count(true); an epilogue stage, their plain arrivals and its expect_tx).
-template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads>
-__device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing<TileConfig<BN>>& ring,
+// Gathered A (a_index set): the producer's Threads threads (the warpgroup's 128, or its first
+// 64 where its other warps are an epilogue) copy A rows with 16-byte cp.async (full[s] counts
+// their arrivals + the elected thread's expect_tx: PipelineArrivals' producer_count(true,
+// Threads); an epilogue stage, their plain arrivals and its expect_tx).
+template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads, int Threads = kProducerThreads, class Cfg>
+__device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, const StageRing<Cfg>& ring,
                         const Loads& loads = {}) {
-  using Cfg = TileConfig<BN>;
-  const int t = threadIdx.x;  // 0..127
+  static_assert(Cfg::kBlockN == BN, "the ring's tile width");
+  constexpr int kRowStep = Threads / 8, kRows = kBlockM / kRowStep;  // a thread's rows of a tile
+  const int t = threadIdx.x;  // 0..Threads - 1
   const T* A = static_cast<const T*>(p.a);
   const int num_kb = (p.k + kBlockK - 1) / kBlockK;
   const PersistentTileScheduler<GroupedTiles> sched({p.sched, column_blocks(p.n, p.gated, BN)});
-  const int a_chunk = t & 7, a_row = t >> 3;  // A: rows a_row + 16 i, chunk a_chunk
+  const int a_chunk = t & 7, a_row = t >> 3;  // A: rows a_row + kRowStep i, chunk a_chunk
   typename StageRing<Cfg>::State st;
   for (const TileWork w : sched.walk()) {
     const TileCoord tc = sched.decode(w);
-    // The tile's eight source rows per thread: all loads first, then the checks, so the loads
+    // The tile's source rows of this thread: all loads first, then the checks, so the loads
     // overlap instead of each check waiting for its own L2 round trip.
-    int32_t src_row[8];
+    int32_t src_row[kRows];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = a_row + 16 * i;
+    for (int i = 0; i < kRows; ++i) {
+      const int r = a_row + kRowStep * i;
       src_row[i] = r >= tc.rows ? -1 : p.a_index ? __ldg(p.a_index + tc.row0 + r) : tc.row0 + r;
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
+    for (int i = 0; i < kRows; ++i)
       if (src_row[i] >= p.a_rows) src_row[i] = -1;  // negative stays negative: a zero row
     wait_rows(p.arrival, src_row);
     for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
@@ -157,10 +165,10 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
       {
         const int32_t kk = k0 + a_chunk * 8;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < kRows; ++i) {
           const bool ok = kk < p.k && src_row[i] >= 0;
           const T* src = ok ? A + static_cast<int64_t>(src_row[i]) * p.lda + kk : A;
-          cp_async_16(a_dst + sw128_offset(a_row + 16 * i, a_chunk), src, ok ? 16u : 0u);
+          cp_async_16(a_dst + sw128_offset(a_row + kRowStep * i, a_chunk), src, ok ? 16u : 0u);
         }
       }
       if (t == 0) {
@@ -190,10 +198,10 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
 // expert's rows, or zeros past a_rows (TMA's bounds): those accumulator rows are never stored,
 // and every row outside [0, a_rows) stays unread. The other producer warps have nothing to do
 // and leave.
-template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads>
+template <class T, int BN, Major BMajor, class Loads = NoEpilogueLoads, class Cfg>
 __device__ void produce_tma_a(const GroupedGemmParams& p, const TmaDescriptor& amap, const TmaDescriptor& bmap,
-                              const StageRing<TileConfig<BN>>& ring, const Loads& loads = {}) {
-  using Cfg = TileConfig<BN>;
+                              const StageRing<Cfg>& ring, const Loads& loads = {}) {
+  static_assert(Cfg::kBlockN == BN, "the ring's tile width");
   if (threadIdx.x >= 32) return;
   const bool leader = threadIdx.x == 0;
   const int num_kb = (p.k + kBlockK - 1) / kBlockK;
@@ -243,11 +251,11 @@ struct NoIssueHook {
   __device__ void operator()(int) const {}
 };
 template <class T, int BN, Major BMajor, Major AMajor = Major::kK, int Frags = 1, class OnFirst = NoTileInfo,
-          class AfterIssue = NoIssueHook>
-__device__ __forceinline__ void consume_tile(const StageRing<TileConfig<BN>>& ring, int frag0, int num_kb,
-                                             typename StageRing<TileConfig<BN>>::State& st, float (&acc)[Frags][BN / 2],
+          class AfterIssue = NoIssueHook, class Cfg>
+__device__ __forceinline__ void consume_tile(const StageRing<Cfg>& ring, int frag0, int num_kb,
+                                             typename StageRing<Cfg>::State& st, float (&acc)[Frags][BN / 2],
                                              OnFirst&& on_first = {}, AfterIssue&& after_issue = {}) {
-  using Cfg = TileConfig<BN>;
+  static_assert(Cfg::kBlockN == BN, "the ring's tile width");
   constexpr int kTransA = AMajor == Major::kMN ? 1 : 0;
   using Mma = Wgmma<T, BN, kTransA, 0>;   // B K-major
   using MmaT = Wgmma<T, BN, kTransA, 1>;  // B MN-major

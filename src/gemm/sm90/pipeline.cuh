@@ -48,8 +48,8 @@ struct PipelineArrivals {
   // reads before the producer's refill only through that thread's own arrival).
   uint32_t per_warp = 1;
 
-  __host__ __device__ static constexpr uint32_t producer_count(bool gathered) {
-    return gathered ? kProducerThreads + 1 : 1;
+  __host__ __device__ static constexpr uint32_t producer_count(bool gathered, uint32_t threads = kProducerThreads) {
+    return gathered ? threads + 1 : 1;
   }
 };
 
