@@ -546,6 +546,13 @@ static void routing_modes_and_edges(void** state) {
   run_case(&single, &rng, 0);
   gcase ragged = base_case(8, 4, 32, 32, 1037, MOEBLAZE_ACTIVATION_SILU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
   run_case(&ragged, &rng, 0); /* L not a multiple of the 1024-token plan tile */
+  /* The fused dact GEMM's activation backward on its epilogue warps (from h = 256): dy gathered
+   * with 1024 < d <= 2048 (h not a multiple of the 256-wide tile), and dy copied into expert
+   * order (g h + h >= 4608) with d > 2048. */
+  gcase warps = base_case(4, 2, 1088, 264, 300, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  run_case(&warps, &rng, 0);
+  gcase warps_copy = base_case(4, 2, 2056, 1536, 64, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  run_case(&warps_copy, &rng, 0);
   gcase kE = base_case(4, 4, 16, 24, 50, MOEBLAZE_ACTIVATION_GELU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_WG);
   run_case(&kE, &rng, 0); /* k = E */
   /* k at and past the 32 picks the combine stages in shared memory; the router weight's dx part */
