@@ -7,7 +7,9 @@
 // and on its two weight-gradient GEMMs (varlen K, gemm/sm90/weight_grad):
 //   dW_up:   x[idx]^T dpre per expert      A gathered, B in expert order
 //   dW_down: act^T dy[idx] per expert      A in expert order, B gathered
-// for uniform and skewed (Zipf s = 1.2) routings. The cuBLASLt side is timed on GEMMs alone (no
+// for uniform and skewed (Zipf s = 1.2) routings. --dact instead times the backward's dact GEMM
+// with the activation backward three ways (the plain GEMM then the separate pass, in the ring,
+// on the epilogue warps), dy gathered and in expert order, and says which the rule takes. The cuBLASLt side is timed on GEMMs alone (no
 // gather, no activation pass), which favours it. Each config also compares our output with
 // cuBLASLt's (relative error). Median of CUDA-event timings; prints a table last.
 // --quick: uniform routing only and, without --only, the first two configs (use --only CONFIG
@@ -16,7 +18,9 @@
 #include <string>
 
 #include "../tests/kernels/grouped_gemm_problem.cuh"
+#include "experts/expert_cuda.hpp"
 #include "gemm/cublaslt.hpp"
+#include "gemm/sm90/tile_config.hpp"
 #include "gemm/sm90/weight_grad.hpp"
 
 using namespace ggp;
@@ -279,26 +283,101 @@ Row run_wgrad(const Config& c, bool up, double skew, int reps, const gemm::Cubla
   return r;
 }
 
-// The up GEMM's activation by name (--act); false for an unknown name.
+// The backward's dact GEMM (dact = dy[row] W_down[e]^T: K = d, n = h, dy gathered through the
+// plan or in expert order) with the activation backward, as the fused engine runs it: the plain
+// GEMM writing dact into dpre's first h columns, then the separate pass
+// (experts::activation_backward_cuda); or the backward in the GEMM's epilogue, in the ring
+// (cooperative tiles) or on the epilogue warps. Each way from the same pre, dy and gates; dpre
+// and g act of the two epilogues are compared bit for bit.
+struct DactRow {
+  std::string what;
+  double gemm_ms = 0, pass_ms = 0, ring_ms = 0, warps_ms = 0;
+  bool same_bits = false;
+  const char* rule = "";
+};
+
+DactRow run_dact(const Config& c, bool expert_order, int reps, Activation act_kind) {
+  const int64_t m = c.T * c.K, h = c.n, gh = (is_gated(act_kind) ? 2 : 1) * h;
+  const Shape s{m, expert_order ? m : c.T, static_cast<int32_t>(c.E), static_cast<int32_t>(h), static_cast<int32_t>(c.d),
+                false, !expert_order, Major::kK, 0.0};
+  Problem P = make_problem(s, DType::kBF16, 11, false, false);
+  const int64_t parts = sm90::act_backward_dg_parts(h);
+  void* pre = alloc_poisoned(m * gh);
+  fill_random_device(pre, m * gh, DType::kBF16, 5, 1.f);
+  void* dpre = alloc_poisoned(m * gh);
+  void* gact = alloc_poisoned(m * h);
+  float* dg = nullptr;
+  GGP_CK(cudaMalloc(&dg, sizeof(float) * parts * m));
+  const sm90::GroupedGemmParams gp = P.params();
+  sm90::EpilogueParams plain;
+  plain.c = dpre;
+  plain.ldc = gh;
+  sm90::EpilogueParams e;
+  e.kind = sm90::EpilogueKind::kActivationBackward;
+  e.activation = act_kind;
+  e.c = dpre;
+  e.ldc = gh;
+  e.act = gact;
+  e.ld_act = h;
+  e.row_scale = P.d_scale;
+  e.pre = pre;
+  e.ld_pre = gh;
+  e.dg = dg;
+  e.ld_dg = m;
+  sm90::KernelChoice ring, warps;
+  ring.schedule = sm90::ConsumerSchedule::kCooperative;
+  warps.schedule = sm90::ConsumerSchedule::kEpilogueWarpgroup;
+  DactRow r;
+  r.what = std::string(c.name) + (expert_order ? " dact, dy in expert order" : " dact, dy gathered");
+  r.gemm_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, gp, plain, {}, nullptr); }, reps);
+  r.pass_ms = median_ms([&] {
+    moeblaze::experts::activation_backward_cuda(act_kind, DType::kBF16, m, h, pre, nullptr, P.d_scale, dpre, gact, dg,
+                                                nullptr);
+  }, reps);
+  r.ring_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, gp, e, ring, nullptr); }, reps);
+  GGP_CK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> ring_dpre = download_bits(dpre, m * gh), ring_gact = download_bits(gact, m * h);
+  r.warps_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, gp, e, warps, nullptr); }, reps);
+  GGP_CK(cudaDeviceSynchronize());
+  r.same_bits = download_bits(dpre, m * gh) == ring_dpre && download_bits(gact, m * h) == ring_gact;
+  const bool in_epilogue = sm90::act_backward_in_epilogue(gp, is_gated(act_kind));
+  const bool on_warps = sm90::choose_kernel(gp, e.kind, {}).schedule == sm90::ConsumerSchedule::kEpilogueWarpgroup;
+  r.rule = !in_epilogue ? "separate pass" : on_warps ? "epilogue warps" : "in the ring";
+  cudaFree(pre);
+  cudaFree(dpre);
+  cudaFree(gact);
+  cudaFree(dg);
+  free_problem(P);
+  return r;
+}
+
+// The activations by name (--act).
+constexpr struct {
+  const char* name;
+  Activation a;
+} kActivationNames[] = {{"swiglu", Activation::kSwiglu}, {"geglu", Activation::kGeglu}, {"silu", Activation::kSilu},
+                        {"gelu", Activation::kGelu},     {"relu", Activation::kRelu}};
+
+// The activation named `name`; false for an unknown name.
 bool parse_activation(const char* name, Activation* out) {
-  static const struct {
-    const char* name;
-    Activation a;
-  } kNames[] = {{"swiglu", Activation::kSwiglu}, {"geglu", Activation::kGeglu}, {"silu", Activation::kSilu},
-                {"gelu", Activation::kGelu},     {"relu", Activation::kRelu}};
-  for (const auto& n : kNames)
+  for (const auto& n : kActivationNames)
     if (!std::strcmp(name, n.name)) {
       *out = n.a;
       return true;
     }
   return false;
 }
+const char* activation_name(Activation a) {
+  for (const auto& n : kActivationNames)
+    if (n.a == a) return n.name;
+  return "?";
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
   int bn = 0, reps = 20;
-  bool quick = false, fwd = true, wgrad = true, diag = false;
+  bool quick = false, fwd = true, wgrad = true, diag = false, dact = false;
   Activation act_kind = Activation::kSwiglu;
   const char* only = nullptr;
   for (int i = 1; i < argc; ++i) {
@@ -308,12 +387,14 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--fwd")) wgrad = false;
     else if (!std::strcmp(argv[i], "--diag")) diag = true;
+    else if (!std::strcmp(argv[i], "--dact")) dact = true;
     else if (!std::strcmp(argv[i], "--act") && i + 1 < argc && parse_activation(argv[i + 1], &act_kind)) ++i;
     else {
-      std::fprintf(stderr, "usage: grouped-gemm-bench [--bn 128|256] [--quick] [--fwd | --wgrad] [--only CONFIG] [--diag]\n"
-                           "                          [--act swiglu|geglu|silu|gelu|relu]\n"
+      std::fprintf(stderr, "usage: grouped-gemm-bench [--bn 128|256] [--quick] [--fwd | --wgrad | --dact] [--only CONFIG]\n"
+                           "                          [--diag] [--act swiglu|geglu|silu|gelu|relu]\n"
                            "  --quick: uniform routing only; without --only, the first two configs\n"
-                           "  --diag: up GEMMs also timed without the gather, act only, pre only, plain store\n");
+                           "  --diag: up GEMMs also timed without the gather, act only, pre only, plain store\n"
+                           "  --dact: the dact GEMM with the activation backward: the pass, in the ring, on the epilogue warps\n");
       return 2;
     }
   }
@@ -327,7 +408,25 @@ int main(int argc, char** argv) {
                         {"sonic_120B_n1024", 32768, 4096, 1024, 128, 8}, {"conf4", 16384, 2048, 8192, 16, 4},
                         {"conf1", 65536, 512, 2048, 4, 1},               {"conf2", 65536, 1024, 4096, 8, 2},
                         {"conf3", 65536, 1024, 4096, 16, 4},             {"conf7", 8192, 2048, 8192, 8, 4},
-                        {"conf6", 16384, 1024, 4096, 16, 4}};
+                        {"conf6", 16384, 1024, 4096, 16, 4},             {"sonic_120B_n2048", 32768, 4096, 2048, 64, 4},
+                        {"deepseek_v3_like", 8192, 7168, 2048, 256, 8}};
+  if (dact) {
+    std::printf("%s, uniform routing, %s; ms (median of %d)\n", prop.name, activation_name(act_kind), reps);
+    std::printf("%-44s %9s %9s %9s %9s %9s  %-9s %s\n", "dact GEMM", "GEMM", "+ pass", "= sum", "in ring", "warps",
+                "same bits", "rule");
+    int done = 0;
+    for (const Config& c : all) {
+      if (only && std::strcmp(only, c.name)) continue;
+      if (quick && !only && done++ >= 3) break;
+      for (bool expert_order : {false, true}) {
+        const DactRow r = run_dact(c, expert_order, reps, act_kind);
+        std::printf("%-44s %9.3f %9.3f %9.3f %9.3f %9.3f  %-9s %s\n", r.what.c_str(), r.gemm_ms, r.pass_ms,
+                    r.gemm_ms + r.pass_ms, r.ring_ms, r.warps_ms, r.same_bits ? "yes" : "NO", r.rule);
+        std::fflush(stdout);
+      }
+    }
+    return 0;
+  }
   gemm::CublasLtGemm lt;
   void* lt_ws = nullptr;
   GGP_CK(cudaMalloc(&lt_ws, gemm::CublasLtGemm::kWorkspaceBytes));
