@@ -8,7 +8,6 @@
 #include "gemm/sm90/kernel_variants.hpp"
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/mainloop.cuh"
-#include "gemm/sm90/tensor_map.hpp"
 #include "gemm/sm90/tile_scheduler.cuh"
 
 namespace moeblaze {
@@ -63,11 +62,7 @@ void launch_act_backward_warpgroup(const GroupedGemmParams& p, const EpiloguePar
   auto* kernel = grouped_gemm_detail::act_backward_warpgroup_kernel<T, BMajor>;
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, 0, BN));
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound, p.max_ctas);
-  OperandMaps ab;
-  ab.b = weight_tensor_map(Elem<T>::kType, p, tile_columns(0, BN));
-  ab.a_by_tma = a_by_tma(p);
-  if (ab.a_by_tma) ab.a = rows_tensor_map(Elem<T>::kType, p.a, p.a_rows, p.k, p.lda);
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, ab, e);
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, operand_maps(Elem<T>::kType, p, BN), e);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 

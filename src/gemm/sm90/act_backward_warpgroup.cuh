@@ -31,8 +31,7 @@ namespace sm90 {
 // The hand-off's arrivals: every consumer thread fills the slot with its own writes; every
 // epilogue thread frees it after its own reads (each thread's arrival orders its accesses for
 // compute-sanitizer's racecheck).
-constexpr int kEpilogueThreads = 128 - kActBackwardProducerThreads;
-__device__ __forceinline__ PipelineArrivals act_backward_handoff() { return {256, kEpilogueThreads / 32, 32}; }
+__device__ __forceinline__ PipelineArrivals act_backward_handoff() { return {256, kActBackwardEpilogueThreads / 32, 32}; }
 
 // Bytes of one staged box of the hand-off: 128 rows x 64 columns.
 constexpr uint32_t kHandoffBoxBytes = kBlockM * 128;
@@ -59,11 +58,6 @@ __device__ __forceinline__ void hand_off_dact(const StageRing<Cfg>& ring, Pipeli
 __device__ __forceinline__ uint4 load16_or_zero(const void* ptr, bool ok) {
   return ok ? __ldg(static_cast<const uint4*>(ptr)) : make_uint4(0u, 0u, 0u, 0u);
 }
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-  return v;
-}
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 // The 128-byte lines of [ptr, ptr + bytes) into L2 (a line instruction per thread: the bulk
 // prefetch takes its address in a uniform register, so per-thread rows would serialise).
@@ -85,7 +79,7 @@ __device__ __forceinline__ void act_backward_warpgroup_as(const GroupedGemmParam
                                                           const StageRing<Cfg>& ring) {
   constexpr bool kGated = is_gated(A);
   constexpr int kBoxes = BN / 64, kBoxesPerPart = kActBackwardBlockN / 64;
-  constexpr int kRowStep = kEpilogueThreads / 8, kBatch = 2;
+  constexpr int kRowStep = kActBackwardEpilogueThreads / 8, kBatch = 2;
   const int t = threadIdx.x % 128 - kActBackwardProducerThreads, chunk = t & 7, lane = threadIdx.x & 31;
   const T* pre = static_cast<const T*>(e.pre);
   T* dpre = static_cast<T*>(e.c);
@@ -102,7 +96,7 @@ __device__ __forceinline__ void act_backward_warpgroup_as(const GroupedGemmParam
       const int64_t pr = placed0 + r;
       return r < tc.rows && pr >= 0 && pr < pre_rows ? pre + pr * e.ld_pre + col0 : nullptr;
     };
-    for (int r = t; r < kBlockM; r += kEpilogueThreads)  // a row's columns of the tile per prefetch
+    for (int r = t; r < kBlockM; r += kActBackwardEpilogueThreads)  // a row's columns of the tile per prefetch
       if (const T* row = pre_row(r)) {
         const uint32_t bytes = static_cast<uint32_t>(min(cols, BN) * sizeof(T));
         prefetch_l2(row, bytes);

@@ -81,7 +81,13 @@ EpilogueMaps epilogue_maps(DType dt, const GroupedGemmParams& p, const EpilogueP
 }
 
 // A in expert order goes by TMA (unsupported_reason has checked the alignment TMA needs).
-bool a_by_tma(const GroupedGemmParams& p) { return a_by_tma_allowed() && !p.a_index && p.a_rows > 0; }
+OperandMaps operand_maps(DType dt, const GroupedGemmParams& p, int bn) {
+  OperandMaps ab;
+  ab.b = weight_tensor_map(dt, p, tile_columns(p.gated, bn));
+  ab.a_by_tma = a_by_tma_allowed() && !p.a_index && p.a_rows > 0;
+  if (ab.a_by_tma) ab.a = rows_tensor_map(dt, p.a, p.a_rows, p.k, p.lda);
+  return ab;
+}
 
 namespace {
 
@@ -176,7 +182,7 @@ void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e,
   // The epilogue warps store dpre and g act 16 bytes at a time.
   const bool vector_outputs = aligned16(e.c) && aligned16(e.act) && e.ldc % 8 == 0 && e.ld_act % 8 == 0;
   if (kc.schedule == ConsumerSchedule::kEpilogueWarpgroup && !vector_outputs)
-    kc = {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative};
+    kc = choose_kernel(p, e.kind, {0, ConsumerSchedule::kCooperative});
 #if MOEBLAZE_SM90_BF16
   if (dt == DType::kBF16) dispatch<__nv_bfloat16>(kc, p, e, s);
 #endif

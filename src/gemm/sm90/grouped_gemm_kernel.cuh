@@ -13,7 +13,6 @@
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/mainloop.cuh"
 #include "gemm/sm90/pipeline.cuh"
-#include "gemm/sm90/tensor_map.hpp"
 #include "gemm/sm90/tile_scheduler.cuh"
 #include "util/vec8.cuh"
 
@@ -147,11 +146,8 @@ void launch_grouped_gemm(const GroupedGemmParams& p, const EpilogueParams& e, cu
   auto* kernel = grouped_gemm_detail::grouped_gemm_kernel<T, BN, BMajor, Epi, PingPong>;
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound, p.max_ctas);
-  OperandMaps ab;
-  ab.b = weight_tensor_map(Elem<T>::kType, p, tile_columns(p.gated, BN));
-  ab.a_by_tma = a_by_tma(p);
-  if (ab.a_by_tma) ab.a = rows_tensor_map(Elem<T>::kType, p.a, p.a_rows, p.k, p.lda);
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, ab, e, epilogue_maps(Elem<T>::kType, p, e));
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, operand_maps(Elem<T>::kType, p, BN), e,
+                                                 epilogue_maps(Elem<T>::kType, p, e));
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
 }
 

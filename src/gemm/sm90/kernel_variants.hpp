@@ -49,7 +49,8 @@ void launch_weight_grad(const WeightGradParams& p, const WeightGradMaps& maps, c
 
 // Host helpers of the launches, compiled once (grouped_gemm.cu, weight_grad.cu).
 EpilogueMaps epilogue_maps(DType dt, const GroupedGemmParams& p, const EpilogueParams& e);
-bool a_by_tma(const GroupedGemmParams& p);
+// The mainloop's TMA maps for BN-wide tiles: the weights', and A's where A is in expert order.
+OperandMaps operand_maps(DType dt, const GroupedGemmParams& p, int bn);
 EpilogueMaps gradient_maps(DType dt, const WeightGradParams& p);
 
 }  // namespace sm90

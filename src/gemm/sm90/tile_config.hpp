@@ -86,7 +86,8 @@ MOEBLAZE_HD int32_t act_backward_dg_parts(int64_t h) { return column_blocks(stat
 // grants). Every warp keeps the 168 registers a 384-thread block starts with.
 constexpr int kActBackwardWarpgroupBlockN = 256;
 using ActBackwardWarpgroupConfig = TileConfig<kActBackwardWarpgroupBlockN, 3, kBlockM * kActBackwardWarpgroupBlockN * 2>;
-constexpr int kActBackwardProducerThreads = 64;  // warps 0-1; warps 2-3 are the epilogue
+constexpr int kActBackwardProducerThreads = 64;  // warps 0-1
+constexpr int kActBackwardEpilogueThreads = 128 - kActBackwardProducerThreads;  // warps 2-3
 
 }  // namespace sm90
 }  // namespace gemm
