@@ -123,61 +123,109 @@ __global__ void __launch_bounds__(256) counts_row_kernel(Exchange x, const int32
 
 __global__ void __launch_bounds__(256) derive_offsets_kernel(Exchange x, int64_t bound) { derive_offsets(x, bound); }
 
-// One warp per send, the sends spread over the grid; metadata only with ids. Into the
-// destination's window part at its receive row (NVLink), or, kStaged (HOST), into this rank's
-// staging in send order, which ncclSend then moves (the same bytes at the same receive rows).
+// One warp per send's row, the sends spread over the grid: into the destination's window part
+// at its receive row (NVLink), or, kStaged (HOST), into this rank's staging in send order, which
+// ncclSend then moves (the same bytes at the same receive rows).
 template <bool kStaged>
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(Exchange x, const char* rows, int64_t stride_bytes,
-                                                            const int32_t* dest_start, const int32_t* send_token,
-                                                            const int32_t* ids, const float* gates, int32_t k,
-                                                            int32_t epr, int32_t first_barrier) {
+                                                            const int32_t* dest_start, const int32_t* send_token) {
   const WindowLayout& lay = kStaged ? x.stage_layout : x.layout;
   const int32_t P = lay.ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool send = (*x.flag & kRecvOverflow) == 0;
-  const int64_t sends = send ? dest_start[P] : 0;
+  const int64_t sends = rows && (*x.flag & kRecvOverflow) == 0 ? dest_start[P] : 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + warp; i < sends; i += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int32_t q = last_at_or_below(dest_start, P, i);  // the destination
-    const int32_t t = send_token[i];
     const int64_t r = kStaged ? i : x.send_offset[q] + (i - dest_start[q]);  // the row where it is written
-    auto part = [&](size_t offset) { return kStaged ? x.stage + offset : peer_part(x, offset, q); };
-    if (rows) copy_row(part(lay.rows + r * lay.row_bytes), rows + t * stride_bytes, lay.row_bytes, lane);
-    if (!ids) continue;
-    // The token's experts on q, in id order, and its place among the ranks it reaches.
-    uint64_t ranks = 0;
-    for (int32_t j = lane; j < k; j += 32) {
-      const int32_t o = owner_of(ids[t * k + j], P, epr);
-      if (o >= 0) ranks |= uint64_t{1} << o;
-    }
-    for (int o = 16; o > 0; o /= 2) ranks |= __shfl_xor_sync(0xffffffffu, ranks, o);
-    int32_t* rid = reinterpret_cast<int32_t*>(part(lay.ids + r * lay.row_slots * 4));
-    float* rg = reinterpret_cast<float*>(part(lay.gates + r * lay.row_slots * 4));
-    int32_t mine = 0;  // experts on q among all lanes
-    for (int32_t j0 = 0; j0 < k; j0 += 32) {
-      const int32_t j = j0 + lane;
-      const int32_t e = j < k ? ids[t * k + j] : -1;
-      mine += __popc(__ballot_sync(0xffffffffu, owner_of(e, P, epr) == q));
-    }
-    for (int32_t j0 = 0; j0 < k; j0 += 32) {
-      const int32_t j = j0 + lane;
-      const int32_t e = j < k ? ids[t * k + j] : -1;
-      if (owner_of(e, P, epr) == q) {
+    char* to = kStaged ? x.stage + lay.rows + r * lay.row_bytes : peer_part(x, lay.rows + r * lay.row_bytes, q);
+    copy_row(to, rows + send_token[i] * stride_bytes, lay.row_bytes, lane);
+  }
+  if constexpr (!kStaged) {
+    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier, 1 + blockIdx.x};
+    __syncthreads();
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  }
+}
+
+// Each send's metadata: its token and its place among the ranks the token reaches, the
+// destination's local experts of the token in id order (-1 past them) and their gates. Each lane
+// of a warp builds one send's entries in shared memory; then the warp stores each destination's
+// run of sends, whose receive rows are consecutive, as consecutive words. A warp per send storing
+// its entries in place took ~300 us for 44,638 sends at EP 4 (H200): a chain of dependent loads
+// per send, and five small stores into the peers.
+constexpr int kMetaThreads = 256;
+constexpr int kMetaWarps = kMetaThreads / 32;
+constexpr int kMetaWordsPerWarp = 32 * 34;  // 32 sends of up to 16 slots; at top_k = 64, 8 sends
+
+template <bool kStaged>
+__global__ void __launch_bounds__(kMetaThreads) metadata_kernel(Exchange x, const int32_t* dest_start,
+                                                                const int32_t* send_token, const int32_t* ids,
+                                                                const float* gates, int32_t k, int32_t epr,
+                                                                int32_t first_barrier) {
+  __shared__ int32_t words[kMetaWarps][kMetaWordsPerWarp];
+  __shared__ int32_t start[65];
+  const WindowLayout& lay = kStaged ? x.stage_layout : x.layout;
+  const int32_t P = lay.ranks, S = lay.row_slots, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int32_t j = threadIdx.x; j <= P; j += blockDim.x) start[j] = dest_start[j];
+  __syncthreads();
+  const int64_t sends = (*x.flag & kRecvOverflow) == 0 ? start[P] : 0;
+  const int32_t n = max(1, min(32, kMetaWordsPerWarp / (2 * S + 2)));  // sends per chunk
+  int32_t* slot_id = words[warp];     // [n][S]
+  int32_t* slot_gate = slot_id + n * S;  // [n][S], the gates' bits
+  int32_t* meta = slot_gate + n * S;     // [n][2]
+  for (int64_t c0 = (blockIdx.x * static_cast<int64_t>(kMetaWarps) + warp) * n; c0 < sends;
+       c0 += static_cast<int64_t>(gridDim.x) * kMetaWarps * n) {
+    const int32_t cn = static_cast<int32_t>(sends - c0 < n ? sends - c0 : n);
+    int32_t q = -1;  // this lane's send's destination
+    if (lane < cn) {
+      q = last_at_or_below(start, P, c0 + lane);
+      const int32_t t = send_token[c0 + lane];
+      const int32_t* tid = ids + static_cast<int64_t>(t) * k;
+      const float* tg = gates + static_cast<int64_t>(t) * k;
+      int32_t* sid = slot_id + lane * S;
+      int32_t* sg = slot_gate + lane * S;
+      uint64_t ranks = 0;
+      int32_t mine = 0;  // the token's experts on q
+      for (int32_t j = 0; j < k; ++j) {
+        const int32_t e = tid[j], o = owner_of(e, P, epr);
+        if (o >= 0) ranks |= uint64_t{1} << o;
+        if (o != q) continue;
+        ++mine;
         int32_t place = 0;
         for (int32_t jj = 0; jj < k; ++jj) {
-          const int32_t o = ids[t * k + jj];
-          place += owner_of(o, P, epr) == q && o < e;
+          const int32_t f = tid[jj];
+          place += owner_of(f, P, epr) == q && f < e;
         }
-        if (place < lay.row_slots) {  // always, unless a flagged saved plan repeats an id
-          rid[place] = e - q * epr;
-          rg[place] = gates[t * k + j];
+        if (place < S) {  // always, unless a flagged saved plan repeats an id
+          sid[place] = e - q * epr;
+          sg[place] = __float_as_int(tg[j]);
         }
       }
+      for (int32_t p = mine; p < S; ++p) {
+        sid[p] = -1;
+        sg[p] = __float_as_int(0.f);
+      }
+      meta[2 * lane] = t;
+      meta[2 * lane + 1] = __popcll(ranks & ((uint64_t{1} << q) - 1));
     }
-    for (int32_t p = mine + lane; p < lay.row_slots; p += 32) {
-      rid[p] = -1;
-      rg[p] = 0.f;
+    __syncwarp();
+    for (int32_t a = 0; a < cn;) {  // the chunk's runs of one destination
+      const int32_t qa = __shfl_sync(0xffffffffu, q, a);
+      const uint32_t past = __ballot_sync(0xffffffffu, lane > a && lane < cn && q != qa);
+      const int32_t b = past ? __ffs(static_cast<int>(past)) - 1 : cn;
+      const int64_t r = kStaged ? c0 + a : x.send_offset[qa] + (c0 + a - start[qa]);
+      auto part = [&](size_t offset) {
+        return reinterpret_cast<int32_t*>(kStaged ? x.stage + offset : peer_part(x, offset, qa));
+      };
+      int32_t* to_id = part(lay.ids + r * S * 4);
+      int32_t* to_gate = part(lay.gates + r * S * 4);
+      int32_t* to_meta = part(lay.meta + r * sizeof(int2));
+      for (int32_t w = lane; w < (b - a) * S; w += 32) {
+        to_id[w] = slot_id[a * S + w];
+        to_gate[w] = slot_gate[a * S + w];
+      }
+      for (int32_t w = lane; w < (b - a) * 2; w += 32) to_meta[w] = meta[2 * a + w];
+      a = b;
     }
-    if (lane == 0)
-      *reinterpret_cast<int2*>(part(lay.meta + r * sizeof(int2))) = make_int2(t, __popcll(ranks & ((uint64_t{1} << q) - 1)));
+    __syncwarp();
   }
   if constexpr (!kStaged) {
     ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), x.comm, ncclTeamLsa(x.comm), x.comm.lsaBarrier,
@@ -370,17 +418,23 @@ void dispatch_rows_cuda(const Exchange& x, const char* rows, int64_t stride_byte
                         cudaStream_t s) {
   const unsigned ctas = static_cast<unsigned>(x.ctas);
   if (x.stage)
-    dispatch_kernel<true><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, ids, gates, k, epr, 1);
+    dispatch_kernel<true><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token);
   else
-    dispatch_kernel<false><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token, ids, gates, k, epr, 1);
+    dispatch_kernel<false><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token);
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch");
+  if (!ids) return;
+  if (x.stage)
+    metadata_kernel<true><<<ctas, kMetaThreads, 0, s>>>(x, dest_start, send_token, ids, gates, k, epr, x.ctas + 1);
+  else
+    metadata_kernel<false><<<ctas, kMetaThreads, 0, s>>>(x, dest_start, send_token, ids, gates, k, epr, x.ctas + 1);
+  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch_metadata");
 }
 
 void dispatch_metadata_cuda(const Exchange& x, const int32_t* dest_start, const int32_t* send_token, const int32_t* ids,
                             const float* gates, int32_t k, int32_t epr, cudaStream_t s) {
   // Barriers ctas + 1 .. 2 ctas: a row dispatch may hold 1 .. ctas at the same time.
-  dispatch_kernel<false><<<static_cast<unsigned>(x.ctas), kThreads, 0, s>>>(x, nullptr, 0, dest_start, send_token, ids,
-                                                                           gates, k, epr, x.ctas + 1);
+  metadata_kernel<false><<<static_cast<unsigned>(x.ctas), kMetaThreads, 0, s>>>(x, dest_start, send_token, ids, gates,
+                                                                               k, epr, x.ctas + 1);
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch_metadata");
 }
 
@@ -412,6 +466,7 @@ void preload_exchange_kernels() {
   cudaFuncAttributes a;
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, exchange_counts_kernel));
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, dispatch_kernel<false>));
+  MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, metadata_kernel<false>));
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, dispatch_rows_by_expert_kernel));
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, take_received_kernel));
   MOEBLAZE_CUDA_CHECK(cudaFuncGetAttributes(&a, return_kernel<true>));
