@@ -3,7 +3,9 @@
 events, median of --steps), then every kernel of one profiled step in start order, with its start
 and end in microseconds from the step's first kernel, its duration and its stream, so the gaps
 and what runs beside what (the rows sent on the layer's second stream) can be read off; then
-the kernel time per stream and the kernels summed by name.
+the kernel time per stream and the kernels summed by name; last, every rank's main kernels (the
+exchanges, the local GEMMs, the combines) with their starts from the end of that rank's forward
+counts exchange, to show where the ranks drift apart and which rank the others wait for.
 
 Run it once with the rows beside the local GEMMs and once before them, to see what the overlap
 costs and saves (scripts/gpu-check.sh epprofile does both):
@@ -23,6 +25,29 @@ import torch.distributed as dist
 
 # The shapes and the binding as perf/ep_exchange_bw.py sets them up (perf/ is the script's directory).
 from ep_exchange_bw import SHAPES, MoELayer, fwd_bwd_step  # noqa: E402
+
+
+# The step's main kernels by what they do (the local experts' GEMMs, the exchanges, the combines),
+# in start order: (label, start us from the end of the first counts exchange, duration us).
+MAIN = [("exchange_counts", "counts"), ("metadata_kernel", "metadata"), ("dispatch_rows_by_expert", "rows"),
+        ("dispatch_kernel", "rows and metadata"), ("act_backward_warpgroup", "dact GEMM + act backward"),
+        ("grouped_gemm_kernel", "grouped GEMM"), ("weight_grad_kernel", "weight-gradient GEMM"),
+        ("combine_rows_kernel<__nv_bfloat16, 8, true, true>", "combine into the peers"),
+        ("return_kernel<true>", "return (and barrier)"), ("return_kernel<false>", "dx rows"),
+        ("take_received_kernel", "received rows kept")]
+
+
+def main_kernels(kernels):
+    out, t0 = [], None
+    for e in kernels:
+        label = next((lab for pat, lab in MAIN if pat in e["name"]), None)
+        if label is None or (label == "received rows kept" and e["dur"] < 50):
+            continue
+        if t0 is None and label == "counts":
+            t0 = e["ts"] + e["dur"]
+        if t0 is not None:
+            out.append((label, e["ts"] - t0, e["dur"]))
+    return out
 
 
 def main():
@@ -65,14 +90,18 @@ def main():
         step()
         torch.cuda.synchronize()
     layer.close()
+    # The kernels with their streams, from the profiler's trace (its event list has no stream).
+    trace = os.path.join(os.environ.get("OUT", "/tmp"), "ep-step-trace-%d.json" % os.getpid())
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(trace)
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    # Every rank's main kernels, timed from the end of its forward counts exchange (where the
+    # ranks leave a barrier together), so that where they drift apart can be read off.
+    steps = [None] * P
+    dist.all_gather_object(steps, (statistics.median(times), main_kernels(kernels)))
     if rank == 0:
-        # The kernels with their streams, from the profiler's trace (its event list has no stream).
-        trace = os.path.join(os.environ.get("OUT", "/tmp"), "ep-step-trace-%d.json" % os.getpid())
-        prof.export_chrome_trace(trace)
-        with open(trace) as f:
-            events = json.load(f)["traceEvents"]
-        os.remove(trace)
-        kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
         t0 = kernels[0]["ts"] if kernels else 0
         print("# %s (d %d, h %d, E %d, k %d), EP %d on %s, %d tokens per rank, MOEBLAZE_EP_OVERLAP=%s"
               % (args.shape, d, h, E, k, P, torch.cuda.get_device_name(dev), args.tokens,
@@ -99,6 +128,15 @@ def main():
         print("\n| kernel | calls | us |\n|---|---|---|")
         for name, us in sorted(total.items(), key=lambda kv: -kv[1]):
             print("| %s | %d | %.1f |" % (name, count[name], us))
+        print("\nEvery rank: start and duration in us from the end of its forward counts exchange "
+              "(step ms: %s)" % ", ".join("%.3f" % st[0] for st in steps))
+        print("\n| kernel | " + " | ".join("rank %d" % r for r in range(P)) + " |\n|---|" + "---|" * P)
+        for i, (label, _, _) in enumerate(steps[0][1]):
+            cells = []
+            for r in range(P):
+                row = steps[r][1]
+                cells.append("%.0f + %.0f" % row[i][1:] if i < len(row) and row[i][0] == label else "?")
+            print("| %s | %s |" % (label, " | ".join(cells)))
     dist.destroy_process_group()
 
 

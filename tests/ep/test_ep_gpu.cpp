@@ -139,6 +139,12 @@ bool run_all(int P, uint64_t seed) {
       // the router gradient), with a token mask.
       {"sequences-masked", 8LL * P, 4, 128, 64, MOEBLAZE_ACTIVATION_SWIGLU, false, {250, 99, 300, 17, 64, 128, 17, 200},
        0, false, MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, true, false, true, 3, 1.0},
+      // More local slots per row than a warp stages 32 sends of (k = 24 of 32 experts per rank):
+      // the metadata goes out in shorter runs, on both transports.
+      {"topk24", 32LL * P, 24, 128, 64, MOEBLAZE_ACTIVATION_SWIGLU, false, {200, 64, 300, 17, 150, 90, 33, 256}},
+      {"topk24-host", 32LL * P, 24, 128, 64, MOEBLAZE_ACTIVATION_SWIGLU, false, {200, 64, 300, 17, 150, 90, 33, 256}, 0,
+       false, MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, false, false, false, 0, 0.0,
+       MOEBLAZE_EP_TRANSPORT_HOST},
       // The HOST transport (grouped ncclSend/ncclRecv): the router on the fused engine with a mask
       // and a rank without tokens, caller ids skewed onto rank 0 on the cuBLASLt engine in fp16,
       // and the overflow report.
