@@ -6,8 +6,10 @@ For each shape and each EP_COMM_SMS (the CTAs that move rows, one per SM), `MoEL
 runs fwd+bwd steps (bf16, SwiGLU, a random router weight as perf/ep-bench uses: near-uniform
 routing); the torch profiler (CUPTI, kernel activities only) gives the durations of the NVLink
 exchange kernels: dispatch (x forward, dy backward; the rows' own kernel where they are sent
-beside the local GEMMs, whose time then overlaps theirs) and return (the y parts forward, the dx
-parts and gate gradients backward). Bytes are the rows this rank stores into its peers' windows (a
+beside the local GEMMs, whose time then overlaps theirs) and return (the y parts forward: the
+combine that stores them into the peers and the barrier after it, or the return exchange; the
+dx parts backward: their kernel beside the weight gradients, or the return exchange with the
+gate gradients). Bytes are the rows this rank stores into its peers' windows (a
 token travels once to each rank that owns one of its experts; the rows it keeps are its own
 window's and not counted), from the same routing recomputed here (softmax top-k of x W_g^T in
 fp32). A kernel's time includes its wait at the closing barrier for the slowest rank, as in the
@@ -104,10 +106,20 @@ def main():
             # the GEMMs"); its time then overlaps the GEMMs'
             disp = kernel_ms(prof, "dispatch_rows_by_expert_kernel") or kernel_ms(prof, "dispatch_kernel")
             ret = kernel_ms(prof, "return_kernel")
+            # Where the forward's combine stores the y parts into the peers (docs/ep.md, "Returns"),
+            # its return is that combine and the barrier after it, and the backward's dx rows go
+            # beside the weight gradients in a kernel of their own.
+            combine = kernel_ms(prof, "combine_rows_kernel<__nv_bfloat16, 8, true, true>")
+            dx_rows = kernel_ms(prof, "return_kernel<false>")
+            barrier = kernel_ms(prof, "return_kernel<true>")
             layer.close()
             # forward's and backward's alternate in each list
             dx_ms, ddy_ms = statistics.median(disp[0::2]), statistics.median(disp[1::2])
-            ry_ms, rdx_ms = statistics.median(ret[0::2]), statistics.median(ret[1::2])
+            if combine and dx_rows:
+                ry_ms = statistics.median(c + b for c, b in zip(combine, barrier[0::2]))
+                rdx_ms = statistics.median(dx_rows)
+            else:
+                ry_ms, rdx_ms = statistics.median(ret[0::2]), statistics.median(ret[1::2])
             out = torch.tensor([rows, dx_ms, ddy_ms, ry_ms, rdx_ms], dtype=torch.float64, device=dev)
             gathered = [torch.empty_like(out) for _ in range(P)]
             dist.all_gather(gathered, out)

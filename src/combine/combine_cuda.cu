@@ -17,10 +17,14 @@ constexpr int kStagedPicks = 32;
 template <class T, int W, bool kStaged, bool kRowOut>
 __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int64_t k, int64_t d, const T* src,
                                     const float* extra, T* out, int64_t out_stride, bool accumulate,
-                                    char* const* row_out) {
+                                    char* const* row_out, const int32_t* first, int64_t first_base) {
   __shared__ int32_t s_pos[kStaged ? kStagedPicks : 1];
   __shared__ float s_weight[kStaged ? kStagedPicks : 1];
-  const int64_t t = blockIdx.x;
+  int64_t t = blockIdx.x;
+  if (kRowOut && first) {  // block b takes row (first + b) mod L: blocks start in about index order
+    const int64_t L = gridDim.x;
+    t = (t + ((*first - first_base) % L + L) % L) % L;
+  }
   T* row = out + t * out_stride;
   if constexpr (kRowOut) {
     row = reinterpret_cast<T*>(row_out[t]);
@@ -67,14 +71,14 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
 
 template <class T, int W, bool kRowOut>
 void launch_combine(const int32_t* map, const float* gates, int64_t L, int64_t k, int64_t d, const T* in,
-                    const float* extra, T* out, int64_t out_stride, bool accumulate, char* const* row_out, int threads,
-                    cudaStream_t s) {
+                    const float* extra, T* out, int64_t out_stride, bool accumulate, char* const* row_out,
+                    const int32_t* first, int64_t first_base, int threads, cudaStream_t s) {
   if (k <= kStagedPicks)
     combine_rows_kernel<T, W, true, kRowOut><<<static_cast<unsigned>(L), threads, 0, s>>>(
-        map, gates, k, d, in, extra, out, out_stride, accumulate, row_out);
+        map, gates, k, d, in, extra, out, out_stride, accumulate, row_out, first, first_base);
   else
     combine_rows_kernel<T, W, false, kRowOut><<<static_cast<unsigned>(L), threads, 0, s>>>(
-        map, gates, k, d, in, extra, out, out_stride, accumulate, row_out);
+        map, gates, k, d, in, extra, out, out_stride, accumulate, row_out, first, first_base);
 }
 
 __global__ void to_token_order_kernel(const int32_t* map, const float* v, int64_t n, int64_t parts, int64_t ld,
@@ -104,7 +108,8 @@ __global__ void store_rows_kernel(const float* src, const float* add, int64_t ro
 }  // namespace
 
 void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_t k, int64_t d, const void* src,
-                       const float* extra, const View& out, cudaStream_t s, char* const* row_out) {
+                       const float* extra, const View& out, cudaStream_t s, char* const* row_out,
+                       const int32_t* row_out_first, int64_t first_base) {
   if (L == 0) return;
   // Vector path when every row start is 16-byte aligned (row_out: the caller's promise for d % 8 == 0).
   const bool vec = d % 8 == 0 && (row_out || ((out.stride[0] * static_cast<int64_t>(out.elem())) % 16 == 0 &&
@@ -114,12 +119,13 @@ void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_
   MOEBLAZE_DISPATCH_FLOAT(out.dtype, T, {
     const T* in = static_cast<const T*>(src);
     T* o = reinterpret_cast<T*>(out.data);
+    const int64_t fb = first_base;
     if (row_out) {
-      if (vec) launch_combine<T, 8, true>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, row_out, threads, s);
-      else launch_combine<T, 1, true>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, row_out, threads, s);
+      if (vec) launch_combine<T, 8, true>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, row_out, row_out_first, fb, threads, s);
+      else launch_combine<T, 1, true>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, row_out, row_out_first, fb, threads, s);
     } else {
-      if (vec) launch_combine<T, 8, false>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, nullptr, threads, s);
-      else launch_combine<T, 1, false>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, nullptr, threads, s);
+      if (vec) launch_combine<T, 8, false>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, nullptr, nullptr, 0, threads, s);
+      else launch_combine<T, 1, false>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, nullptr, nullptr, 0, threads, s);
     }
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("combine_rows");

@@ -19,10 +19,14 @@ namespace combine {
 // fp32 [L, d] or null. Serves y (w = gates) and dx (w = 1, extra = the router path). With
 // row_out, row t goes to row_out[t] instead (nothing where it is null; out gives the dtype, and
 // its rows are not written): an expert-parallel layer's rows stored straight into the ranks
-// they return to. The addresses must be 16-byte aligned where d % 8 == 0.
+// they return to. The addresses must be 16-byte aligned where d % 8 == 0. With row_out_first
+// (a device value), the rows are taken from row *row_out_first - first_base on, wrapping
+// around (the same sums, in another order of rows): expert-parallel ranks storing into each
+// other then start at different ranks instead of all at the first.
 void combine_rows_cuda(const int32_t* token_index_map, const float* gates, int64_t L, int64_t k, int64_t d,
                        const void* src, const float* extra_f32, const View& out, cudaStream_t s,
-                       char* const* row_out = nullptr);
+                       char* const* row_out = nullptr, const int32_t* row_out_first = nullptr,
+                       int64_t first_base = 0);
 
 // out[t k + j] = v[pos] with pos = token_index_map[t k + j]; with parts > 1, the sum of
 // v[c ld + pos] over c < parts in that order (per-column-block partial sums). A position past

@@ -60,6 +60,9 @@ struct CallArgs {
   // of y in forward: out_rows[t], none where null, instead of the dense view.
   // Engines that cannot take it ignore it, and their caller moves the dense rows.
   char* const* out_rows = nullptr;
+  // With out_rows: the row (of the call's rows) the combine starts from, the rows before it
+  // going last; null: row 0. Ranks that store into each other start at different destinations.
+  const int32_t* out_rows_first = nullptr;
   // Internal (an expert-parallel layer's local call): a stream beside the call's, on which an
   // engine enqueues the lane's work once dx is final (cuda/side_lane.hpp). Only the fused
   // engine takes it (on the lane, or on the call's stream where it cannot go beside), so an

@@ -304,6 +304,10 @@ class EpEngine final : public Engine {
   void return_from_combine(const ep::Exchange& x, const EpWork& w, CallArgs& la, cudaStream_t s) const {
     ep::return_addresses_cuda(x, w.ret_addr, s);
     la.out_rows = w.ret_addr;
+    // From the next rank's rows on (the received rows are by source rank): with every rank
+    // storing in source order, all of them stored into rank 0 first, then rank 1, ..., and the
+    // last ranks' combines took 1.7x the first's.
+    la.out_rows_first = w.recv_offset + (comm_->rank() + 1) % P_;
   }
   // After the local call: NaN rows where it failed, then the return's barrier alone.
   void finish_return_from_combine(const ep::Exchange& x, const EpWork& w, cudaStream_t s) const {

@@ -267,7 +267,7 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
     sm90::grouped_gemm(dt, up, up_epi, {}, s);
     sm90::grouped_gemm(dt, down, down_epi, {}, s);
     combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.out, nullptr, a.y.rows(t0, rows), s,
-                               a.out_rows ? a.out_rows + t0 : nullptr);
+                               a.out_rows ? a.out_rows + t0 : nullptr, a.out_rows_first, t0);
   }
   if (sv.header) cuda::store_saved_header(make_saved_header(cfg_, L), sv.header, s, w.router.error_flag);
   cuda::poison_if_flagged(w.router.error_flag, a.y, s);
