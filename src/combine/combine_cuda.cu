@@ -119,13 +119,15 @@ void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_
   MOEBLAZE_DISPATCH_FLOAT(out.dtype, T, {
     const T* in = static_cast<const T*>(src);
     T* o = reinterpret_cast<T*>(out.data);
-    const int64_t fb = first_base;
+    const int64_t ld = out.stride[0];
     if (row_out) {
-      if (vec) launch_combine<T, 8, true>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, row_out, row_out_first, fb, threads, s);
-      else launch_combine<T, 1, true>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, row_out, row_out_first, fb, threads, s);
+      if (vec) launch_combine<T, 8, true>(map, gates, L, k, d, in, extra, o, ld, acc, row_out, row_out_first, first_base,
+                                          threads, s);
+      else launch_combine<T, 1, true>(map, gates, L, k, d, in, extra, o, ld, acc, row_out, row_out_first, first_base,
+                                      threads, s);
     } else {
-      if (vec) launch_combine<T, 8, false>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, nullptr, nullptr, 0, threads, s);
-      else launch_combine<T, 1, false>(map, gates, L, k, d, in, extra, o, out.stride[0], acc, nullptr, nullptr, 0, threads, s);
+      if (vec) launch_combine<T, 8, false>(map, gates, L, k, d, in, extra, o, ld, acc, nullptr, nullptr, 0, threads, s);
+      else launch_combine<T, 1, false>(map, gates, L, k, d, in, extra, o, ld, acc, nullptr, nullptr, 0, threads, s);
     }
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("combine_rows");

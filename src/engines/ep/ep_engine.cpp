@@ -263,9 +263,9 @@ class EpEngine final : public Engine {
     r.max_ctas = std::max(1, sms_ - row_ctas_);
     return r;
   }
-  // Starts the rows' dispatch on the second stream, after everything enqueued on s so far
-  // (the counts exchange and the metadata): `rows` ([L, d], row stride in bytes) go out by expert turns, and in
-  // a training forward the received rows are then copied into the saved buffer.
+  // Starts the rows' dispatch on the second stream, after everything enqueued on s so far (the
+  // counts exchange and the metadata): `rows` ([L, d], row stride in bytes) go out by expert
+  // turns, and in a training forward the received rows are then copied into the saved buffer.
   void send_rows_beside(const ep::Exchange& x, const EpWork& w, const View& rows, char* keep, cudaStream_t s) const {
     MOEBLAZE_CUDA_CHECK(cudaEventRecord(side_.fork, s));
     MOEBLAZE_CUDA_CHECK(cudaStreamWaitEvent(side_.stream, side_.fork, 0));
@@ -491,8 +491,7 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
   const HostCounts hc = exchange_counts(x, w, s);
   CallArgs la;
   if (overlap_) {  // the local GEMMs read the rows in the window as they arrive
-    // The metadata first, alone on the links: the local plan (and so the up GEMM) waits for it,
-    // and beside the rows its small stores took a third of the rows' time.
+    // The metadata first: the local plan, and so the up GEMM, waits for it; the rows need not.
     ep::dispatch_metadata_cuda(x, w.send.dest_start, w.send.send_token, sv.plan.token_expert_indices, sv.plan.gates,
                                k, epr_, s);
     send_rows_beside(x, w, a.x, sv.recv_x, s);
