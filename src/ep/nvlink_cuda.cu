@@ -31,6 +31,15 @@ __device__ int32_t last_at_or_below(const int32_t* start, int32_t P, int64_t i) 
   return lo;
 }
 
+// Every rank walks its sends (by destination) and its received rows (by source) from rank + 1's
+// on and ends with its own: the warps of a grid cover about one rank's rows at a time, and with
+// every rank walking from rank 0's on, all of them stored into rank 0 first, then rank 1 (one
+// destination's inbound links at a time). Item i0 of such a walk over [0, n) that starts at
+// `first` (<= n), wrapping around.
+__device__ __forceinline__ int64_t from_next_rank(int64_t i0, int64_t first, int64_t n) {
+  return i0 + first < n ? i0 + first : i0 + first - n;
+}
+
 // One warp copies a row of `bytes` bytes: 16 bytes a lane where both ends allow it, each lane
 // issuing kInFlight loads before its stores, so that a warp keeps 4 KiB of loads in flight
 // instead of 512 bytes: one load at a time held a warp to a load latency per 512 bytes (about
@@ -123,10 +132,6 @@ __global__ void __launch_bounds__(256) counts_row_kernel(Exchange x, const int32
 
 __global__ void __launch_bounds__(256) derive_offsets_kernel(Exchange x, int64_t bound) { derive_offsets(x, bound); }
 
-// Both row dispatches walk their sends from the first one to rank + 1 on, wrapping around to
-// this rank's own last: the warps of a grid cover about one destination's sends at a time, and
-// with every rank walking from rank 0's on, all of them stored into rank 0 first, then rank 1
-// (one destination's inbound links at a time). The returns walk their rows likewise.
 // One warp per send's row, the sends spread over the grid: into the destination's window part
 // at its receive row (NVLink), or, kStaged (HOST), into this rank's staging in send order, which
 // ncclSend then moves (the same bytes at the same receive rows).
@@ -136,9 +141,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(Exchange x, const ch
   const WindowLayout& lay = kStaged ? x.stage_layout : x.layout;
   const int32_t P = lay.ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t sends = rows && (*x.flag & kRecvOverflow) == 0 ? dest_start[P] : 0;
-  const int64_t first = dest_start[(x.rank + 1) % P];  // rank + 1's sends first (above)
+  const int64_t first = dest_start[(x.rank + 1) % P];
   for (int64_t i0 = blockIdx.x * static_cast<int64_t>(kWarps) + warp; i0 < sends; i0 += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int64_t i = i0 + first < sends ? i0 + first : i0 + first - sends;
+    const int64_t i = from_next_rank(i0, first, sends);
     const int32_t q = last_at_or_below(dest_start, P, i);  // the destination
     const int64_t r = kStaged ? i : x.send_offset[q] + (i - dest_start[q]);  // the row where it is written
     char* to = kStaged ? x.stage + lay.rows + r * lay.row_bytes : peer_part(x, lay.rows + r * lay.row_bytes, q);
@@ -257,11 +262,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_rows_by_expert_kernel(Excha
   const int64_t sends = (*x.flag & kRecvOverflow) == 0 ? dest_start[P] : 0;
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int64_t chunks = (sends + 31) / 32, first = dest_start[(x.rank + 1) % P] / 32;  // rank + 1's first
+  const int64_t chunks = (sends + 31) / 32, first = dest_start[(x.rank + 1) % P] / 32;
   for (int32_t e = 0; e < epr; ++e) {
     ArrivalMarks marks;  // this turn's rows are marked in batches, at the latest when the turn ends
     for (int64_t c0 = warp; c0 < chunks; c0 += warps) {
-      const int64_t c = c0 + first < chunks ? c0 + first : c0 + first - chunks;
+      const int64_t c = from_next_rank(c0, first, chunks);
       const int64_t mine = c * 32 + lane;
       const bool turn = mine < sends && min(max(send_first[mine], 0), epr - 1) == e;
       for (uint32_t m = __ballot_sync(0xffffffffu, turn); m; m &= m - 1) {
@@ -311,11 +316,9 @@ __global__ void __launch_bounds__(kThreads) return_kernel(Exchange x, const char
   const WindowLayout& lay = x.layout;
   const int32_t P = lay.ranks, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t n = x.recv_offset[P];
-  // From the next rank's rows on, wrapping around to this rank's own last: every rank starts at
-  // another destination instead of all storing into rank 0 first.
   const int64_t first = x.recv_offset[(x.rank + 1) % P];
   for (int64_t i0 = blockIdx.x * static_cast<int64_t>(kWarps) + warp; i0 < n; i0 += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int64_t i = i0 + first < n ? i0 + first : i0 + first - n;
+    const int64_t i = from_next_rank(i0, first, n);
     const int32_t src = last_at_or_below(x.recv_offset, P, i);
     const int64_t r = return_row(lay, reinterpret_cast<const int2*>(x.local + lay.meta)[i]);
     if (r < 0) continue;
