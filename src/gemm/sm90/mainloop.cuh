@@ -158,19 +158,30 @@ __device__ void produce(const GroupedGemmParams& p, const TmaDescriptor& bmap, c
     for (int i = 0; i < kRows; ++i)
       if (src_row[i] >= p.a_rows) src_row[i] = -1;  // negative stays negative: a zero row
     wait_rows(p.arrival, src_row);
+    // Each row's source at this thread's chunk of the next k-block, and its copy size (0: a
+    // zero row, which reads nothing and stays at A): the row's address is computed once a tile
+    // and then advanced, so a k-block costs the copies and a 64-bit add per row.
+    const char* src[kRows];
+    uint32_t bytes[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      bytes[i] = src_row[i] >= 0 ? 16u : 0u;
+      src[i] = reinterpret_cast<const char*>(src_row[i] >= 0 ? A + static_cast<int64_t>(src_row[i]) * p.lda + a_chunk * 8 : A);
+    }
+    constexpr uint32_t kStepPer16 = kBlockK * sizeof(T) / 16;  // a k-block's bytes per 16 copied
     for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
       ring.pipe.acquire(st);
       const uint32_t a_dst = ring.stage_addr(st);
       const int32_t k0 = kb * kBlockK;
-      {
-        const int32_t kk = k0 + a_chunk * 8;
+      if (k0 + a_chunk * 8 < p.k) {
 #pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-          const bool ok = kk < p.k && src_row[i] >= 0;
-          const T* src = ok ? A + static_cast<int64_t>(src_row[i]) * p.lda + kk : A;
-          cp_async_16(a_dst + sw128_offset(a_row + kRowStep * i, a_chunk), src, ok ? 16u : 0u);
-        }
+        for (int i = 0; i < kRows; ++i) cp_async_16(a_dst + sw128_offset(a_row + kRowStep * i, a_chunk), src[i], bytes[i]);
+      } else {  // this chunk is past K (the last k-block of a K that is not a multiple of 64)
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) cp_async_16(a_dst + sw128_offset(a_row + kRowStep * i, a_chunk), A, 0u);
       }
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) src[i] += bytes[i] * kStepPer16;
       if (t == 0) {
         // Slot j's readers of kTileSlots tiles ago are done: they read it before starting their
         // next tile, and this stage's acquire waited for a release in that tile or later
