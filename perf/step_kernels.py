@@ -8,7 +8,9 @@ from the end of its flush to its last kernel, the time some kernel runs in it an
 (the GPU waiting for the host), then the kernels' ms per step grouped by what they do (expert
 GEMMs, activation, combine, router and routing, other) and the largest kernels by name. Both
 layers run the same configs in the same process on the same GPU, so their kernel times compare
-directly; the order is SonicMoE, MoEBlaze, MoEBlaze, SonicMoE, so that drift shows.
+directly; the order is SonicMoE, MoEBlaze, MoEBlaze, SonicMoE, so that drift shows. With both, it
+ends with one table of every config: both layers' runs, MoEBlaze's speed relative to SonicMoE's
+by events and by kernel time, and the groups where they differ (perf/RESULTS.md quotes it).
 
 MoEBlaze: ``moeblaze.torch.MoE`` as perf/side_by_side.py runs it (bf16 SwiGLU, router weight
 inside the layer, engine AUTO). SonicMoE (--sonic): its ``moe_TC_softmax_topk_layer`` as its
@@ -154,20 +156,49 @@ def main():
             args.sonic = False
     layers = [("SonicMoE", sonic_step), ("MoEBlaze", moeblaze_step), ("MoEBlaze", moeblaze_step),
               ("SonicMoE", sonic_step)] if args.sonic else [("MoEBlaze", moeblaze_step)]
+    table = []
     for cfg in args.configs:
         T, d, n, E, K = sbs.parse_cfg(cfg)
         summary = []
         for layer, make in layers:
             step, close = make(T, d, n, E, K)
             result = measure(step, args.steps)
-            summary.append((layer, result[0], report(layer, cfg, result, args.top)))
+            summary.append((layer, result[0], report(layer, cfg, result, args.top), statistics.median(result[2])))
             close()
             del step
             torch.cuda.empty_cache()
         print("\n### %s, ms per step: %s" % (cfg, "; ".join(
             "%s %.3f (GEMMs %.3f, activation %.3f, combine %.3f, router %.3f, other %.3f)" % (
                 layer, ms, g.get("expert GEMMs", 0), g.get("activation", 0), g.get("combine", 0),
-                g.get("router and routing", 0), g.get("other", 0)) for layer, ms, g in summary)))
+                g.get("router and routing", 0), g.get("other", 0)) for layer, ms, g, _ in summary)))
+        table.append((cfg, summary))
+    if args.sonic:
+        print_side_by_side(table)
+
+
+def print_side_by_side(table):
+    """One row per config: both layers' runs, MoEBlaze's speed relative to SonicMoE's by the
+    event medians and by the time kernels ran (the two differ where a layer leaves the GPU
+    idle in this loop), and the groups where the time goes."""
+    print("\n## Side by side, ms per step (MoEBlaze / SonicMoE above 1: MoEBlaze faster)\n")
+    print("| T, d, n, E, K | SonicMoE ms | MoEBlaze ms | MoEBlaze / SonicMoE | by kernel time "
+          "| expert GEMMs ms, SonicMoE / MoEBlaze | router and routing ms | activation ms (MoEBlaze) |")
+    print("|---|---|---|---|---|---|---|---|")
+    mean = statistics.mean
+    for cfg, summary in table:
+        runs = {layer: [r for r in summary if r[0] == layer] for layer in ("SonicMoE", "MoEBlaze")}
+        s, m = runs["SonicMoE"], runs["MoEBlaze"]
+        if not s or not m:
+            continue
+        group = lambda rs, g: [r[2].get(g, 0.0) for r in rs]  # noqa: E731
+        lo_hi = lambda v: ("%.2f" % min(v), "%.2f" % max(v))  # noqa: E731
+        span = lambda v: lo_hi(v)[0] if lo_hi(v)[0] == lo_hi(v)[1] else "-".join(lo_hi(v))  # noqa: E731
+        print("| %s | %s | %s | %.3fx | %.3fx | %s / %s | %.3f / %.3f | %.3f |" % (
+            cfg.replace(",", ", "), ", ".join("%.3f" % r[1] for r in s), ", ".join("%.3f" % r[1] for r in m),
+            mean(r[1] for r in s) / mean(r[1] for r in m), mean(r[3] for r in s) / mean(r[3] for r in m),
+            span(group(s, "expert GEMMs")), span(group(m, "expert GEMMs")), mean(group(s, "router and routing")),
+            mean(group(m, "router and routing")), mean(group(m, "activation"))))
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

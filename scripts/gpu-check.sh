@@ -432,6 +432,7 @@ if want kernels; then  # perf/step_kernels.py; SonicMoE beside MoEBlaze when its
     python3 perf/step_kernels.py "${sk_arg[@]}" ${KERNELS_CONFIGS:-32768,2048,768,128,8} > "$OUT/step_kernels.md" 2>&1
   summary+=("step kernels: rc=$?")
   grep -E '^###' "$OUT/step_kernels.md"
+  sed -n '/^## Side by side/,$p' "$OUT/step_kernels.md"
 fi
 if want ncu; then  # Nsight Compute on the named kernels of one fwd+bwd through moeblaze.torch
   MOEBLAZE_LIBRARY=$PWD/build-gpu/src/libmoeblaze.so.0 timeout 400 ncu --kernel-name "regex:${NCU_KERNELS:-route_tokens|router_backward|loss_partials}" \
