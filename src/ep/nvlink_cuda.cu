@@ -437,19 +437,17 @@ void dispatch_rows_cuda(const Exchange& x, const char* rows, int64_t stride_byte
   else
     dispatch_kernel<false><<<ctas, kThreads, 0, s>>>(x, rows, stride_bytes, dest_start, send_token);
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch");
-  if (!ids) return;
-  if (x.stage)
-    metadata_kernel<true><<<ctas, kMetaThreads, 0, s>>>(x, dest_start, send_token, ids, gates, k, epr, x.ctas + 1);
-  else
-    metadata_kernel<false><<<ctas, kMetaThreads, 0, s>>>(x, dest_start, send_token, ids, gates, k, epr, x.ctas + 1);
-  MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch_metadata");
+  if (ids) dispatch_metadata_cuda(x, dest_start, send_token, ids, gates, k, epr, s);
 }
 
 void dispatch_metadata_cuda(const Exchange& x, const int32_t* dest_start, const int32_t* send_token, const int32_t* ids,
                             const float* gates, int32_t k, int32_t epr, cudaStream_t s) {
   // Barriers ctas + 1 .. 2 ctas: a row dispatch may hold 1 .. ctas at the same time.
-  metadata_kernel<false><<<static_cast<unsigned>(x.ctas), kMetaThreads, 0, s>>>(x, dest_start, send_token, ids, gates,
-                                                                               k, epr, x.ctas + 1);
+  const unsigned ctas = static_cast<unsigned>(x.ctas);
+  if (x.stage)
+    metadata_kernel<true><<<ctas, kMetaThreads, 0, s>>>(x, dest_start, send_token, ids, gates, k, epr, x.ctas + 1);
+  else
+    metadata_kernel<false><<<ctas, kMetaThreads, 0, s>>>(x, dest_start, send_token, ids, gates, k, epr, x.ctas + 1);
   MOEBLAZE_CUDA_LAUNCH_CHECK("ep_dispatch_metadata");
 }
 

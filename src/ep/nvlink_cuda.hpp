@@ -91,14 +91,14 @@ void derive_offsets_cuda(const Exchange& x, int64_t recv_bound, cudaStream_t s);
 
 // dispatch: send i carries row send_token[i] of `rows` (stride in elements, es bytes each) to its
 // destination (HOST: to the staging, send order); with ids (the token's global top-k ids [L, k])
-// and gates, the metadata too.
+// and gates, the metadata too (dispatch_metadata_cuda, after the rows).
 void dispatch_rows_cuda(const Exchange& x, const char* rows, int64_t row_stride_bytes, const int32_t* dest_start,
                         const int32_t* send_token, const int32_t* ids, const float* gates, int32_t k,
                         int32_t experts_per_rank, cudaStream_t s);
 
 // The dispatch split in two, for rows that arrive while the local experts compute:
-// dispatch_metadata_cuda stores each send's metadata alone (as dispatch_rows_cuda with ids does,
-// meeting the peers on barriers of its own, so it may run beside the rows);
+// dispatch_metadata_cuda stores each send's metadata alone (HOST: into the staging), meeting the
+// peers on barriers of its own, so it may run beside the rows;
 // dispatch_rows_by_expert_cuda stores the rows alone from `ctas` CTAs, in turns of the
 // destination's local experts (a send goes in the turn of the lowest one its row feeds:
 // send_first), marks each row arrived in the destination's `ready` after its bytes, and meets

@@ -313,4 +313,25 @@ inline std::vector<float> want_act(const Problem& P, Activation a) {
   return out;
 }
 
+// The dact GEMM's activation-backward epilogue: dpre [m, ldc] (dact, then the activation's
+// gradient in place), g act [m, ld_act] and the dg partial sums [parts, ld_dg] from the saved pre
+// [., ld_pre] and the rows' gates.
+inline gemm::sm90::EpilogueParams act_backward_params(Activation a, void* dpre, int64_t ldc, void* gact, int64_t ld_act,
+                                                const float* gates, void* pre, int64_t ld_pre, float* dg,
+                                                int64_t ld_dg) {
+  gemm::sm90::EpilogueParams e;
+  e.kind = gemm::sm90::EpilogueKind::kActivationBackward;
+  e.activation = a;
+  e.c = dpre;
+  e.ldc = ldc;
+  e.act = gact;
+  e.ld_act = ld_act;
+  e.row_scale = gates;
+  e.pre = pre;
+  e.ld_pre = ld_pre;
+  e.dg = dg;
+  e.ld_dg = ld_dg;
+  return e;
+}
+
 }  // namespace ggp

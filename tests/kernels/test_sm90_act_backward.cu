@@ -69,20 +69,9 @@ Outputs run(const Problem& P, const Case& c, const std::vector<uint16_t>& pre_h,
     GGP_CK(cudaMalloc(&d_place, place.size() * 4));
     GGP_CK(cudaMemcpy(d_place, place.data(), place.size() * 4, cudaMemcpyHostToDevice));
   }
-  sm90::EpilogueParams e;
-  e.kind = sm90::EpilogueKind::kActivationBackward;
-  e.activation = c.a;
-  e.c = dpre;
-  e.ldc = ldc;
-  e.act = gact;
-  e.ld_act = ld_act;
-  e.row_scale = P.d_scale;
-  e.pre = pre;
-  e.ld_pre = ld_pre;
+  sm90::EpilogueParams e = act_backward_params(c.a, dpre, ldc, gact, ld_act, P.d_scale, pre, ld_pre, dg, m);
   e.pre_expert_row = d_place;
   e.pre_out_rows = d_place ? static_cast<int32_t>(pre_rows) : 0;
-  e.dg = dg;
-  e.ld_dg = m;
   const char* why = sm90::unsupported_reason(P.dt, P.params(), e);
   if (why) std::printf("unsupported: %s\n", why);
   assert_null(why);
