@@ -296,7 +296,7 @@ struct DactRow {
   const char* rule = "";
 };
 
-DactRow run_dact(const Config& c, bool expert_order, int reps, Activation act_kind) {
+DactRow run_dact(const Config& c, bool expert_order, int reps, Activation act_kind, int ring_bn) {
   const int64_t m = c.T * c.K, h = c.n, gh = (is_gated(act_kind) ? 2 : 1) * h;
   const Shape s{m, expert_order ? m : c.T, static_cast<int32_t>(c.E), static_cast<int32_t>(h), static_cast<int32_t>(c.d),
                 false, !expert_order, Major::kK, 0.0};
@@ -315,6 +315,7 @@ DactRow run_dact(const Config& c, bool expert_order, int reps, Activation act_ki
   const sm90::EpilogueParams e = act_backward_params(act_kind, dpre, gh, gact, h, P.d_scale, pre, gh, dg, m);
   sm90::KernelChoice ring, warps;
   ring.schedule = sm90::ConsumerSchedule::kCooperative;
+  ring.block_n = ring_bn;  // 0: as the rule sizes the in-ring tiles
   warps.schedule = sm90::ConsumerSchedule::kEpilogueWarpgroup;
   DactRow r;
   r.what = std::string(c.name) + (expert_order ? " dact, dy in expert order" : " dact, dy gathered");
@@ -330,7 +331,7 @@ DactRow run_dact(const Config& c, bool expert_order, int reps, Activation act_ki
   GGP_CK(cudaDeviceSynchronize());
   r.same_bits = download_bits(dpre, m * gh) == ring_dpre && download_bits(gact, m * h) == ring_gact;
   const bool in_epilogue = sm90::act_backward_in_epilogue(gp, is_gated(act_kind));
-  const bool on_warps = sm90::choose_kernel(gp, e.kind, {}).schedule == sm90::ConsumerSchedule::kEpilogueWarpgroup;
+  const bool on_warps = sm90::choose_kernel(gp, e, {}).schedule == sm90::ConsumerSchedule::kEpilogueWarpgroup;
   r.rule = !in_epilogue ? "separate pass" : on_warps ? "epilogue warps" : "in the ring";
   cudaFree(pre);
   cudaFree(dpre);
@@ -383,7 +384,8 @@ int main(int argc, char** argv) {
                            "                          [--diag] [--act swiglu|geglu|silu|gelu|relu]\n"
                            "  --quick: uniform routing only; without --only, the first two configs\n"
                            "  --diag: up GEMMs also timed without the gather, act only, pre only, plain store\n"
-                           "  --dact: the dact GEMM with the activation backward: the pass, in the ring, on the epilogue warps\n");
+                           "  --dact: the dact GEMM with the activation backward: the pass, in the ring, on the epilogue warps\n"
+                           "         (--bn: the in-ring tiles' width)\n");
       return 2;
     }
   }
@@ -396,6 +398,7 @@ int main(int argc, char** argv) {
                         {"qwen3_30b_a3b", 32768, 2048, 768, 128, 8},   {"sonic_30B_n512", 32768, 4096, 512, 128, 8},
                         {"sonic_120B_n1024", 32768, 4096, 1024, 128, 8}, {"conf4", 16384, 2048, 8192, 16, 4},
                         {"conf1", 65536, 512, 2048, 4, 1},               {"conf2", 65536, 1024, 4096, 8, 2},
+                        {"conf5", 32768, 512, 2048, 16, 4},
                         {"conf3", 65536, 1024, 4096, 16, 4},             {"conf7", 8192, 2048, 8192, 8, 4},
                         {"conf6", 16384, 1024, 4096, 16, 4},             {"sonic_120B_n2048", 32768, 4096, 2048, 64, 4},
                         {"deepseek_v3_like", 8192, 7168, 2048, 256, 8}};
@@ -408,7 +411,7 @@ int main(int argc, char** argv) {
       if (only && std::strcmp(only, c.name)) continue;
       if (quick && !only && done++ >= 3) break;
       for (bool expert_order : {false, true}) {
-        const DactRow r = run_dact(c, expert_order, reps, act_kind);
+        const DactRow r = run_dact(c, expert_order, reps, act_kind, bn);
         std::printf("%-44s %9.3f %9.3f %9.3f %9.3f %9.3f  %-9s %s\n", r.what.c_str(), r.gemm_ms, r.pass_ms,
                     r.gemm_ms + r.pass_ms, r.ring_ms, r.warps_ms, r.same_bits ? "yes" : "NO", r.rule);
         std::fflush(stdout);

@@ -25,12 +25,19 @@ using sm90::EpilogueKind;
 
 namespace {
 
+sm90::EpilogueParams epilogue(EpilogueKind kind, moeblaze::Activation act = moeblaze::Activation::kSwiglu) {
+  sm90::EpilogueParams e;
+  e.kind = kind;
+  e.activation = act;
+  return e;
+}
+
 sm90::KernelChoice pick(int32_t n, int32_t k, int32_t gated, EpilogueKind epi, sm90::KernelChoice kc = {}) {
   sm90::GroupedGemmParams p;
   p.n = n;
   p.k = k;
   p.gated = gated;
-  return sm90::choose_kernel(p, epi, kc);
+  return sm90::choose_kernel(p, epilogue(epi), kc);
 }
 
 void expect(const sm90::KernelChoice& kc, ConsumerSchedule s, int block_n) {
@@ -70,8 +77,9 @@ void explicit_choices(void**) {
 // The activation backward never runs ping-pong: on the epilogue warps' 256-wide tiles where they
 // win (from 256 columns: dy gathered with 1024 < K <= 2048, dy in expert order with K > 2048) or
 // when asked for, else on cooperative tiles with the in-ring epilogue; the epilogue warps serve
-// nothing else. The in-ring epilogue is taken for K <= 1024, or K <= 2048 with dy in expert order,
-// gated activations from h = 2048 (gemm/sm90/heuristics.hpp).
+// nothing else, and only where their 16-byte stores can address the outputs. The in-ring
+// epilogue is taken for K <= 1024, or K <= 2048 with dy in expert order, gated activations from
+// h = 2048 or with K <= 768, on 128-wide tiles (gemm/sm90/heuristics.hpp).
 void activation_backward(void**) {
   const EpilogueKind ab = EpilogueKind::kActivationBackward;
   const int32_t index[1] = {0};
@@ -80,12 +88,13 @@ void activation_backward(void**) {
   pp.block_n = 128;
   coop.schedule = ConsumerSchedule::kCooperative;
   warps.schedule = ConsumerSchedule::kEpilogueWarpgroup;
-  auto pick_dact = [&](int32_t n, int32_t k, bool gathered, sm90::KernelChoice kc = {}) {
+  auto pick_dact = [&](int32_t n, int32_t k, bool gathered, sm90::KernelChoice kc = {},
+                       moeblaze::Activation act = moeblaze::Activation::kSilu) {
     sm90::GroupedGemmParams p;
     p.n = n;
     p.k = k;
     p.a_index = gathered ? index : nullptr;
-    return sm90::choose_kernel(p, ab, kc);
+    return sm90::choose_kernel(p, epilogue(ab, act), kc);
   };
   expect(pick_dact(136, 512, true, warps), ConsumerSchedule::kEpilogueWarpgroup, 256);  // asked for: any shape
   expect(pick_dact(1024, 4096, false, coop), ConsumerSchedule::kCooperative, 256);
@@ -102,6 +111,30 @@ void activation_backward(void**) {
     expect(pick_dact(1024, 2048, false), ConsumerSchedule::kCooperative, 256);
     expect(pick_dact(248, 2048, true), ConsumerSchedule::kCooperative, 128);
     expect(pick_dact(136, 4096, false, pp), ConsumerSchedule::kCooperative, 128);
+    // gated in the ring at K <= 768: 128-wide tiles, so that pre takes half the ring
+    const auto swiglu = moeblaze::Activation::kSwiglu, geglu = moeblaze::Activation::kGeglu;
+    expect(pick_dact(2048, 512, false, {}, swiglu), ConsumerSchedule::kCooperative, 128);
+    expect(pick_dact(256, 768, true, {}, geglu), ConsumerSchedule::kCooperative, 128);
+    expect(pick_dact(4096, 1024, true, {}, swiglu), ConsumerSchedule::kCooperative, 256);
+    expect(pick_dact(2048, 512, false), ConsumerSchedule::kCooperative, 256);  // SiLU keeps 256
+    sm90::KernelChoice wide;
+    wide.block_n = 256;  // an explicit width is kept
+    expect(pick_dact(2048, 512, false, wide, swiglu), ConsumerSchedule::kCooperative, 256);
+  }
+  // outputs the epilogue warps' 16-byte stores cannot address: the in-ring epilogue instead
+  {
+    sm90::GroupedGemmParams p;
+    p.n = 768;
+    p.k = 2048;
+    p.a_index = index;
+    sm90::EpilogueParams e = epilogue(ab, moeblaze::Activation::kSilu);
+    e.ldc = 772;
+    expect(sm90::choose_kernel(p, e, warps), ConsumerSchedule::kCooperative, 256);
+    e.ldc = 768;
+    e.act = reinterpret_cast<void*>(uintptr_t{8});
+    expect(sm90::choose_kernel(p, e, warps), ConsumerSchedule::kCooperative, 256);
+    e.act = nullptr;
+    expect(sm90::choose_kernel(p, e, warps), ConsumerSchedule::kEpilogueWarpgroup, 256);
   }
   if (std::getenv("MOEBLAZE_SM90_ACT_BACKWARD")) return;  // the knob overrides the rule
   sm90::GroupedGemmParams p;
@@ -130,9 +163,13 @@ void activation_backward(void**) {
   p.n = 136;
   p.k = 4096;
   assert_false(sm90::act_backward_in_epilogue(p, false));
-  p.k = 768;  // narrow gated experts keep the pass (SonicMoE's n = 256); plain ones take the epilogue
+  p.k = 768;  // narrow gated experts in the ring up to K = 768 (128-wide tiles), the pass beyond
   for (int32_t n : {256, 1024, 2040}) {
     p.n = n;
+    p.k = 768;
+    assert_true(sm90::act_backward_in_epilogue(p, false));
+    assert_true(sm90::act_backward_in_epilogue(p, true));
+    p.k = 1024;
     assert_true(sm90::act_backward_in_epilogue(p, false));
     assert_false(sm90::act_backward_in_epilogue(p, true));
   }

@@ -7,8 +7,8 @@
 // pre placed per expert (the fused engine's windows) and hostile placements (nothing read or
 // written outside the buffers), output rows narrower than their columns refused, the staged
 // (TMA) path bitwise equal to the register one, and bitwise determinism. Every case runs on both
-// kernels, the in-ring epilogue and the epilogue warps (forced at any h; both give dpre and g act
-// with the same bits). Outputs poisoned. Exits 77 without an sm_90 GPU.
+// kernels, the in-ring epilogue (128- and 256-wide tiles) and the epilogue warps (forced at any
+// h; all give dpre and g act with the same bits). Outputs poisoned. Exits 77 without an sm_90 GPU.
 #include "grouped_gemm_problem.cuh"
 #include "gemm/sm90/tile_config.hpp"
 
@@ -54,7 +54,7 @@ using Schedule = sm90::ConsumerSchedule;
 constexpr Schedule kSchedules[] = {Schedule::kCooperative, Schedule::kEpilogueWarpgroup};
 
 Outputs run(const Problem& P, const Case& c, const std::vector<uint16_t>& pre_h, int64_t pre_rows,
-            const std::vector<int32_t>& place, Schedule schedule) {
+            const std::vector<int32_t>& place, Schedule schedule, int block_n = 0) {
   const int64_t m = P.s.m_total, h = c.h, ld_pre = pre_cols(c) + 8;
   const int64_t ldc = pre_cols(c) + c.ld_pad, ld_act = h + c.ld_pad, parts = sm90::act_backward_dg_parts(h);
   void* pre = alloc_poisoned(pre_rows * ld_pre);
@@ -77,6 +77,7 @@ Outputs run(const Problem& P, const Case& c, const std::vector<uint16_t>& pre_h,
   assert_null(why);
   sm90::KernelChoice kc;
   kc.schedule = schedule;
+  kc.block_n = block_n;
   sm90::grouped_gemm(P.dt, P.params(), e, kc, nullptr);
   GGP_CK(cudaDeviceSynchronize());
   Outputs o;
@@ -118,11 +119,13 @@ void expect(const Case& c, uint64_t seed) {
   std::normal_distribution<float> nd(0.f, 1.5f);
   std::vector<uint16_t> pre_h(pre_rows * ld_pre);
   for (auto& v : pre_h) v = to_half_bits(nd(rng), c.dt);
-  const Outputs ring = run(P, c, pre_h, pre_rows, place, Schedule::kCooperative);
+  // the in-ring epilogue on both tile widths (the rule takes either, by activation, K and h)
+  const Outputs ring = run(P, c, pre_h, pre_rows, place, Schedule::kCooperative, 128);
+  const Outputs ring256 = run(P, c, pre_h, pre_rows, place, Schedule::kCooperative, 256);
   const Outputs warps = run(P, c, pre_h, pre_rows, place, Schedule::kEpilogueWarpgroup);
   const int64_t ldc = cols + c.ld_pad, ld_act = h + c.ld_pad;
-  assert_true(ring.dpre == warps.dpre);
-  assert_true(ring.gact == warps.gact);
+  assert_true(ring.dpre == warps.dpre && ring256.dpre == warps.dpre);
+  assert_true(ring.gact == warps.gact && ring256.gact == warps.gact);
   if (c.placed == 2) {  // hostile: no reference, but every output element is written and finite
     // (pre rows outside the buffer read as zeros; compute-sanitizer memcheck sees no stray access)
     for (const Outputs* o : {&ring, &warps})

@@ -178,11 +178,7 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
 
 void grouped_gemm(DType dt, const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc, cudaStream_t s) {
   if (const char* why = unsupported_reason(dt, p, e)) fail(Status::kNotSupported, "%s", why);
-  kc = choose_kernel(p, e.kind, kc);
-  // The epilogue warps store dpre and g act 16 bytes at a time.
-  const bool vector_outputs = aligned16(e.c) && aligned16(e.act) && e.ldc % 8 == 0 && e.ld_act % 8 == 0;
-  if (kc.schedule == ConsumerSchedule::kEpilogueWarpgroup && !vector_outputs)
-    kc = choose_kernel(p, e.kind, {0, ConsumerSchedule::kCooperative});
+  kc = choose_kernel(p, e, kc);
 #if MOEBLAZE_SM90_BF16
   if (dt == DType::kBF16) dispatch<__nv_bfloat16>(kc, p, e, s);
 #endif

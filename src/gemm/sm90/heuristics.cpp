@@ -72,13 +72,20 @@ static bool epilogue_warps_win(const GroupedGemmParams& dact) {
   return dact.a_index ? dact.k > 1024 && dact.k <= 2048 : dact.k > 2048;
 }
 
-KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc) {
+// Gated activations' in-ring tiles at short K (choose_kernel's comment).
+static bool narrow_gated_ring(const GroupedGemmParams& dact, bool gated) { return gated && dact.k <= 768; }
+
+KernelChoice choose_kernel(const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc) {
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
-  if (epilogue == EpilogueKind::kActivationBackward) {
-    const bool warps = kc.schedule == ConsumerSchedule::kEpilogueWarpgroup ||
-                       (kc.schedule != ConsumerSchedule::kCooperative && epilogue_warps_win(p));
+  if (e.kind == EpilogueKind::kActivationBackward) {
+    // The epilogue warps store dpre and g act 16 bytes at a time.
+    const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+    const bool vector_outputs = aligned16(e.c) && aligned16(e.act) && e.ldc % 8 == 0 && e.ld_act % 8 == 0;
+    const bool warps = vector_outputs && (kc.schedule == ConsumerSchedule::kEpilogueWarpgroup ||
+                                          (kc.schedule != ConsumerSchedule::kCooperative && epilogue_warps_win(p)));
     if (warps) return {kActBackwardWarpgroupBlockN, ConsumerSchedule::kEpilogueWarpgroup};
-    return {p.n >= 256 ? 256 : 128, ConsumerSchedule::kCooperative};
+    const int bn = kc.block_n ? kc.block_n : narrow_gated_ring(p, is_gated(e.activation)) || p.n < 256 ? 128 : 256;
+    return {bn, ConsumerSchedule::kCooperative};
   }
   // The epilogue warps serve the activation backward only.
   if (kc.schedule == ConsumerSchedule::kEpilogueWarpgroup) kc.schedule = ConsumerSchedule::kCooperative;
@@ -94,7 +101,7 @@ bool act_backward_in_epilogue(const GroupedGemmParams& dact, bool gated) {
     return !std::strcmp(v, "separate") ? -1 : !std::strcmp(v, "epilogue") ? 1 : 0;
   }();
   if (forced) return forced > 0;
-  const bool in_ring = dact.k <= (dact.a_index ? 1024 : 2048) && (!gated || dact.n >= 2048);
+  const bool in_ring = dact.k <= (dact.a_index ? 1024 : 2048) && (!gated || dact.n >= 2048 || narrow_gated_ring(dact, gated));
   return in_ring || epilogue_warps_win(dact);
 }
 

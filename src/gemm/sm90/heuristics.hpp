@@ -96,22 +96,28 @@ struct KernelChoice {
 // epilogue stalled its MMAs; with that epilogue drained by TMA under the next tile, the larger
 // tile's reuse wins there too (fwd+bwd 1.5-6% faster at n = 256..768).
 // The activation backward never runs ping-pong: on the epilogue warps (128 x 256 tiles) where
-// they win (act_backward_in_epilogue says where) or when asked for, else on cooperative tiles
-// with the in-ring epilogue (128 or 256 wide). grouped_gemm() falls back to the in-ring
-// epilogue where the epilogue warps' 16-byte stores cannot address the outputs.
+// they win (act_backward_in_epilogue says where) or when asked for, unless their 16-byte stores
+// cannot address the outputs; else on cooperative tiles with the in-ring epilogue, 256 wide
+// from 256 columns, except gated activations at K <= 768, whose 128-wide tiles take half the
+// ring for pre, so that the next tile's first k-blocks load under the epilogue (one H200, the
+// dact GEMM with the epilogue: (32768, 512, 2048, 16, 4) SwiGLU 1.21-1.25 -> 1.06-1.12 ms,
+// (65536, 512, 2048, 4, 1) 0.56-0.57 -> 0.54-0.55, (40960, 768, 256, 128, 8) 0.54-0.60 ->
+// 0.45-0.48; 128-wide tiles lose at K = 1024 on (65536, 1024, 4096, 8, 2) and for SiLU).
 // MOEBLAZE_SM90_SCHEDULE=cooperative|pingpong|epilogue-warpgroup overrides the schedule.
-KernelChoice choose_kernel(const GroupedGemmParams& p, EpilogueKind epilogue, KernelChoice kc);
+KernelChoice choose_kernel(const GroupedGemmParams& p, const EpilogueParams& e, KernelChoice kc);
 
 // Whether the dact GEMM (K = d, n = h) carries the activation backward in its epilogue
 // (EpilogueKind::kActivationBackward, when unsupported_reason allows it) rather than leave it to
 // a separate pass.
 // - In the ring (the cooperative tile's epilogue, pre loaded into operand stages): K <= 1024,
-//   or K <= 2048 when dy comes in expert order (by TMA); gated activations only from h = 2048.
+//   or K <= 2048 when dy comes in expert order (by TMA); gated activations from h = 2048, or at
+//   any h with K <= 768 (128-wide tiles: choose_kernel).
 //   Measured: with dy gathered, dropping the pass wins at K = 512 and evens out at K = 1024,
 //   and the mainloop loses more than the pass costs at K = 1536-2048 and beyond; with dy's
 //   rows in expert order it wins at K = 2048 too (fwd+bwd 1.5-3% at conf4 and conf7, SiLU;
-//   1-3% on the paper's SwiGLU layers, h = 2048-8192). A gated tile takes twice the pre stages:
-//   at h = 256 (K = 768) they cost more than the pass (1.5%).
+//   1-3% on the paper's SwiGLU layers, h = 2048-8192). A gated 256-wide tile takes the whole
+//   ring for pre: at h = 256 (K = 768) it cost more than the pass (1.5%); 128-wide, 0.453-0.476
+//   ms against the GEMM and the pass's 0.472-0.488 (one H200, (40960, 768, 256, 128, 8)).
 // - On the epilogue warps (gemm/sm90/act_backward_warpgroup.cuh), from h = 256: dy gathered
 //   with 1024 < K <= 2048, dy in expert order with K > 2048. Measured on an H200 against the
 //   separate pass, SwiGLU fwd+bwd: (32768, 2048, 768, 128, 8) 14.634 / 14.763 ms, (32768, 4096,
