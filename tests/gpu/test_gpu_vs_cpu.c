@@ -553,6 +553,12 @@ static void routing_modes_and_edges(void** state) {
   run_case(&warps, &rng, 0);
   gcase warps_copy = base_case(4, 2, 2056, 1536, 64, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
   run_case(&warps_copy, &rng, 0);
+  /* A gated layer whose activation backward is a separate pass (dy gathered, d = 1024, h < 2048);
+   * at d <= 768 gated layers take the in-ring epilogue on 128-wide tiles. */
+  gcase pass = base_case(4, 2, 1024, 264, 200, MOEBLAZE_ACTIVATION_GEGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  run_case(&pass, &rng, 0);
+  gcase narrow = base_case(4, 2, 768, 264, 300, MOEBLAZE_ACTIVATION_SWIGLU, tu_f16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  run_case(&narrow, &rng, 0);
   gcase kE = base_case(4, 4, 16, 24, 50, MOEBLAZE_ACTIVATION_GELU, tu_f32, MOEBLAZE_SAVE_PREACT, MODE_WG);
   run_case(&kE, &rng, 0); /* k = E */
   /* k at and past the 32 picks the combine stages in shared memory; the router weight's dx part */
