@@ -84,7 +84,7 @@ KernelChoice choose_kernel(const GroupedGemmParams& p, const EpilogueParams& e, 
     const bool warps = vector_outputs && (kc.schedule == ConsumerSchedule::kEpilogueWarpgroup ||
                                           (kc.schedule != ConsumerSchedule::kCooperative && epilogue_warps_win(p)));
     if (warps) return {kActBackwardWarpgroupBlockN, ConsumerSchedule::kEpilogueWarpgroup};
-    const int bn = kc.block_n ? kc.block_n : narrow_gated_ring(p, is_gated(e.activation)) || p.n < 256 ? 128 : 256;
+    const int bn = kc.block_n ? kc.block_n : (narrow_gated_ring(p, is_gated(e.activation)) || p.n < 256) ? 128 : 256;
     return {bn, ConsumerSchedule::kCooperative};
   }
   // The epilogue warps serve the activation backward only.
