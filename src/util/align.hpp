@@ -13,6 +13,7 @@ constexpr size_t align_up(size_t bytes, size_t a = kBufferAlignment) {
   return (bytes + a - 1) / a * a;
 }
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // Carves aligned regions out of one caller buffer, or (with base == nullptr) only measures.
 class Carver {

@@ -1,5 +1,6 @@
 #include "gemm/sm90/heuristics.hpp"
 #include "gemm/sm90/tile_config.hpp"
+#include "util/align.hpp"
 
 #include <algorithm>
 #include <cstdlib>
@@ -79,7 +80,6 @@ KernelChoice choose_kernel(const GroupedGemmParams& p, const EpilogueParams& e, 
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = schedule_override();
   if (e.kind == EpilogueKind::kActivationBackward) {
     // The epilogue warps store dpre and g act 16 bytes at a time.
-    const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
     const bool vector_outputs = aligned16(e.c) && aligned16(e.act) && e.ldc % 8 == 0 && e.ld_act % 8 == 0;
     const bool warps = vector_outputs && (kc.schedule == ConsumerSchedule::kEpilogueWarpgroup ||
                                           (kc.schedule != ConsumerSchedule::kCooperative && epilogue_warps_win(p)));

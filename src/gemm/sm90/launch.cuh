@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_check.hpp"
+#include "util/align.hpp"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -27,8 +28,6 @@ int persistent_grid(Kernel kernel, int smem_bytes, int64_t max_work, int32_t max
   const int64_t ctas = max_ctas > 0 ? std::min<int64_t>(sms, max_ctas) : sms;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ctas, max_work)));
 }
-
-inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace sm90
 }  // namespace gemm
