@@ -16,7 +16,7 @@ double tu_err_against(const double* a, const double* b, size_t n, double scale2)
 }
 
 double tu_gate_grad_scale2(const tu_layer* layer, int64_t L, const void* x, const void* wgu, const void* wd,
-                           const int32_t* routed, const void* dy, double* gate_grads) {
+                           const int32_t* routed, const void* dy, double* gate_grad_scales) {
   const int64_t k = layer->top_k, P = L * k, d = layer->d, E = layer->experts, h = layer->h;
   const int gated = layer->activation == MOEBLAZE_ACTIVATION_SWIGLU || layer->activation == MOEBLAZE_ACTIVATION_GEGLU;
   const int64_t gh = (gated ? 2 : 1) * h;
@@ -57,14 +57,11 @@ double tu_gate_grad_scale2(const tu_layer* layer, int64_t L, const void* x, cons
         MOEBLAZE_STATUS_SUCCESS) {
       scale = 0;
       for (int64_t q = 0; q < P; ++q) {
-        double sq = 0, g = 0;
-        for (int64_t i = 0; i < d; ++i) {
-          const double a = tu_load(dy, at, (size_t)(q / k * d + i)), b = tu_load(ys, at, (size_t)(q * d + i));
-          sq += fabs(a) * fabs(b);
-          g += a * b;
-        }
+        double sq = 0;
+        for (int64_t i = 0; i < d; ++i)
+          sq += fabs(tu_load(dy, at, (size_t)(q / k * d + i))) * fabs(tu_load(ys, at, (size_t)(q * d + i)));
         scale += sq * sq;
-        if (gate_grads) gate_grads[q] = g;
+        if (gate_grad_scales) gate_grad_scales[q] = sq;
       }
     }
   }
@@ -73,13 +70,13 @@ double tu_gate_grad_scale2(const tu_layer* layer, int64_t L, const void* x, cons
   return scale;
 }
 
-double tu_router_grad_scale2(int64_t L, int64_t k, int64_t d, const float* gates, const double* gate_grads,
+double tu_router_grad_scale2(int64_t L, int64_t k, int64_t d, const float* gates, const double* gate_grad_scales,
                              const void* x, moeblaze_dtype_t at) {
   double* sx = x ? calloc((size_t)d, sizeof(double)) : NULL;
   double scale = 0;
   for (int64_t t = 0; t < L; ++t) {
     double st = 0;
-    for (int64_t j = 0; j < k; ++j) st += fabs(gates[t * k + j]) * fabs(gate_grads[t * k + j]);
+    for (int64_t j = 0; j < k; ++j) st += fabs(gates[t * k + j]) * gate_grad_scales[t * k + j];
     scale += st * st;
     if (sx)
       for (int64_t q = 0; q < d; ++q) sx[q] += st * fabs(tu_load(x, at, (size_t)(t * d + q)));

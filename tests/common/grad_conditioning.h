@@ -27,14 +27,17 @@ double tu_err_against(const double* a, const double* b, size_t n, double scale2)
 /* The squared norm of S_tj over every (token, slot) routed to `routed` [L, k]; x and dy are
  * [L, d] in the layer's activation dtype, the weights row-major in its weight dtype. y_tj comes
  * from one CPU forward (each pair its own token, routed to its expert with weight 1). When
- * `gate_grads` is given it receives g_tj [L k] from the same outputs. NAN if that forward fails. */
+ * `gate_grad_scales` is given it receives S_tj [L k] from the same outputs. NAN if that forward
+ * fails. */
 double tu_gate_grad_scale2(const tu_layer* layer, int64_t L, const void* x, const void* wgu, const void* wd,
-                           const int32_t* routed, const void* dy, double* gate_grads);
+                           const int32_t* routed, const void* dy, double* gate_grad_scales);
 
 /* The squared norm of the router gradients' scale from the gates w [L, k] and the gate
- * gradients g [L, k]: of S_t over tokens (d logits; x NULL), or of sum_t S_t |x_t| over the d
+ * gradients' scales S [L, k] (tu_gate_grad_scale2's, not the gradients themselves: a gate
+ * gradient that cancels to near zero still carries the rounding of its terms): of
+ * R_t = sum_j |w_tj| S_tj over tokens (d logits; x NULL), or of sum_t R_t |x_t| over the d
  * columns (dW_g; x [L, d] in dtype at). */
-double tu_router_grad_scale2(int64_t L, int64_t k, int64_t d, const float* gates, const double* gate_grads,
+double tu_router_grad_scale2(int64_t L, int64_t k, int64_t d, const float* gates, const double* gate_grad_scales,
                              const void* x, moeblaze_dtype_t at);
 
 #endif

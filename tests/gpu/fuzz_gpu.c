@@ -459,13 +459,13 @@ static void compare(const fcase* c, const tensor* t, const outputs* gpu, const o
   /* the gate and router gradients cancel: their scale (grad_conditioning.h) */
   const int32_t* routed = c->mode == MODE_CALLER ? t[T_IDS].host : cpu->v[T_OID];
   const float* gates = c->mode == MODE_CALLER ? t[T_GW].host : cpu->v[T_OW];
-  double* gate_grads = malloc(sizeof(double) * (rows + 1));
+  double* gate_grad_scales = malloc(sizeof(double) * (rows + 1));
   double scale = tu_gate_grad_scale2(&c->layer, c->L, t[T_X].host, t[T_WGU].host, t[T_WD].host, routed, t[T_DY].host,
-                                     gate_grads);
+                                     gate_grad_scales);
   if (c->mode != MODE_CALLER)
-    scale = tu_router_grad_scale2(c->L, c->layer.top_k, c->layer.d, gates, gate_grads,
+    scale = tu_router_grad_scale2(c->L, c->layer.top_k, c->layer.d, gates, gate_grad_scales,
                                   c->mode == MODE_WG ? t[T_X].host : NULL, c->layer.act_dtype);
-  free(gate_grads);
+  free(gate_grad_scales);
   if (isnan(scale)) finding("the CPU forward for the gradients' scale failed: %s", moeblaze_get_last_error_message());
   const int slots[] = {T_Y, T_OW, T_AUX, T_Z, T_DX, T_DWGU, T_DWD, T_DROUTER};
   for (size_t s = 0; s < sizeof slots / sizeof slots[0]; ++s) {

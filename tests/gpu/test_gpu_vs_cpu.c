@@ -369,12 +369,13 @@ static moeblaze_status_t create(const tu_layer* l, int cuda, moeblaze_handle_t* 
 
 /* The router and gate gradients are sums whose terms cancel: their errors are measured
  * against the scale of the uncancelled terms when it is larger (grad_conditioning.h). */
-static double router_grad_err(const step* c, int slot, const double* a, const double* b, size_t n) {
+static double router_grad_err(const gcase* gc, const step* c, int slot, const double* a, const double* b, size_t n) {
   const size_t P = (size_t)(c->L * c->k);
-  double* g = malloc(sizeof(double) * (P + 1));
-  for (size_t q = 0; q < P; ++q) g[q] = ((const float*)c->dgw)[q];
-  const double scale = tu_router_grad_scale2(c->L, c->k, c->d, c->ow, g, slot == T_DWG ? c->x : NULL, c->at);
-  free(g);
+  double* s = malloc(sizeof(double) * (P + 1));
+  if (isnan(tu_gate_grad_scale2(&gc->layer, c->L, c->x, c->wgu, c->wd, c->oid, c->dy, s)))
+    fail_msg("the CPU forward of the router-gradient scale failed: %s", moeblaze_get_last_error_message());
+  const double scale = tu_router_grad_scale2(c->L, c->k, c->d, c->ow, s, slot == T_DWG ? c->x : NULL, c->at);
+  free(s);
   return tu_err_against(a, b, n, scale);
 }
 
@@ -408,7 +409,7 @@ static void compare(const char* what, step* g, step* c, const gcase* gc) {
     double* b = malloc(sizeof(double) * n);
     tu_to_f64(*tg[i].host, tg[i].dt, n, a);
     tu_to_f64(*tcpu[i].host, tcpu[i].dt, n, b);
-    const double err = i == T_DLOG || i == T_DWG ? router_grad_err(c, i, a, b, n)
+    const double err = i == T_DLOG || i == T_DWG ? router_grad_err(gc, c, i, a, b, n)
                        : i == T_DGW              ? gate_grad_err(gc, c, a, b, n)
                                                  : tu_rel_err(a, b, n);
     const double tol = tu_tol(gc->layer.act_dtype);
