@@ -250,7 +250,9 @@ void staged_matches_registers(void**) {
 // ones (register path) and the last tile (flushed), and the staging buffers alternate across
 // tiles. The same bits as the register path, for the store (K = 136: three k-blocks, fewer
 // than a 128 x 256 tile's four boxes, so they are flushed before the next tile's epilogue) and
-// for the activation epilogue with pre and act, pre alone and act alone.
+// for the activation epilogue with pre and act, pre alone and act alone (deferred where
+// defers_activation allows it: SwiGLU and SiLU at 128 columns, ReLU at both widths; K = 72 for
+// the plain ones: two k-blocks for four to eight boxes).
 void deferred_matches_registers(void**) {
   uint64_t seed = 970;
   for (int bn : kBlockNs) {
@@ -259,7 +261,7 @@ void deferred_matches_registers(void**) {
     assert_true(store_paths_agree(P, bn, &c8));
     assert_true(c8.rel_err <= tolerance(P.dt) && c8.unwritten == 0 && c8.clobbered == 0);
     free_problem(P);
-    for (Activation a : {Activation::kSwiglu, Activation::kSilu, Activation::kGeglu})
+    for (Activation a : {Activation::kSwiglu, Activation::kSilu, Activation::kGeglu, Activation::kRelu})
       for (int outputs : {3, 1, 2}) {
         const int32_t k = a == Activation::kSwiglu ? 520 : 72;
         Problem Q = make_problem({50000, 16000, 4, 200, k, is_gated(a), true, Major::kMN, 0.4}, DType::kF16, seed++);

@@ -221,14 +221,21 @@ __device__ __forceinline__ bool placed_inside(const GroupedGemmParams& p, const 
   return r >= 0 && r + kBlockM <= n;
 }
 
+// Whether a full tile's activation outputs go by TMA: `staged` (a full tile, the maps encoded)
+// and its placed rows inside both outputs.
+__device__ __forceinline__ bool activation_staged(const GroupedGemmParams& p, const EpilogueParams& e, bool staged,
+                                                  const TileCoord& tc) {
+  return staged && (!e.pre || placed_inside(p, e.pre_expert_row, e.pre_out_rows, tc)) &&
+         (!e.act || placed_inside(p, e.act_expert_row, e.act_out_rows, tc));
+}
+
 // One tile fragment's activation epilogue: staged when `staged` (a full tile) and its placed
 // rows lie inside the outputs, else from registers.
 template <class T, int BN>
 __device__ __forceinline__ void epilogue_activation(const GroupedGemmParams& p, const EpilogueParams& e,
                                                     const EpilogueMaps& maps, TileStore& ts, bool staged,
                                                     const TileCoord& tc, int frag, const float (&acc)[BN / 2]) {
-  staged = staged && (!e.pre || placed_inside(p, e.pre_expert_row, e.pre_out_rows, tc)) &&
-           (!e.act || placed_inside(p, e.act_expert_row, e.act_out_rows, tc));
+  staged = activation_staged(p, e, staged, tc);
   auto run = [&](auto act_c, auto gated_c) {
     constexpr Activation A = decltype(act_c)::value;
     constexpr bool G = decltype(gated_c)::value;

@@ -10,10 +10,12 @@ namespace cubw = CUB_NS_QUALIFIER;
 
 #include "cuda/cuda_check.hpp"
 #include "gemm/sm90/grouped_gemm.hpp"
+#include "gemm/sm90/heuristics.hpp"
 #include "gemm/sm90/kernel_variants.hpp"
 #include "gemm/sm90/launch.cuh"
 #include "gemm/sm90/tensor_map.hpp"
 #include "gemm/sm90/tile_config.hpp"
+#include "math/activation.hpp"
 #include "util/offsets_cuda.cuh"
 #include "util/align.hpp"
 #include "util/error.hpp"
@@ -91,8 +93,31 @@ OperandMaps operand_maps(DType dt, const GroupedGemmParams& p, int bn) {
 
 namespace {
 
+// The deferred activation epilogue's kernel for the launch's activation, B major BMajor
+// (activation_epilogue_deferred said it has one).
+template <class T, Major BMajor>
+void launch_deferred_activation(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
+  with_activation(e.activation, [&](auto a) {
+    constexpr Activation kAct = decltype(a)::value;
+    if constexpr (activation_epilogue_deferred(kAct)) {
+      using Defer = DeferredActivationOf<Nonlinearity<kAct>::kPlain, is_gated(kAct)>;
+      launch_grouped_gemm<T, 256, BMajor, EpilogueKind::kActivation, false, Defer>(p, e, s);
+    }
+  });
+}
+
 template <class T, int BN, bool PingPong>
 void dispatch_major(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
+  if constexpr (!PingPong && BN == 256) {
+    // The deferred kernels hold the launch's gating in their template (p.gated says the same
+    // for every activation epilogue the engines launch; another combination takes the usual one).
+    if (e.kind == EpilogueKind::kActivation && activation_epilogue_deferred(e.activation) &&
+        (p.gated != 0) == is_gated(e.activation) && staged_epilogue_allowed() && deferred_epilogue_allowed()) {
+      if (p.b_major == Major::kMN) launch_deferred_activation<T, Major::kMN>(p, e, s);
+      else launch_deferred_activation<T, Major::kK>(p, e, s);
+      return;
+    }
+  }
   if constexpr (!PingPong) {
     if (e.kind == EpilogueKind::kActivationBackward) {
       if (p.b_major == Major::kMN) launch_grouped_gemm<T, BN, Major::kMN, EpilogueKind::kActivationBackward, false>(p, e, s);

@@ -51,9 +51,37 @@ __device__ __forceinline__ Loads make_loads(const GroupedGemmParams& p, const Ep
   else return Loads{p, e, maps};
 }
 
+// The cooperative consumers of a deferred activation epilogue (Defer =
+// DeferredActivationOf<A, Gated>, the launch's nonlinearity and gating as template arguments,
+// so the deferred boxes' arithmetic has no run-time dispatch): a full tile's outputs are staged
+// half a box at a time under the next tile's k-blocks, a partial tile's stored from registers
+// at once.
+template <class T, int BN, Major BMajor, Activation A, bool Gated, class Cfg>
+__device__ __forceinline__ void consume_activation_deferred(const GroupedGemmParams& p, const EpilogueParams& e,
+                                                            const EpilogueMaps& maps, const StageRing<Cfg>& ring,
+                                                            TileStore& ts, int frag) {
+  const int num_kb = (p.k + kBlockK - 1) / kBlockK;
+  const PersistentTileScheduler<GroupedTiles> sched({p.sched, column_blocks(p.n, p.gated, BN)});
+  typename StageRing<Cfg>::State st;
+  float acc[1][BN / 2];
+  DeferredActivation<T, BN, A, Gated> deferred;
+  for (const TileWork w : sched.walk()) {
+    consume_tile<T, BN, BMajor>(ring, frag, num_kb, st, acc, NoTileInfo{}, [&](int) { deferred.stage_next(maps, ts); });
+    deferred.flush(maps, ts);  // a tile of fewer k-blocks than turns
+    const TileCoord tc = read_tile_slot(ring.tiles, w.j);
+    if (activation_staged(p, e, tile_staged(maps, tc), tc)) {
+      deferred.keep(p, e, tc, frag, acc[0]);
+      continue;
+    }
+    epilogue_activation_as<T, BN, A, Gated>(p, e, tc, frag, acc[0]);
+    deferred.clear();
+  }
+  deferred.flush(maps, ts);
+}
+
 // The activation-backward epilogue runs on the cooperative schedule only, its saved pre
 // loaded into the ring after each tile's k-blocks (PreLoads).
-template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
+template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong, class Defer>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p, const __grid_constant__ OperandMaps ab,
                         const __grid_constant__ EpilogueParams e, const __grid_constant__ EpilogueMaps maps) {
@@ -62,6 +90,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // full[s]: the TMA expect_tx, + every producer thread's cp.async arrival when A is gathered.
   constexpr bool kActBackward = Epi == EpilogueKind::kActivationBackward;
   static_assert(!kActBackward || !PingPong, "the activation backward runs on cooperative tiles");
+  constexpr bool kDeferredActivation = !std::is_same_v<Defer, NoDeferral>;
+  static_assert(!kDeferredActivation || (Epi == EpilogueKind::kActivation && !PingPong),
+                "the deferred activation epilogue runs on cooperative tiles");
   PipelineArrivals arrivals;
   arrivals.producer = PipelineArrivals::producer_count(!ab.a_by_tma);
   arrivals.consumer_warps = PingPong ? 4 : 8;  // the warps that read a stage
@@ -81,7 +112,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     TileStore ts = TileStore::make(ring.staging, wg - 1);
     const int num_kb = (p.k + kBlockK - 1) / kBlockK;
     const PersistentTileScheduler<GroupedTiles> sched({p.sched, column_blocks(p.n, p.gated, BN)});
-    if constexpr (PingPong) {
+    if constexpr (kDeferredActivation) {
+      consume_activation_deferred<T, BN, BMajor, Defer::kPlain, Defer::kGated>(p, e, maps, ring, ts, wg - 1);
+    } else if constexpr (PingPong) {
       const int me = wg - 1;
       float acc[2][BN / 2];
       uint32_t round = 0;
@@ -140,10 +173,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace grouped_gemm_detail
 
-template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
+template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong, class Defer>
 void launch_grouped_gemm(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
   using Cfg = TileConfig<BN>;
-  auto* kernel = grouped_gemm_detail::grouped_gemm_kernel<T, BN, BMajor, Epi, PingPong>;
+  auto* kernel = grouped_gemm_detail::grouped_gemm_kernel<T, BN, BMajor, Epi, PingPong, Defer>;
   const int64_t bound = max_tiles(p.sched.m_total, p.sched.num_experts, kBlockM, column_blocks(p.n, p.gated, BN));
   const int grid = persistent_grid(kernel, Cfg::kSmemBytes, bound, p.max_ctas);
   kernel<<<grid, kThreads, Cfg::kSmemBytes, s>>>(p, operand_maps(Elem<T>::kType, p, BN), e,

@@ -145,6 +145,18 @@ bool a_by_tma_allowed();
 bool staged_epilogue_allowed();
 bool deferred_epilogue_allowed();
 
+// The activation epilogue deferred too (its act computed from the kept pre under the next
+// tile's k-blocks, gemm/sm90/epilogue_deferred.cuh), on cooperative 128 x 256 tiles, for ReLU,
+// SiLU and SwiGLU: their kept pairs and arithmetic fit beside the next tile's accumulators in a
+// kernel of their own (GELU's erf does not: it spilled). Up GEMM ms on one H200 (one call, two
+// rounds, deferred / staged only): SiLU conf1 0.318, 0.317 / 0.334, 0.334; conf5 0.614, 0.619
+// / 0.662, 0.642; conf3 4.291, 4.325 / 4.389, 4.378; SwiGLU (32768, 2048, 768, 128, 8) 2.714,
+// 2.751 / 2.890, 2.839; conf2 4.062, 4.036 / 4.217, 4.198; conf1, conf5 and d = 768-1536 within
+// 1%. ReLU's up GEMM at conf1 0.287, 0.282 against 0.308, 0.303.
+constexpr bool activation_epilogue_deferred(Activation a) {
+  return a == Activation::kRelu || a == Activation::kSilu || a == Activation::kSwiglu;
+}
+
 }  // namespace sm90
 }  // namespace gemm
 }  // namespace v0

@@ -31,10 +31,21 @@ constexpr bool kernels_compiled(DType dt) {
 constexpr const char* kDtypeLeftOut =
     "this build left out the sm_90a kernels of this dtype (CMake option MOEBLAZE_SM90_DTYPES)";
 
+// The activation epilogue deferred under the next tile's k-blocks for one nonlinearity A (plain:
+// ReLU, SiLU) and gating, in a kernel of its own (DeferredActivation<A, Gated>), or the
+// kernel's usual epilogues (NoDeferral).
+struct NoDeferral {};
+template <Activation A, bool Gated>
+struct DeferredActivationOf {
+  static constexpr Activation kPlain = A;
+  static constexpr bool kGated = Gated;
+};
+
 // grouped_gemm_kernel.cuh: one persistent grid of the varlen-M grouped GEMM. Variants: BN 128
 // ping-pong (kStore, kActivation), BN 128 and 256 cooperative (kStore, kActivation,
-// kActivationBackward), each for both B majors.
-template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong>
+// kActivationBackward), each for both B majors; and BN 256 cooperative kActivation deferred
+// for ReLU, SiLU and SwiGLU (activation_epilogue_deferred).
+template <class T, int BN, Major BMajor, EpilogueKind Epi, bool PingPong, class Defer = NoDeferral>
 void launch_grouped_gemm(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s);
 
 // act_backward_kernel.cuh: the dact GEMM with the activation backward on epilogue warps

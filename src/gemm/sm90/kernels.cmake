@@ -72,6 +72,18 @@ function(moeblaze_sm90_kernel_sources out_var)
       _moeblaze_sm90_write_tu(${_file} "the ${dt} grouped GEMM kernels, ${sched} tiles." grouped_gemm_kernel.cuh "${_body}")
       list(APPEND _sources ${_file})
     endforeach()
+    # The deferred activation epilogues (heuristics.hpp's activation_epilogue_deferred): ReLU,
+    # SiLU and SwiGLU on cooperative 128 x 256 tiles, a kernel each.
+    set(_body "")
+    foreach(major kMN kK)
+      foreach(defer "Activation::kRelu, false" "Activation::kSilu, false" "Activation::kSilu, true")
+        string(APPEND _body "template void launch_grouped_gemm<${T}, 256, Major::${major}, EpilogueKind::kActivation, false,\n"
+                            "    DeferredActivationOf<${defer}>>(const GroupedGemmParams&, const EpilogueParams&, cudaStream_t);\n")
+      endforeach()
+    endforeach()
+    set(_file ${_dir}/grouped_gemm_${dt}_coop256_deferred.cu)
+    _moeblaze_sm90_write_tu(${_file} "the ${dt} deferred activation epilogues, coop256 tiles." grouped_gemm_kernel.cuh "${_body}")
+    list(APPEND _sources ${_file})
     set(_body "")
     foreach(major kMN kK)
       string(APPEND _body "template void launch_act_backward_warpgroup<${T}, Major::${major}>(const GroupedGemmParams&, "
