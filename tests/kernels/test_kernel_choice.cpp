@@ -1,8 +1,8 @@
 // The grouped GEMM's automatic kernel choice (gemm/sm90 choose_kernel), host only: cooperative
 // for every epilogue and K, with 256-wide tiles from 256 output columns (gated: both halves), the
-// activation backward on the epilogue warps where they win; an explicit choice is kept, ping-pong
-// always 128 wide. The expert-parallel rule of rows sent beside
-// the local GEMMs (ep_overlap) on the benchmarked layers. The measurements behind the rules are
+// activation backward on the epilogue warps where they win, the activation epilogue deferred
+// where it has a kernel; an explicit choice is kept, ping-pong always 128 wide. The
+// expert-parallel rule of rows sent beside the local GEMMs (ep_overlap) on the benchmarked layers. The measurements behind the rules are
 // in perf/NOTES.md.
 #include <cstdio>
 #include <cstdlib>
@@ -72,6 +72,37 @@ void explicit_choices(void**) {
   sm90::KernelChoice bn;
   bn.block_n = 128;  // a width alone leaves the schedule automatic
   expect(pick(4096, 4096, 0, EpilogueKind::kStore, bn), ConsumerSchedule::kCooperative, 128);
+}
+
+// The activation epilogue deferred under the next tile's k-blocks: ReLU, SiLU and SwiGLU on
+// cooperative 256-wide tiles whose gating matches the activation; never GELU or GeGLU, 128-wide
+// or ping-pong tiles, or another epilogue (gemm/sm90/heuristics.hpp).
+void deferred_activation(void**) {
+  using moeblaze::Activation;
+  auto deferred = [](int32_t n, int32_t gated, Activation act, EpilogueKind epi = EpilogueKind::kActivation,
+                     sm90::KernelChoice kc = {}) {
+    sm90::GroupedGemmParams p;
+    p.n = n;
+    p.k = 512;
+    p.gated = gated;
+    return sm90::choose_kernel(p, epilogue(epi, act), kc).deferred_activation;
+  };
+  assert_true(deferred(768, 1, Activation::kSwiglu));
+  assert_true(deferred(2048, 0, Activation::kSilu));
+  assert_true(deferred(2048, 0, Activation::kRelu));
+  assert_false(deferred(2048, 1, Activation::kGeglu));
+  assert_false(deferred(2048, 0, Activation::kGelu));
+  assert_false(deferred(2048, 0, Activation::kSwiglu));  // gating that disagrees with the activation
+  assert_false(deferred(200, 0, Activation::kSilu));     // 128-wide tiles
+  assert_false(deferred(2048, 0, Activation::kSilu, EpilogueKind::kStore));
+  sm90::KernelChoice pp, narrow, asked;
+  pp.schedule = sm90::ConsumerSchedule::kPingPong;
+  narrow.block_n = 128;
+  asked.deferred_activation = true;  // set by the choice, not asked for
+  assert_false(deferred(768, 1, Activation::kSwiglu, EpilogueKind::kActivation, pp));
+  assert_false(deferred(768, 1, Activation::kSwiglu, EpilogueKind::kActivation, narrow));
+  assert_false(deferred(2048, 1, Activation::kGeglu, EpilogueKind::kActivation, asked));
+  assert_false(deferred(2048, 0, Activation::kSilu, EpilogueKind::kActivationBackward, asked));
 }
 
 // The activation backward never runs ping-pong: on the epilogue warps' 256-wide tiles where they
@@ -214,6 +245,6 @@ int main() {
       return 77;
     }
   const struct CMUnitTest tests[] = {cmocka_unit_test(automatic), cmocka_unit_test(explicit_choices),
-                                     cmocka_unit_test(activation_backward), cmocka_unit_test(ep_overlap_rule)};
+                                     cmocka_unit_test(deferred_activation), cmocka_unit_test(activation_backward), cmocka_unit_test(ep_overlap_rule)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

@@ -115,7 +115,7 @@ __device__ __forceinline__ void keep_store(DeferredBoxes<BN>& d, const GroupedGe
 }
 
 // The activation epilogue's full tile, fragment by fragment, for one nonlinearity A (plain:
-// ReLU, GELU, SiLU) and gating: pre's packed pairs are kept (box b = the fragment's columns
+// ReLU or SiLU; GELU's erf spilled here) and gating: pre's packed pairs are kept (box b = the fragment's columns
 // [64 b, 64 b + 64); gated, boxes [0, kHalf) the gate half and the rest the up half) and act
 // box b is computed from them as epilogue_activation_staged_as computes it (act_of of the
 // rounded pre), half a box per k-block so that its arithmetic stays under that k-block's MMAs.

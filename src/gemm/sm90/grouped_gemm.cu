@@ -94,7 +94,7 @@ OperandMaps operand_maps(DType dt, const GroupedGemmParams& p, int bn) {
 namespace {
 
 // The deferred activation epilogue's kernel for the launch's activation, B major BMajor
-// (activation_epilogue_deferred said it has one).
+// (choose_kernel's deferred_activation said it has one).
 template <class T, Major BMajor>
 void launch_deferred_activation(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
   with_activation(e.activation, [&](auto a) {
@@ -108,16 +108,6 @@ void launch_deferred_activation(const GroupedGemmParams& p, const EpilogueParams
 
 template <class T, int BN, bool PingPong>
 void dispatch_major(const GroupedGemmParams& p, const EpilogueParams& e, cudaStream_t s) {
-  if constexpr (!PingPong && BN == 256) {
-    // The deferred kernels hold the launch's gating in their template (p.gated says the same
-    // for every activation epilogue the engines launch; another combination takes the usual one).
-    if (e.kind == EpilogueKind::kActivation && activation_epilogue_deferred(e.activation) &&
-        (p.gated != 0) == is_gated(e.activation) && staged_epilogue_allowed() && deferred_epilogue_allowed()) {
-      if (p.b_major == Major::kMN) launch_deferred_activation<T, Major::kMN>(p, e, s);
-      else launch_deferred_activation<T, Major::kK>(p, e, s);
-      return;
-    }
-  }
   if constexpr (!PingPong) {
     if (e.kind == EpilogueKind::kActivationBackward) {
       if (p.b_major == Major::kMN) launch_grouped_gemm<T, BN, Major::kMN, EpilogueKind::kActivationBackward, false>(p, e, s);
@@ -139,6 +129,9 @@ void dispatch(const KernelChoice& kc, const GroupedGemmParams& p, const Epilogue
   if (kc.schedule == ConsumerSchedule::kEpilogueWarpgroup) {
     if (p.b_major == Major::kMN) launch_act_backward_warpgroup<T, Major::kMN>(p, e, s);
     else launch_act_backward_warpgroup<T, Major::kK>(p, e, s);
+  } else if (kc.deferred_activation) {
+    if (p.b_major == Major::kMN) launch_deferred_activation<T, Major::kMN>(p, e, s);
+    else launch_deferred_activation<T, Major::kK>(p, e, s);
   } else if (kc.schedule == ConsumerSchedule::kPingPong) dispatch_major<T, 128, true>(p, e, s);
   else if (kc.block_n == 256) dispatch_major<T, 256, false>(p, e, s);
   else dispatch_major<T, 128, false>(p, e, s);

@@ -59,9 +59,8 @@ __device__ __forceinline__ Loads make_loads(const GroupedGemmParams& p, const Ep
 template <class T, int BN, Major BMajor, Activation A, bool Gated, class Cfg>
 __device__ __forceinline__ void consume_activation_deferred(const GroupedGemmParams& p, const EpilogueParams& e,
                                                             const EpilogueMaps& maps, const StageRing<Cfg>& ring,
-                                                            TileStore& ts, int frag) {
-  const int num_kb = (p.k + kBlockK - 1) / kBlockK;
-  const PersistentTileScheduler<GroupedTiles> sched({p.sched, column_blocks(p.n, p.gated, BN)});
+                                                            const PersistentTileScheduler<GroupedTiles>& sched,
+                                                            int num_kb, TileStore& ts, int frag) {
   typename StageRing<Cfg>::State st;
   float acc[1][BN / 2];
   DeferredActivation<T, BN, A, Gated> deferred;
@@ -113,7 +112,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int num_kb = (p.k + kBlockK - 1) / kBlockK;
     const PersistentTileScheduler<GroupedTiles> sched({p.sched, column_blocks(p.n, p.gated, BN)});
     if constexpr (kDeferredActivation) {
-      consume_activation_deferred<T, BN, BMajor, Defer::kPlain, Defer::kGated>(p, e, maps, ring, ts, wg - 1);
+      consume_activation_deferred<T, BN, BMajor, Defer::kPlain, Defer::kGated>(p, e, maps, ring, sched, num_kb, ts,
+                                                                               wg - 1);
     } else if constexpr (PingPong) {
       const int me = wg - 1;
       float acc[2][BN / 2];

@@ -92,6 +92,10 @@ KernelChoice choose_kernel(const GroupedGemmParams& p, const EpilogueParams& e, 
   if (kc.schedule == ConsumerSchedule::kAuto) kc.schedule = ConsumerSchedule::kCooperative;
   if (kc.schedule == ConsumerSchedule::kPingPong) kc.block_n = 128;
   if (kc.block_n == 0) kc.block_n = (p.gated ? 2 * p.n : p.n) >= 256 ? 256 : 128;
+  kc.deferred_activation = e.kind == EpilogueKind::kActivation && kc.schedule == ConsumerSchedule::kCooperative &&
+                           kc.block_n == 256 && activation_epilogue_deferred(e.activation) &&
+                           (p.gated != 0) == is_gated(e.activation) && staged_epilogue_allowed() &&
+                           deferred_epilogue_allowed();
   return kc;
 }
 

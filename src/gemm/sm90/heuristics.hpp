@@ -88,6 +88,10 @@ enum class ConsumerSchedule : int32_t { kAuto = 0, kCooperative = 1, kPingPong =
 struct KernelChoice {
   int block_n = 0;  // cooperative: 128 or 256 (0: choose from n); ping-pong: 128
   ConsumerSchedule schedule = ConsumerSchedule::kAuto;
+  // Set by choose_kernel, not asked for: the activation epilogue deferred under the next tile's
+  // k-blocks (activation_epilogue_deferred's activations, cooperative 128 x 256 tiles, staged
+  // and deferred stores allowed, and p.gated matching the activation's gating).
+  bool deferred_activation = false;
 };
 
 // The kernel a choice resolves to for these parameters and epilogue (every field set).

@@ -32,8 +32,8 @@ constexpr const char* kDtypeLeftOut =
     "this build left out the sm_90a kernels of this dtype (CMake option MOEBLAZE_SM90_DTYPES)";
 
 // The activation epilogue deferred under the next tile's k-blocks for one nonlinearity A (plain:
-// ReLU, SiLU) and gating, in a kernel of its own (DeferredActivation<A, Gated>), or the
-// kernel's usual epilogues (NoDeferral).
+// ReLU, SiLU) and gating, in a kernel of its own (epilogue_deferred.cuh's DeferredActivation),
+// or the kernel's usual epilogues (NoDeferral).
 struct NoDeferral {};
 template <Activation A, bool Gated>
 struct DeferredActivationOf {
