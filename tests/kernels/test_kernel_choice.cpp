@@ -2,8 +2,8 @@
 // for every epilogue and K, with 256-wide tiles from 256 output columns (gated: both halves), the
 // activation backward on the epilogue warps where they win, the activation epilogue deferred
 // where it has a kernel; an explicit choice is kept, ping-pong always 128 wide. The
-// expert-parallel rule of rows sent beside the local GEMMs (ep_overlap) on the benchmarked layers. The measurements behind the rules are
-// in perf/NOTES.md.
+// expert-parallel rule of rows sent beside the local GEMMs (ep_overlap) on the benchmarked
+// layers. The measurements behind the rules are in perf/NOTES.md.
 #include <cstdio>
 #include <cstdlib>
 
@@ -245,6 +245,7 @@ int main() {
       return 77;
     }
   const struct CMUnitTest tests[] = {cmocka_unit_test(automatic), cmocka_unit_test(explicit_choices),
-                                     cmocka_unit_test(deferred_activation), cmocka_unit_test(activation_backward), cmocka_unit_test(ep_overlap_rule)};
+                                     cmocka_unit_test(deferred_activation), cmocka_unit_test(activation_backward),
+                                     cmocka_unit_test(ep_overlap_rule)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

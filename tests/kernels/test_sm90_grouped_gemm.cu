@@ -251,8 +251,8 @@ void staged_matches_registers(void**) {
 // tiles. The same bits as the register path, for the store (K = 136: three k-blocks, fewer
 // than a 128 x 256 tile's four boxes, so they are flushed before the next tile's epilogue) and
 // for the activation epilogue with pre and act, pre alone and act alone (deferred where
-// defers_activation allows it: SwiGLU and SiLU at 128 columns, ReLU at both widths; K = 72 for
-// the plain ones: two k-blocks for four to eight boxes).
+// choose_kernel defers it: ReLU, SiLU and SwiGLU on the 256-wide tiles; K = 72 for the plain
+// ones: two k-blocks for a tile's eight turns, so most are flushed).
 void deferred_matches_registers(void**) {
   uint64_t seed = 970;
   for (int bn : kBlockNs) {
