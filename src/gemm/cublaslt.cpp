@@ -85,6 +85,12 @@ void CublasLtGemm::gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, c
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i)
     MOEBLAZE_CUBLAS_CHECK(api.pref_set_attribute(d.pref, align_attr[i], &align[i], sizeof align[i]));
+  // Split-K partial sums reduced in fp32 only: a reduction in the output type rounds each
+  // partial to bf16/fp16, an absolute error of a few ulps of the partials that flips ReLU's
+  // derivative wherever the exact sum lies within it of zero.
+  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_INPLACE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  MOEBLAZE_CUBLAS_CHECK(api.pref_set_attribute(d.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
+                                                sizeof reduction));
   const AlgoKey key{M, N, K, A.ld, B.ld, ldc, static_cast<int32_t>(A.dtype), static_cast<int32_t>(B.dtype),
                     static_cast<int32_t>(ct), A.trans, B.trans, {align[0], align[1], align[2], align[3]}, ws_bytes};
   cublasLtMatmulAlgo_t algo;
@@ -113,9 +119,14 @@ void CublasLtGemm::gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, c
     slot.algo = algo;
     slot.used = true;
   }
-  if (mark_outputs_initialized_ && beta == 0.f)
-    MOEBLAZE_CUDA_CHECK(cudaMemset2DAsync(C, static_cast<size_t>(ldc) * dtype_size(ct), 0,
-                                          static_cast<size_t>(N) * dtype_size(ct), static_cast<size_t>(M), s));
+  if (mark_outputs_initialized_) {
+    if (beta == 0.f)
+      MOEBLAZE_CUDA_CHECK(cudaMemset2DAsync(C, static_cast<size_t>(ldc) * dtype_size(ct), 0,
+                                            static_cast<size_t>(N) * dtype_size(ct), static_cast<size_t>(M), s));
+    // Split-K algorithms store their partial sums into the workspace by TMA too, and their
+    // reduction kernel then reads them.
+    if (ws && ws_bytes) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(ws, 0, ws_bytes, s));
+  }
   MOEBLAZE_CUBLAS_CHECK(api.matmul(handle_, d.op, &alpha, B.data, d.a, A.data, d.b, &beta, C, d.c, C, d.c, &algo,
                                        ws, ws_bytes, s));
 }

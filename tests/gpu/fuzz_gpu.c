@@ -12,7 +12,9 @@
  * the dtype's tolerance, and on some cases a second run bitwise.
  *
  * Usage: fuzz_gpu [seconds (default 20)] [seed]. Prints one line per finding and a summary
- * last; exits 1 on a finding, 77 without a CUDA device. */
+ * last; exits 1 on a finding, 77 without a CUDA device. FUZZ_CASE=<case seed> (as a finding
+ * prints it) runs that one case alone and prints every compared tensor's error; vary() lists the
+ * variations it takes from the environment. */
 #define _POSIX_C_SOURCE 200809L
 #include <cuda_runtime.h>
 #include <math.h>
@@ -29,6 +31,7 @@ enum { CANARY = 256 };
 static const unsigned char kCanary = 0xA5;
 
 static int g_findings;
+static int g_verbose; /* FUZZ_CASE: every compared tensor's error, not only the failing ones */
 static char g_last_message[512]; /* the CUDA run's failing call's message */
 static uint64_t g_case_seed;
 
@@ -479,6 +482,7 @@ static void compare(const fcase* c, const tensor* t, const outputs* gpu, const o
     double err = i == T_DROUTER ? tu_err_against(a, b, t[i].n, scale) : tu_rel_err(a, b, t[i].n);
     if (i == T_AUX || i == T_Z) err = fabs(a[0] - b[0]) <= 1e-5 + tol * fabs(b[0]) ? 0.0 : INFINITY;
     if (!(err <= tol)) finding("%s: relative error %.3g against the CPU engine (tolerance %.3g)", t[i].name, err, tol);
+    else if (g_verbose) printf("  %s: relative error %.3g (tolerance %.3g)\n", t[i].name, err, tol);
     free(a);
     free(b);
   }
@@ -490,9 +494,21 @@ static int same_bits(const tensor* t, const outputs* a, const outputs* b) {
   return 0;
 }
 
+/* FUZZ_CASE's variations of the replayed case, to narrow a finding down: FUZZ_ACT,
+ * FUZZ_POLICY and FUZZ_ENGINE (the API's numbers), FUZZ_ROW_MAJOR=1 (every tensor contiguous). */
+static void vary(fcase* c) {
+  const char* v;
+  if ((v = getenv("FUZZ_ACT")) && *v) c->layer.activation = atoi(v);
+  if ((v = getenv("FUZZ_POLICY")) && *v) c->layer.save_policy = atoi(v);
+  if ((v = getenv("FUZZ_ENGINE")) && *v) c->layer.engine = atoi(v);
+  if ((v = getenv("FUZZ_ROW_MAJOR")) && atoi(v) == 1)
+    for (int i = 0; i < T_COUNT; ++i) c->layout[i] = LAYOUT_ROWMAJOR;
+}
+
 static void one_case(tu_rng* r, counters* k) {
   fcase c;
   draw(&c, r);
+  if (g_verbose) vary(&c);
   char desc[512];
   tensor t[T_COUNT];
   make_tensors(&c, t, r);
@@ -556,7 +572,7 @@ static void one_case(tu_rng* r, counters* k) {
   free_outputs(&og2);
   for (int i = 0; i < T_COUNT; ++i) tu_free(initial[i]);
 done:
-  if (g_findings != failures_before) printf("  case: %s\n", describe(&c, desc, sizeof desc));
+  if (g_findings != failures_before || g_verbose) printf("  case: %s\n", describe(&c, desc, sizeof desc));
   moeblaze_destroy(gpu);
   moeblaze_destroy(cpu);
   for (int i = 0; i < T_COUNT; ++i) free_tensor(&t[i]);
@@ -570,10 +586,21 @@ int main(int argc, char** argv) {
   }
   const double seconds = argc > 1 ? atof(argv[1]) : 20.0;
   const uint64_t seed = argc > 2 ? strtoull(argv[2], NULL, 10) : tu_fresh_seed("fuzz_gpu");
-  tu_rng r;
-  tu_rng_seed(&r, seed);
   counters k;
   memset(&k, 0, sizeof k);
+  const char* one = getenv("FUZZ_CASE");
+  if (one && *one) {
+    g_verbose = 1;
+    g_case_seed = strtoull(one, NULL, 10);
+    tu_rng cr;
+    tu_rng_seed(&cr, g_case_seed);
+    one_case(&cr, &k);
+    printf("fuzz_gpu: case seed %llu: %ld compared, %ld refused; %d findings\n", (unsigned long long)g_case_seed,
+           k.compared, k.refused_create + k.refused_call, g_findings);
+    return g_findings ? 1 : 0;
+  }
+  tu_rng r;
+  tu_rng_seed(&r, seed);
   struct timespec t0, now;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   do {
