@@ -85,10 +85,12 @@ void CublasLtGemm::gemm(int64_t M, int64_t N, int64_t K, const GemmOperand& A, c
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i)
     MOEBLAZE_CUBLAS_CHECK(api.pref_set_attribute(d.pref, align_attr[i], &align[i], sizeof align[i]));
-  // Split-K partial sums reduced in fp32 only: a reduction in the output type rounds each
-  // partial to bf16/fp16, an absolute error of a few ulps of the partials that flips ReLU's
-  // derivative wherever the exact sum lies within it of zero.
-  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_INPLACE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  // Split-K partial sums reduced in fp32 only: a reduction in the output type (in place in the
+  // output, or in the workspace) rounds each partial to bf16/fp16, an absolute error of a few
+  // ulps of the partials that flips ReLU's derivative wherever the exact sum lies within it of
+  // zero. In place stays allowed for fp32 outputs (the router's logits and weight gradient).
+  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
+                             (ct == DType::kF32 ? uint32_t{CUBLASLT_REDUCTION_SCHEME_INPLACE} : 0u);
   MOEBLAZE_CUBLAS_CHECK(api.pref_set_attribute(d.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
                                                 sizeof reduction));
   const AlgoKey key{M, N, K, A.ld, B.ld, ldc, static_cast<int32_t>(A.dtype), static_cast<int32_t>(B.dtype),
