@@ -46,7 +46,7 @@
 # kernel tests under those tools.
 # fuzz: the differential fuzzer of the CUDA engines (tests/gpu/fuzz_gpu.c) for FUZZ_SECONDS
 # (default 240), then under compute-sanitizer memcheck for FUZZ_MEMCHECK_SECONDS (default 60;
-# 0 skips it); FUZZ_SEED replays a run.
+# 0 skips it); FUZZ_SEED replays a run, FUZZ_CASE one case of it (the seed a finding prints; tests/gpu/fuzz_gpu.c).
 # plan: perf/plan-bench (the routing plan against a CUB sort) and perf/router-bench (the router's
 # kernels alone against their HBM floor).
 # fsdp: a small model of MoELayer blocks under FSDP2 (fully_shard) on every GPU of the machine
