@@ -59,9 +59,10 @@ class CublasLtGemm {
 
   cublasLtHandle_t handle_ = nullptr;
   // MOEBLAZE_SANITIZER_INIT_GEMM_OUTPUTS=1 (read once, at creation): zero each output before a
-  // beta = 0 GEMM, and the workspace before each. compute-sanitizer's initcheck does not see the TMA bulk stores of cuBLASLt's
-  // Hopper kernels, so without it every read of a bf16/fp16 GEMM output is reported as
-  // uninitialised (reproduced standalone, see scripts/gpu-check.sh). A test-only knob.
+  // beta = 0 GEMM, and the workspace before each GEMM. compute-sanitizer's initcheck does not
+  // see the TMA bulk stores of cuBLASLt's Hopper kernels, so without it every read of a
+  // bf16/fp16 GEMM output (or of split-K partial sums) is reported as uninitialised (reproduced
+  // standalone, see scripts/gpu-check.sh). A test-only knob.
   bool mark_outputs_initialized_ = false;
 };
 
