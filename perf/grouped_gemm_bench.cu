@@ -321,8 +321,8 @@ DactRow run_dact(const Config& c, bool expert_order, int reps, Activation act_ki
   r.what = std::string(c.name) + (expert_order ? " dact, dy in expert order" : " dact, dy gathered");
   r.gemm_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, gp, plain, {}, nullptr); }, reps);
   r.pass_ms = median_ms([&] {
-    moeblaze::experts::activation_backward_cuda(act_kind, DType::kBF16, m, h, pre, nullptr, P.d_scale, dpre, gact, dg,
-                                                nullptr);
+    moeblaze::experts::activation_backward_cuda(act_kind, DType::kBF16, m, h, pre, nullptr, P.d_scale, dpre, gh, dpre,
+                                                gact, dg, nullptr);
   }, reps);
   r.ring_ms = median_ms([&] { sm90::grouped_gemm(DType::kBF16, gp, e, ring, nullptr); }, reps);
   GGP_CK(cudaDeviceSynchronize());

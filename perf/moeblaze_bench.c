@@ -2,7 +2,8 @@
  * fine-grained ones (perf/configs/modern-configs.json) or the user's own shapes (--shape
  * T,d,n,E,K), routing from logits, bf16 by default. Prints, per config and activation: median
  * fwd / bwd / fwd+bwd time, throughput, saved-activation bytes, peak bytes (saved + the larger
- * workspace) and the max relative error of one step against the fp64 reference, with a
+ * workspace; backward is the saved buffer's last use, moeblaze_backward_last_use, as in a
+ * trainer) and the max relative error of one step against the fp64 reference, with a
  * pass/fail verdict at the dtype's tolerance. One progress line per row goes to stderr.
  *
  * Without a usable GPU engine it runs the CPU engine at a reduced token count (chosen so a
@@ -476,7 +477,8 @@ static result run_one(backend* be, const options* o, const bench_config* c, int 
   void *y = buf_alloc(be, nx * es), *dx = buf_alloc(be, nx * es), *dwgu = buf_alloc(be, nwgu * es), *dwd = buf_alloc(be, nwd * es),
        *dlog = buf_alloc(be, nl * 4);
   CHECK(moeblaze_get_workspace_size(handle, MOEBLAZE_PASS_FORWARD_TRAINING, L, &res.ws_fwd));
-  CHECK(moeblaze_get_workspace_size(handle, MOEBLAZE_PASS_BACKWARD, L, &res.ws_bwd));
+  /* One backward per forward, as a trainer runs them: the saved buffer's last use. */
+  CHECK(moeblaze_get_workspace_size(handle, MOEBLAZE_PASS_BACKWARD_LAST_USE, L, &res.ws_bwd));
   CHECK(moeblaze_get_saved_size(handle, L, &res.saved));
   const size_t ws_bytes = res.ws_fwd > res.ws_bwd ? res.ws_fwd : res.ws_bwd;
   void* ws = buf_alloc(be, ws_bytes);
@@ -509,7 +511,7 @@ static result run_one(backend* be, const options* o, const bench_config* c, int 
     mark(be, 1);
     double f = elapsed(be);
     mark(be, 0);
-    CHECK(moeblaze_backward(handle, bwd, 9, saved, res.saved, ws, ws_bytes, stream));
+    CHECK(moeblaze_backward_last_use(handle, bwd, 9, saved, res.saved, ws, ws_bytes, stream));
     mark(be, 1);
     double bk = elapsed(be);
     const double ceiling = dense_ceiling_rep_ms(be, &dc);
@@ -536,7 +538,7 @@ static result run_one(backend* be, const options* o, const bench_config* c, int 
     sx[0] = lc;
     sl[0] = lc;
     CHECK(moeblaze_forward(handle, MOEBLAZE_PASS_FORWARD_TRAINING, fwd, 5, ws, ws_bytes, saved, res.saved, stream));
-    CHECK(moeblaze_backward(handle, bwd, 9, saved, res.saved, ws, ws_bytes, stream));
+    CHECK(moeblaze_backward_last_use(handle, bwd, 9, saved, res.saved, ws, ws_bytes, stream));
 #ifdef MOEBLAZE_BENCH_CUDA
     if (be->cuda) cuda_check(cudaStreamSynchronize((cudaStream_t)be->stream), "sync");
 #endif

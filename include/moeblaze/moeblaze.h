@@ -743,6 +743,8 @@ typedef enum moeblaze_pass {
   MOEBLAZE_PASS_FORWARD_INFERENCE = 1, /**< moeblaze_forward() without a saved buffer. */
   MOEBLAZE_PASS_BACKWARD = 2,          /**< moeblaze_backward(). */
   MOEBLAZE_PASS_ROUTE = 3,             /**< moeblaze_route(). */
+  /** moeblaze_backward_last_use(): a backward that may overwrite the saved buffer. @since 0.3 */
+  MOEBLAZE_PASS_BACKWARD_LAST_USE = 4,
   MOEBLAZE_PASS__FORCE_INT32 = 0x7fffffff /**< Pins the enum to 32 bits. */
 } moeblaze_pass_t;
 
@@ -983,6 +985,35 @@ MOEBLAZE_API moeblaze_status_t moeblaze_backward(moeblaze_handle_t handle,
                                                  const void* saved, size_t saved_bytes,
                                                  void* workspace, size_t workspace_bytes,
                                                  moeblaze_stream_t stream);
+
+/**
+ * @brief moeblaze_backward() for the saved buffer's last use: the backward may write over the
+ *        saved buffer, so it needs less workspace (moeblaze_get_workspace_size() with
+ *        #MOEBLAZE_PASS_BACKWARD_LAST_USE, at most the BACKWARD size).
+ *
+ * The same arguments, checks and results as moeblaze_backward(), bit for bit. What the saved
+ * buffer then holds is unspecified, except that it is marked spent: a later backward on it is
+ * refused (INVALID_ARGUMENT at once on engines that check on the host; on the fused engine,
+ * which never syncs, through #MOEBLAZE_ARG_STATUS with NaN outputs), until a training forward
+ * writes it again. For callers that run one backward per forward (an autograd framework that
+ * does not retain the graph). What it saves, per engine and save policy, is in docs/memory.md:
+ * on the fused engine the pre-activation gradients take the saved pre-activations' place.
+ * @param[in] handle The handle that ran the forward.
+ * @param[in] args As for moeblaze_backward().
+ * @param[in] num_args Number of arguments.
+ * @param[in,out] saved The saved buffer the forward wrote, for the same number of tokens.
+ * @param[in] saved_bytes Size of @p saved.
+ * @param[in] workspace Scratch of at least moeblaze_get_workspace_size(BACKWARD_LAST_USE) bytes.
+ * @param[in] workspace_bytes Size of @p workspace.
+ * @param[in] stream The stream (CUDA handles).
+ * @return As moeblaze_backward().
+ * @since 0.3
+ */
+MOEBLAZE_API moeblaze_status_t moeblaze_backward_last_use(moeblaze_handle_t handle,
+                                                          const moeblaze_arg_t* args, size_t num_args,
+                                                          void* saved, size_t saved_bytes,
+                                                          void* workspace, size_t workspace_bytes,
+                                                          moeblaze_stream_t stream);
 
 /**
  * @brief Runs the router alone: logits (or x and W_g) -> top-k ids and weights, token

@@ -70,6 +70,7 @@ static_assert(static_cast<int>(ArgKind::kExpertBias) == MOEBLAZE_ARG_EXPERT_BIAS
 static_assert(static_cast<int>(ArgKind::kSequenceLengths) == MOEBLAZE_ARG_SEQUENCE_LENGTHS, "argument kinds");
 static_assert(static_cast<int>(ArgKind::kTokenMask) == MOEBLAZE_ARG_TOKEN_MASK, "argument kinds");
 static_assert(static_cast<int>(Pass::kRoute) == MOEBLAZE_PASS_ROUTE, "passes");
+static_assert(static_cast<int>(Pass::kBackwardLastUse) == MOEBLAZE_PASS_BACKWARD_LAST_USE, "passes");
 static_assert(static_cast<int>(Activation::kGeglu) == MOEBLAZE_ACTIVATION_GEGLU, "activations");
 static_assert(static_cast<int>(SavePolicy::kSaveAll) == MOEBLAZE_SAVE_ALL, "save policies");
 static_assert(static_cast<int>(EngineKind::kCudaFused) == MOEBLAZE_ENGINE_CUDA_FUSED, "engines");
@@ -411,7 +412,19 @@ MOEBLAZE_API moeblaze_status_t moeblaze_backward(moeblaze_handle_t h, const moeb
                                                  size_t workspace_bytes, moeblaze_stream_t stream) {
   return api::guard(__func__, [&] {
     require(h, "handle");
-    h->layer.backward(raw(args), num_args, saved, saved_bytes, workspace, workspace_bytes, stream);
+    // Read only: the engines write to saved only on its last use (moeblaze_backward_last_use).
+    h->layer.backward(raw(args), num_args, const_cast<void*>(saved), saved_bytes, workspace, workspace_bytes, stream,
+                      false);
+  });
+}
+
+MOEBLAZE_API moeblaze_status_t moeblaze_backward_last_use(moeblaze_handle_t h, const moeblaze_arg_t* args,
+                                                          size_t num_args, void* saved, size_t saved_bytes,
+                                                          void* workspace, size_t workspace_bytes,
+                                                          moeblaze_stream_t stream) {
+  return api::guard(__func__, [&] {
+    require(h, "handle");
+    h->layer.backward(raw(args), num_args, saved, saved_bytes, workspace, workspace_bytes, stream, true);
   });
 }
 

@@ -322,6 +322,7 @@ const char* pass_name(Pass p) {
     case Pass::kForwardInference: return "forward (inference)";
     case Pass::kBackward: return "backward";
     case Pass::kRoute: return "route";
+    case Pass::kBackwardLastUse: return "backward (last use)";
   }
   return "?";
 }

@@ -14,7 +14,8 @@
 namespace moeblaze {
 inline namespace v0 {
 
-enum class Pass : int32_t { kForwardTraining = 0, kForwardInference = 1, kBackward = 2, kRoute = 3 };
+// kBackwardLastUse names moeblaze_backward_last_use's workspace; its arguments are backward's.
+enum class Pass : int32_t { kForwardTraining = 0, kForwardInference = 1, kBackward = 2, kRoute = 3, kBackwardLastUse = 4 };
 
 enum class ArgKind : int32_t {
   kInput = 1, kRouterWeight = 2, kRouterLogits = 3, kExpertBias = 4, kWGateUp = 5, kWDown = 6,

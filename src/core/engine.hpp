@@ -22,8 +22,15 @@ class Engine {
   virtual size_t workspace_size(Pass pass, int64_t num_tokens) const = 0;
   virtual void forward(Pass pass, const CallArgs& args, void* workspace, void* saved,
                        void* stream) const = 0;
-  virtual void backward(const CallArgs& args, const void* saved, void* workspace,
+  // last_use (moeblaze_backward_last_use): the caller's last use of `saved`, which the engine
+  // may write over; it marks the buffer spent (spent_saved_header) after its last read.
+  // Otherwise `saved` is only read.
+  virtual void backward(const CallArgs& args, void* saved, bool last_use, void* workspace,
                         void* stream) const = 0;
+  // Scratch bytes of a last-use backward; at most workspace_size(kBackward).
+  virtual size_t last_use_workspace_size(int64_t num_tokens) const {
+    return workspace_size(Pass::kBackward, num_tokens);
+  }
   virtual void route(const CallArgs& args, void* workspace, void* stream) const = 0;
   // Saved bytes of a training forward of num_tokens: the shared layout (core/memory_layout),
   // unless the engine keeps more (the expert-parallel layer).

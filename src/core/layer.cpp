@@ -25,9 +25,9 @@ void Layer::check_tokens(int64_t L) const {
 }
 
 size_t Layer::workspace_size(Pass pass, int64_t L) const {
-  if (static_cast<int>(pass) < 0 || static_cast<int>(pass) > 3) fail(Status::kInvalidArgument, "unknown pass %d", static_cast<int>(pass));
+  if (static_cast<int>(pass) < 0 || static_cast<int>(pass) > 4) fail(Status::kInvalidArgument, "unknown pass %d", static_cast<int>(pass));
   check_tokens(L);
-  return align_up(engine_->workspace_size(pass, L));
+  return align_up(pass == Pass::kBackwardLastUse ? engine_->last_use_workspace_size(L) : engine_->workspace_size(pass, L));
 }
 
 size_t Layer::saved_size(int64_t L) const {
@@ -74,7 +74,7 @@ void check_sequence_lengths(const LayerConfig& cfg, const CallArgs& a) {
 }  // namespace
 
 CallArgs Layer::check(Pass pass, const RawArg* args, size_t num_args) const {
-  CallArgs a = decode_args(cfg_, pass, args, num_args);
+  CallArgs a = decode_args(cfg_, pass == Pass::kBackwardLastUse ? Pass::kBackward : pass, args, num_args);
   check_sequence_lengths(cfg_, a);
   return a;
 }
@@ -95,16 +95,17 @@ void Layer::forward(Pass pass, const RawArg* args, size_t n, void* ws, size_t ws
   engine_->forward(pass, a, ws, pass == Pass::kForwardTraining ? saved : nullptr, stream);
 }
 
-void Layer::backward(const RawArg* args, size_t n, const void* saved, size_t saved_bytes, void* ws, size_t ws_bytes,
-                     void* stream) const {
+void Layer::backward(const RawArg* args, size_t n, void* saved, size_t saved_bytes, void* ws, size_t ws_bytes,
+                     void* stream, bool last_use) const {
   CallArgs a = decode_args(cfg_, Pass::kBackward, args, n);
   check_sequence_lengths(cfg_, a);
-  const size_t saved_need = saved_size(a.num_tokens), ws_need = workspace_size(Pass::kBackward, a.num_tokens);
+  const size_t saved_need = saved_size(a.num_tokens),
+               ws_need = workspace_size(last_use ? Pass::kBackwardLastUse : Pass::kBackward, a.num_tokens);
   check_buffer("saved", saved, saved_bytes, saved_need);
   check_buffer("workspace", ws, ws_bytes, ws_need);
-  const CallBuffer buffers[] = {{"saved", saved, saved_need, false}, {"workspace", ws, ws_need, true}};
+  const CallBuffer buffers[] = {{"saved", saved, saved_need, last_use}, {"workspace", ws, ws_need, true}};
   check_call_buffers(a, Pass::kBackward, buffers, 2);
-  engine_->backward(a, saved, ws, stream);
+  engine_->backward(a, saved, last_use, ws, stream);
 }
 
 void Layer::route(const RawArg* args, size_t n, void* ws, size_t ws_bytes, void* stream) const {
@@ -119,7 +120,8 @@ void Layer::route(const RawArg* args, size_t n, void* ws, size_t ws_bytes, void*
 
 void Layer::assert_status(Pass pass, const RawTensor* status, void* stream) const {
   const int p = static_cast<int>(pass);
-  if (p < 0 || p > 3) fail(Status::kInvalidArgument, "unknown pass %d", p);
+  if (p < 0 || p > 4) fail(Status::kInvalidArgument, "unknown pass %d", p);
+  if (pass == Pass::kBackwardLastUse) pass = Pass::kBackward;
   if (!status) fail(Status::kInvalidArgument, "status is NULL");
   const View v = decode_status(cfg_, *status);
   const cuda::StatusSite site = pass == Pass::kBackward ? cuda::StatusSite::kBackward

@@ -30,8 +30,9 @@ class Layer {
   CallArgs check(Pass pass, const RawArg* args, size_t num_args) const;
   void forward(Pass pass, const RawArg* args, size_t num_args, void* workspace, size_t workspace_bytes, void* saved,
                size_t saved_bytes, void* stream) const;
-  void backward(const RawArg* args, size_t num_args, const void* saved, size_t saved_bytes, void* workspace,
-                size_t workspace_bytes, void* stream) const;
+  // last_use: moeblaze_backward_last_use (saved may be written over; Engine::backward).
+  void backward(const RawArg* args, size_t num_args, void* saved, size_t saved_bytes, void* workspace,
+                size_t workspace_bytes, void* stream, bool last_use) const;
   void route(const RawArg* args, size_t num_args, void* workspace, size_t workspace_bytes, void* stream) const;
   // What a call of `pass` reported through its STATUS scalar: a device-side assertion in stream
   // order on a CUDA handle, an error now on a CPU handle.

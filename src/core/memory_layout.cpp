@@ -67,6 +67,13 @@ SavedHeader make_saved_header(const LayerConfig& cfg, int64_t L) {
   return s;
 }
 
+SavedHeader spent_saved_header(const LayerConfig& cfg, int64_t L) {
+  SavedHeader s = make_saved_header(cfg, L);
+  s.pass = static_cast<int32_t>(Pass::kBackwardLastUse);
+  s.check = header_check(s);
+  return s;
+}
+
 void check_saved_header(const SavedHeader& got, const LayerConfig& cfg, int64_t L) {
   const SavedHeader want = make_saved_header(cfg, L);
   const char* what = "saved buffer";
@@ -80,6 +87,8 @@ void check_saved_header(const SavedHeader& got, const LayerConfig& cfg, int64_t 
          want.layout_version);
   if (got.config_fingerprint != want.config_fingerprint || got.engine != want.engine)
     fail(Status::kInvalidArgument, "%s was written by a handle with another configuration or engine", what);
+  if (got.pass == static_cast<int32_t>(Pass::kBackwardLastUse))
+    fail(Status::kInvalidArgument, "%s was spent by moeblaze_backward_last_use: run a training forward again", what);
   if (got.pass != want.pass)
     fail(Status::kInvalidArgument, "%s was written by pass %d, not by a training forward", what, got.pass);
   if (got.num_tokens != L)

@@ -45,6 +45,9 @@ constexpr uint32_t kSavedLayoutVersion = 1;
 
 uint64_t saved_fingerprint(const LayerConfig& cfg);
 SavedHeader make_saved_header(const LayerConfig& cfg, int64_t num_tokens);
+// The header a last-use backward leaves (moeblaze_backward_last_use): pass kBackwardLastUse, so
+// that a later backward on the buffer is refused, with that reason.
+SavedHeader spent_saved_header(const LayerConfig& cfg, int64_t num_tokens);
 // Throws Error(kInvalidArgument) naming the first field of `got` that differs from what this
 // handle's forward would have written for num_tokens.
 void check_saved_header(const SavedHeader& got, const LayerConfig& cfg, int64_t num_tokens);

@@ -74,8 +74,8 @@ __global__ void activation_forward_kernel(int64_t P, int64_t h, const T* pre, in
 // reduction: dg is bitwise reproducible.
 template <class T, int W, Activation A>
 __global__ void activation_backward_kernel(int64_t P, int64_t h, const T* pre, const int32_t* pre_rows,
-                                           const float* gate, T* dpre, T* gact, float* dg_pos,
-                                           const int32_t* rows_done) {
+                                           const float* gate, const T* dact, int64_t ld_dact, T* dpre, T* gact,
+                                           float* dg_pos, const int32_t* rows_done) {
   const int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (p >= P) return;
@@ -86,6 +86,7 @@ __global__ void activation_backward_kernel(int64_t P, int64_t h, const T* pre, c
   constexpr bool gated = is_gated(A);
   const int64_t ld = gated ? 2 * h : h;
   const T* pr = pre + (pre_rows ? static_cast<int64_t>(pre_rows[p]) : p) * ld;
+  const T* ar = dact + p * ld_dact;
   T* dr = dpre + p * ld;
   T* gr = gact + p * h;
   const float g = gate[p];
@@ -95,11 +96,11 @@ __global__ void activation_backward_kernel(int64_t P, int64_t h, const T* pre, c
     if (W == 8) {
       Elem<T>::load8(pr + c, u);
       if (gated) Elem<T>::load8(pr + h + c, b);
-      Elem<T>::load8(dr + c, da);
+      Elem<T>::load8(ar + c, da);
     } else {
       u[0] = Elem<T>::load1(pr + c);
       if (gated) b[0] = Elem<T>::load1(pr + h + c);
-      da[0] = Elem<T>::load1(dr + c);
+      da[0] = Elem<T>::load1(ar + c);
     }
 #pragma unroll
     for (int q = 0; q < W; ++q) {
@@ -172,19 +173,24 @@ void activation_forward_cuda(Activation a, DType dt, int64_t P, int64_t h, const
 }
 
 void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, const int32_t* pre_rows,
-                              const float* gate, void* dpre, void* gact, float* dg_pos, cudaStream_t s,
-                              const int32_t* rows_done) {
+                              const float* gate, const void* dact, int64_t ld_dact, void* dpre, void* gact,
+                              float* dg_pos, cudaStream_t s, const int32_t* rows_done) {
   if (P == 0) return;
-  const bool vec = h % 8 == 0;
+  const bool vec = h % 8 == 0 && ld_dact % 8 == 0;
   const unsigned blocks = static_cast<unsigned>(ceil_div(P, 8));
   MOEBLAZE_DISPATCH_FLOAT(dt, T, {
     const T* in = static_cast<const T*>(pre);
+    const T* da = static_cast<const T*>(dact);
     T* dp = static_cast<T*>(dpre);
     T* ga = static_cast<T*>(gact);
     with_activation(a, [&](auto t) {
       constexpr Activation A = decltype(t)::value;
-      if (vec) activation_backward_kernel<T, 8, A><<<blocks, 256, 0, s>>>(P, h, in, pre_rows, gate, dp, ga, dg_pos, rows_done);
-      else activation_backward_kernel<T, 1, A><<<blocks, 256, 0, s>>>(P, h, in, pre_rows, gate, dp, ga, dg_pos, rows_done);
+      if (vec)
+        activation_backward_kernel<T, 8, A>
+            <<<blocks, 256, 0, s>>>(P, h, in, pre_rows, gate, da, ld_dact, dp, ga, dg_pos, rows_done);
+      else
+        activation_backward_kernel<T, 1, A>
+            <<<blocks, 256, 0, s>>>(P, h, in, pre_rows, gate, da, ld_dact, dp, ga, dg_pos, rows_done);
     });
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("activation_backward");

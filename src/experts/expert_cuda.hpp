@@ -31,16 +31,19 @@ void gates_to_positions_cuda(const RoutingPlan& plan, int64_t L, int64_t k, floa
 void activation_forward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, int64_t pre_ld, void* act,
                              cudaStream_t s);
 
-// On entry dpre[p, 0:h] holds dact = dy W_down^T. One pass per row p, with g = gate[p] and
-// act recomputed from pre exactly as the forward rounded it:
-//   dg_pos[p] = <dact, act>;  dpre[p, :] = backward of g * dact (dA, dB or dH), in place;
+// dact = dy W_down^T is row p of `dact` (stride ld_dact): dpre's own first h columns, or g *
+// act's rows. One pass per row p, with g = gate[p] and act recomputed from pre exactly as the
+// forward rounded it:
+//   dg_pos[p] = <dact, act>;  dpre[p, :] = backward of g * dact (dA, dB or dH);
 //   gact[p, :] = g * act (the dW_down operand).
+// Each element is read before it is written, by the same thread, so dpre may lie over dact or
+// over pre (the same rows), and gact over dact.
 // pre row p is pre_rows[p] when pre_rows is given (a window reading the call's saved pre).
 // With rows_done (a device count, e.g. the sanitised offsets' end), rows p >= *rows_done, which
 // no expert's GEMM wrote (a plan whose offsets end early), only get dg_pos[p] = 0.
 void activation_backward_cuda(Activation a, DType dt, int64_t P, int64_t h, const void* pre, const int32_t* pre_rows,
-                              const float* gate_of_position, void* dpre, void* gact, float* dg_pos, cudaStream_t s,
-                              const int32_t* rows_done = nullptr);
+                              const float* gate_of_position, const void* dact, int64_t ld_dact, void* dpre, void* gact,
+                              float* dg_pos, cudaStream_t s, const int32_t* rows_done = nullptr);
 
 }  // namespace experts
 }  // namespace v0

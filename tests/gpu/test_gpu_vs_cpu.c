@@ -260,13 +260,17 @@ static void make_args(runner* r, step* s, const gcase* c, step_args* A) {
   A->nb = nb;
 }
 
-static moeblaze_status_t run_step(runner* r, step* s, const gcase* c) {
+/* Forward and backward; with last_use the backward is moeblaze_backward_last_use, in a
+ * workspace of its own (smaller) size. */
+static moeblaze_status_t run_step_ex(runner* r, step* s, const gcase* c, int last_use) {
   step_args A;
   make_args(r, s, c, &A);
   size_t wf = 0, wb = 0, sv = 0;
   moeblaze_status_t st;
   if ((st = moeblaze_get_workspace_size(r->h, MOEBLAZE_PASS_FORWARD_TRAINING, s->L, &wf))) return st;
-  if ((st = moeblaze_get_workspace_size(r->h, MOEBLAZE_PASS_BACKWARD, s->L, &wb))) return st;
+  if ((st = moeblaze_get_workspace_size(r->h, last_use ? MOEBLAZE_PASS_BACKWARD_LAST_USE : MOEBLAZE_PASS_BACKWARD, s->L,
+                                        &wb)))
+    return st;
   if ((st = moeblaze_get_saved_size(r->h, s->L, &sv))) return st;
   size_t wsz = wf > wb ? wf : wb;
   void *ws = NULL, *saved = NULL;
@@ -278,7 +282,8 @@ static moeblaze_status_t run_step(runner* r, step* s, const gcase* c) {
   }
   st = moeblaze_forward(r->h, MOEBLAZE_PASS_FORWARD_TRAINING, A.f, A.nf, ws, wsz, saved, sv, r->stream);
   if (st == MOEBLAZE_STATUS_SUCCESS) {
-    st = moeblaze_backward(r->h, A.b, A.nb, saved, sv, ws, wsz, r->stream);
+    st = last_use ? moeblaze_backward_last_use(r->h, A.b, A.nb, saved, sv, ws, wsz, r->stream)
+                  : moeblaze_backward(r->h, A.b, A.nb, saved, sv, ws, wsz, r->stream);
   }
   if (r->cuda) {
     cudaStreamSynchronize(r->stream);
@@ -290,6 +295,8 @@ static moeblaze_status_t run_step(runner* r, step* s, const gcase* c) {
   }
   return st;
 }
+
+static moeblaze_status_t run_step(runner* r, step* s, const gcase* c) { return run_step_ex(r, s, c, 0); }
 
 /* Device copies of every slot, outputs poisoned (or, with accumulate, given `prior`), plus
  * guard bytes after each buffer filled with 0xA5. */
@@ -444,6 +451,29 @@ static void describe(char* buf, size_t n, const gcase* c) {
 }
 
 /* One case: CPU vs GPU (poisoned outputs), then determinism (three GPU runs, same bits). */
+/* The GPU step again on fresh device copies of s (the same handle and stream), with the plain
+ * or the last-use backward; every output must equal `first`'s bits. */
+static void rerun_matches(const char* what, const step* s, const step* first, const runner* rg, const gcase* c,
+                          const step* prior, int last_use, const char* how) {
+  step again = *s;
+  alloc_outputs(&again);
+  runner r2 = {0};
+  r2.h = rg->h; r2.cuda = 1; r2.stream = rg->stream; r2.weight_pad = rg->weight_pad;
+  to_device(&r2, &again, prior);
+  const moeblaze_status_t st = run_step_ex(&r2, &again, c, last_use);
+  if (st) fail_msg("%s: GPU step, %s: %s: %s", what, how, moeblaze_status_name(st), moeblaze_get_last_error_message());
+  if (!guards_intact(&r2, &again)) fail_msg("%s: a GPU output was written past its end (%s)", what, how);
+  from_device(&r2, &again);
+  free_device(&r2);
+  slotinfo ta[T_COUNT], tf[T_COUNT];
+  slots(&again, ta);
+  slots((step*)first, tf);
+  for (int i = T_Y; i < T_COUNT; ++i)
+    if (memcmp(*ta[i].host, *tf[i].host, ta[i].n * tu_dtype_size(ta[i].dt)) != 0)
+      fail_msg("%s: %s differs from the first run in slot %d", what, how, i);
+  free_outputs(&again);
+}
+
 static void run_case(const gcase* c, tu_rng* rng, int determinism) {
   char what[256];
   describe(what, sizeof what, c);
@@ -475,25 +505,11 @@ static void run_case(const gcase* c, tu_rng* rng, int determinism) {
   if (!guards_intact(&rg, &gpu)) fail_msg("%s: a GPU output was written past its end", what);
   from_device(&rg, &gpu);
   compare(what, &gpu, &cpu, c);
-  if (determinism) {
-    step again = s;
-    alloc_outputs(&again);
-    for (int rep = 0; rep < 2; ++rep) {
-      runner r2 = {0};
-      r2.h = rg.h; r2.cuda = 1; r2.stream = rg.stream; r2.weight_pad = rg.weight_pad;
-      to_device(&r2, &again, c->accumulate ? &prior : NULL);
-      assert_ok(run_step(&r2, &again, c));
-      from_device(&r2, &again);
-      free_device(&r2);
-      slotinfo ta[T_COUNT], tgp[T_COUNT];
-      slots(&again, ta);
-      slots(&gpu, tgp);
-      for (int i = T_Y; i < T_COUNT; ++i)
-        if (memcmp(*ta[i].host, *tgp[i].host, ta[i].n * tu_dtype_size(ta[i].dt)) != 0)
-          fail_msg("%s: run %d differs from run 1 in slot %d (not deterministic)", what, rep + 2, i);
-    }
-    free_outputs(&again);
-  }
+  /* the saved buffer's last use gives the same bits as the backward that only reads it, and
+   * (determinism) two more plain runs give them again */
+  rerun_matches(what, &s, &gpu, &rg, c, c->accumulate ? &prior : NULL, 1, "the last-use backward");
+  if (determinism)
+    for (int rep = 0; rep < 2; ++rep) rerun_matches(what, &s, &gpu, &rg, c, c->accumulate ? &prior : NULL, 0, "a second run");
   free_device(&rg);
   cudaStreamDestroy(rg.stream);
   moeblaze_destroy(rc.h);
@@ -536,6 +552,29 @@ static void every_activation_dtype_policy(void** state) {
         c.layer.score_fn = (di == 2) ? MOEBLAZE_SCORE_SIGMOID : MOEBLAZE_SCORE_SOFTMAX;
         run_case(&c, &rng, act == 3 && pol == 0);
       }
+}
+
+/* Shapes that take each of the fused engine's ways through the activation backward (in the dact
+ * GEMM's ring, on its epilogue warps, the separate pass after it; gemm/sm90/heuristics.hpp), each
+ * against the CPU engine and, as every case, its last-use backward (dpre over the saved or the
+ * recomputed pre) against the plain one, bit for bit. */
+static void activation_backward_paths(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_act_backward_paths"));
+  const struct { int64_t d, h; int act, policy; } shapes[] = {
+      {64, 512, MOEBLAZE_ACTIVATION_SILU, MOEBLAZE_SAVE_PREACT},      /* in the ring, 256 wide */
+      {64, 128, MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_SAVE_ALL},       /* in the ring, gated, 128 wide */
+      {1536, 256, MOEBLAZE_ACTIVATION_SILU, MOEBLAZE_SAVE_PREACT},    /* the epilogue warps */
+      {1536, 256, MOEBLAZE_ACTIVATION_GEGLU, MOEBLAZE_SAVE_RECOMPUTE_UP},  /* the epilogue warps, gated */
+      {1536, 128, MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_SAVE_PREACT},  /* the separate pass */
+      {1536, 128, MOEBLAZE_ACTIVATION_RELU, MOEBLAZE_SAVE_RECOMPUTE_UP},   /* the separate pass, recomputed pre */
+  };
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; ++i) {
+    gcase c = base_case(8, 2, shapes[i].d, shapes[i].h, 203, shapes[i].act, tu_bf16, shapes[i].policy,
+                        (int)i % 3);
+    run_case(&c, &rng, 0);
+  }
 }
 
 static void routing_modes_and_edges(void** state) {
@@ -843,10 +882,14 @@ static void hostile_saved_buffers(void** state) {
   const size_t at[4] = {256 + 7 * 4, 256 + 2 * R + 5 * 4, 256 + 3 * R + 11 * 4, 256 + 4 * R + 3 * 4};
   const int32_t bad[4] = {(int32_t)c.layer.experts + 3, -9, (int32_t)(c.L * c.layer.top_k) + 1, 1 << 29};
   const int grads[] = {T_DX, T_DWGU, T_DWD, T_DGW, T_DLOG};
-  for (int variant = 0; variant < 8; ++variant) {
+  /* variants: zeros, ones, random bytes (2), one bad plan entry (4), spent by a last-use backward */
+  for (int variant = 0; variant < 9; ++variant) {
     assert_ok(moeblaze_forward(r.h, MOEBLAZE_PASS_FORWARD_TRAINING, A.f, A.nf, ws, wsz, saved, sv, r.stream));
     CUDA_OK(cudaStreamSynchronize(r.stream));
-    if (variant == 0) CUDA_OK(cudaMemset(saved, 0, sv));
+    if (variant == 8) {
+      assert_ok(moeblaze_backward_last_use(r.h, A.b, A.nb, saved, sv, ws, wsz, r.stream));
+      CUDA_OK(cudaStreamSynchronize(r.stream));
+    } else if (variant == 0) CUDA_OK(cudaMemset(saved, 0, sv));
     else if (variant == 1) CUDA_OK(cudaMemset(saved, 0xff, sv));
     else if (variant < 4) {
       for (size_t i = 0; i < sv; ++i) junk[i] = (unsigned char)tu_rng_next(&rng);
@@ -1128,6 +1171,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(every_activation_dtype_policy),
       cmocka_unit_test(routing_modes_and_edges),
+      cmocka_unit_test(activation_backward_paths),
       cmocka_unit_test(transposed_weights),
       cmocka_unit_test(bad_caller_ids_write_nothing),
       cmocka_unit_test(route_only),
@@ -1143,8 +1187,9 @@ int main(void) {
    * not failed. fused-windowed runs the fused engine on windows of 13 tokens: most cases then
    * span several windows (weight gradients summed across them, saved pre read at the call's
    * positions). fused-pregather runs those windows with the backward's copy of dy and x rows into
-   * expert order (MOEBLAZE_FUSED_PREGATHER=always, read when a handle is created), which the
-   * rule keeps for experts wider than these tests' (gemm/sm90/heuristics.hpp). */
+   * expert order (MOEBLAZE_FUSED_PREGATHER=always), which the rule keeps for experts wider than
+   * these tests' (gemm/sm90/heuristics.hpp). The library reads that knob once per process, so
+   * fused-pregather runs only when asked for alone (CTest's test_gpu_vs_cpu_pregather). */
   static const struct { int64_t engine, window; const char* name; int pregather; } engines[] = {
       {MOEBLAZE_ENGINE_CUDA_CUBLASLT, 0, "cublaslt", 0},
       {MOEBLAZE_ENGINE_CUDA_FUSED, 0, "fused", 0},
@@ -1153,7 +1198,7 @@ int main(void) {
   const char* only = getenv("MOEBLAZE_TEST_ENGINE");
   int failed = 0, ran = 0;
   for (size_t i = 0; i < sizeof engines / sizeof engines[0]; ++i) {
-    if (only && strcmp(only, engines[i].name) != 0) continue;
+    if (only ? strcmp(only, engines[i].name) != 0 : engines[i].pregather) continue;
     g_engine = engines[i].engine;
     g_window = engines[i].window;
     if (engines[i].pregather) setenv("MOEBLAZE_FUSED_PREGATHER", "always", 1);

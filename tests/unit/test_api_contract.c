@@ -388,16 +388,18 @@ static void assert_status_on_cpu(void** state) {
   int32_t* st = (int32_t*)guarded(1);
   const moeblaze_tensor_t t = tu_tensor(st, tu_i32, 0, NULL);
   *st = 0;
-  for (int p = 0; p < 4; ++p) assert_ok(moeblaze_assert_status(f->h, (moeblaze_pass_t)p, &t, NULL));
+  for (int p = 0; p <= MOEBLAZE_PASS_BACKWARD_LAST_USE; ++p) assert_ok(moeblaze_assert_status(f->h, (moeblaze_pass_t)p, &t, NULL));
   *st = MOEBLAZE_STATUS_INVALID_ARGUMENT;
   assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_FORWARD_TRAINING, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(moeblaze_get_last_error_message(), "caller expert id"));
   assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_BACKWARD, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_non_null(strstr(moeblaze_get_last_error_message(), "saved buffer"));
+  assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_BACKWARD_LAST_USE, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_non_null(strstr(moeblaze_get_last_error_message(), "saved buffer"));
   *st = 0;
   assert_int_equal(moeblaze_assert_status(NULL, MOEBLAZE_PASS_BACKWARD, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_int_equal(moeblaze_assert_status(f->h, MOEBLAZE_PASS_BACKWARD, NULL, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
-  assert_int_equal(moeblaze_assert_status(f->h, (moeblaze_pass_t)4, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_int_equal(moeblaze_assert_status(f->h, (moeblaze_pass_t)5, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_int_equal(moeblaze_assert_status(f->h, (moeblaze_pass_t)-1, &t, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   moeblaze_tensor_t bad = t;
   bad.dtype = tu_i64;
@@ -560,14 +562,14 @@ static void every_entry_point_rejects_null(void** state) {
   assert_status(moeblaze_handle_get_dtype(NULL, MOEBLAZE_ATTR_WEIGHT_DTYPE, &dt), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_status(moeblaze_handle_get_dtype(f->h, MOEBLAZE_ATTR_WEIGHT_DTYPE, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   /* sizes */
-  for (int p = MOEBLAZE_PASS_FORWARD_TRAINING; p <= MOEBLAZE_PASS_ROUTE; ++p) {
+  for (int p = MOEBLAZE_PASS_FORWARD_TRAINING; p <= MOEBLAZE_PASS_BACKWARD_LAST_USE; ++p) {
     assert_status(moeblaze_get_workspace_size(NULL, (moeblaze_pass_t)p, 1, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
     assert_status(moeblaze_get_workspace_size(f->h, (moeblaze_pass_t)p, 1, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   }
   assert_status(moeblaze_get_saved_size(NULL, 1, &bytes), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_status(moeblaze_get_saved_size(f->h, 1, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   /* execution: NULL handle, NULL argument array (with and without a count) */
-  for (int p = MOEBLAZE_PASS_FORWARD_TRAINING; p <= MOEBLAZE_PASS_ROUTE; ++p) {
+  for (int p = MOEBLAZE_PASS_FORWARD_TRAINING; p <= MOEBLAZE_PASS_BACKWARD_LAST_USE; ++p) {
     assert_status(moeblaze_check_args(NULL, (moeblaze_pass_t)p, a, n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
     assert_status(moeblaze_check_args(f->h, (moeblaze_pass_t)p, NULL, n), MOEBLAZE_STATUS_INVALID_ARGUMENT);
     assert_status(moeblaze_check_args(f->h, (moeblaze_pass_t)p, NULL, 0), MOEBLAZE_STATUS_INVALID_ARGUMENT);
@@ -580,6 +582,10 @@ static void every_entry_point_rejects_null(void** state) {
                 MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_status(moeblaze_backward(NULL, a, n, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_status(moeblaze_backward(f->h, NULL, n, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_backward_last_use(NULL, a, n, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_status(moeblaze_backward_last_use(f->h, NULL, n, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_status(moeblaze_route(NULL, a, n, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   assert_status(moeblaze_route(f->h, NULL, n, f->ws, f->ws_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
   /* NULL is valid where documented: destroy calls and removing the log callback. */
@@ -722,6 +728,47 @@ static void backward_and_route_validate(void** state) {
   assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_ROUTE, r, 3), MOEBLAZE_STATUS_INVALID_ARGUMENT);
 }
 
+/* The saved buffer's last use: the same results as backward, bit for bit; the buffer is then
+ * spent, and a later backward on it is refused with that reason (and writes nothing) until a
+ * training forward writes it again. Its workspace query exists and is at most backward's. */
+static void backward_last_use(void** state) {
+  fixture* f = *state;
+  moeblaze_arg_t a[8], b[10];
+  const size_t n = fwd_args(f, a), nb = bwd_args(f, b);
+  const size_t dxb = L0 * D0 * sizeof(float);
+  size_t wb = 0, wl = 0;
+  assert_ok(moeblaze_get_workspace_size(f->h, MOEBLAZE_PASS_BACKWARD, L0, &wb));
+  assert_ok(moeblaze_get_workspace_size(f->h, MOEBLAZE_PASS_BACKWARD_LAST_USE, L0, &wl));
+  assert_true(wl <= wb);
+  assert_status(moeblaze_get_workspace_size(f->h, (moeblaze_pass_t)(MOEBLAZE_PASS_BACKWARD_LAST_USE + 1), L0, &wl),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_ok(moeblaze_check_args(f->h, MOEBLAZE_PASS_BACKWARD_LAST_USE, b, nb));
+  assert_status(moeblaze_forward(f->h, MOEBLAZE_PASS_BACKWARD_LAST_USE, a, n, f->ws, f->ws_bytes, f->saved,
+                                 f->saved_bytes, NULL), MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  float* plain = tu_alloc_bytes(dxb);
+  assert_ok(fwd(f, a, n));
+  assert_ok(moeblaze_backward(f->h, b, nb, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL));
+  memcpy(plain, f->dx, dxb);
+  assert_ok(moeblaze_backward(f->h, b, nb, f->saved, f->saved_bytes, f->ws, f->ws_bytes, NULL)); /* still readable */
+  assert_memory_equal(plain, f->dx, dxb);
+  memset(f->dx, 0x3c, dxb);
+  assert_ok(moeblaze_backward_last_use(f->h, b, nb, f->saved, f->saved_bytes, f->ws, wb, NULL));
+  assert_memory_equal(plain, f->dx, dxb);
+  assert_true(guard_intact(f->dx, dxb));
+  for (int rep = 0; rep < 2; ++rep) {
+    memset(f->dx, 0x3c, dxb);
+    const moeblaze_status_t st = rep ? moeblaze_backward_last_use(f->h, b, nb, f->saved, f->saved_bytes, f->ws, wb, NULL)
+                                     : moeblaze_backward(f->h, b, nb, f->saved, f->saved_bytes, f->ws, wb, NULL);
+    assert_status(st, MOEBLAZE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moeblaze_get_last_error_message(), "spent"));
+    for (size_t i = 0; i < dxb; ++i) assert_int_equal(((unsigned char*)f->dx)[i], 0x3c);
+  }
+  assert_ok(fwd(f, a, n)); /* a training forward makes it readable again */
+  assert_ok(moeblaze_backward_last_use(f->h, b, nb, f->saved, f->saved_bytes, f->ws, wb, NULL));
+  assert_memory_equal(plain, f->dx, dxb);
+  tu_free(plain);
+}
+
 static void* error_in_thread(void* p) {
   (void)p;
   moeblaze_status_t s = moeblaze_config_create(NULL);
@@ -823,6 +870,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(every_entry_point_rejects_null, setup, teardown),
       cmocka_unit_test_setup_teardown(null_workspace_only_when_not_needed, setup, teardown),
       cmocka_unit_test_setup_teardown(backward_and_route_validate, setup, teardown),
+      cmocka_unit_test_setup_teardown(backward_last_use, setup, teardown),
       cmocka_unit_test(bad_create),
       cmocka_unit_test(no_gpu_here),
       cmocka_unit_test_setup_teardown(wrong_dtype_shape_stride_device, setup, teardown),

@@ -704,15 +704,21 @@ class Handle(_Owned):
             _L.moeblaze_forward(self, p, arr, len(args), ws, wsb, sv, svb, st)
 
     def backward(self, args, saved, workspace=None, stream=None, saved_bytes=None,
-                 workspace_bytes=None):
+                 workspace_bytes=None, last_use=False):
+        """moeblaze_backward, or with ``last_use`` moeblaze_backward_last_use: the saved buffer's
+        last use, which may write over it (its workspace is Pass.BACKWARD_LAST_USE's) and
+        leaves it spent."""
         self._require_open()
         args = _as_args(args)
         arr = args.to_array()
-        sv, svb, _k1 = _buffer(saved, saved_bytes, "saved_in")
+        sv, svb, _k1 = _buffer(saved, saved_bytes, "saved" if last_use else "saved_in")
         ws, wsb, _k2 = _buffer(workspace, workspace_bytes, "workspace")
         st = _stream(stream)
         with self._call():
-            _L.moeblaze_backward(self, arr, len(args), sv, svb, ws, wsb, st)
+            if last_use:
+                _L.moeblaze_backward_last_use(self, arr, len(args), sv, svb, ws, wsb, st)
+            else:
+                _L.moeblaze_backward(self, arr, len(args), sv, svb, ws, wsb, st)
 
     def route(self, args, workspace=None, stream=None, workspace_bytes=None):
         self._require_open()

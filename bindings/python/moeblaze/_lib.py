@@ -103,6 +103,8 @@ _CHECKED = {
                          c_void_p, c_size_t, _stream_t],
     "moeblaze_backward": [_handle_t, POINTER(Arg), c_size_t, c_void_p, c_size_t, c_void_p,
                           c_size_t, _stream_t],
+    "moeblaze_backward_last_use": [_handle_t, POINTER(Arg), c_size_t, c_void_p, c_size_t, c_void_p,
+                                   c_size_t, _stream_t],
     "moeblaze_route": [_handle_t, POINTER(Arg), c_size_t, c_void_p, c_size_t, _stream_t],
     "moeblaze_assert_status": [_handle_t, c_int32, POINTER(Tensor), _stream_t],
 }

@@ -18,7 +18,9 @@ exactly as long as the graph needs it. It is a plain tensor of exactly ``saved_s
 and its contents do not depend on its address: a saved-tensor hook may hand backward a copy
 anywhere (a clone, a CPU round trip, another alignment). The library reads and writes it in
 place when it starts on a 256-byte boundary, as the CUDA caching allocator's blocks always do;
-otherwise (host memory, or a hook's shifted copy) the call goes through an aligned copy.
+otherwise (host memory, or a hook's shifted copy) the call goes through an aligned copy. A
+backward that does not retain the graph is the buffer's last use: it runs
+``moeblaze_backward_last_use``, which writes over the buffer and needs less workspace.
 Workspaces are ``torch.empty`` on the current stream (PyTorch's caching allocator).
 Each operator has a fake (meta) implementation for tracing and the pair is tied together with
 ``register_autograd``; gradients not needed come back as empty tensors internally and as None
@@ -336,6 +338,15 @@ def _realigned(saved):
     return copy
 
 
+def _saved_used_once():
+    """Whether this backward is the saved buffer's last use: inside an autograd backward that
+    does not retain the graph (as AOTAutograd decides for its own saved tensors). Then
+    moeblaze_backward_last_use may write over it and needs less workspace. Outside autograd,
+    or with retain_graph=True, the buffer stays readable."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep is not None and not keep()
+
+
 def _workspace(nbytes, device):
     """A call's workspace from PyTorch's allocator: the uint8 tensor of nbytes + 256 that holds
     it (the caller keeps it until the call is enqueued) and the 256-byte boundary inside it."""
@@ -548,10 +559,12 @@ def _backward_impl(layer: int, mode: int, x: torch.Tensor, router: Optional[torc
         args.add(ArgKind.GRAD_W_GATE_UP, d_wgu)
     if needs[4]:
         args.add(ArgKind.GRAD_W_DOWN, d_wd)
-    ws_bytes = handle.workspace_size(Pass.BACKWARD, L)
+    last_use = _saved_used_once()
+    ws_bytes = handle.workspace_size(Pass.BACKWARD_LAST_USE if last_use else Pass.BACKWARD, L)
     _ws, ws = _workspace(ws_bytes, dev)
     status = _device_status(args, dev)
-    handle.backward(args, saved.data_ptr(), ws, stream=_stream(dev), saved_bytes=saved_bytes, workspace_bytes=ws_bytes)
+    handle.backward(args, saved.data_ptr(), ws, stream=_stream(dev), saved_bytes=saved_bytes, workspace_bytes=ws_bytes,
+                    last_use=last_use)
     _check_device_status(handle, status, Pass.BACKWARD, dev)
     return dx, d_router, d_weights, d_wgu, d_wd
 

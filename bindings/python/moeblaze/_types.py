@@ -264,6 +264,7 @@ class Pass(_IntConstants):
     FORWARD_INFERENCE = 1
     BACKWARD = 2
     ROUTE = 3
+    BACKWARD_LAST_USE = 4
 
 
 class ArgKind(_IntConstants):

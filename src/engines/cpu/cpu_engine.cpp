@@ -56,7 +56,7 @@ class CpuEngine final : public Engine {
   size_t workspace_size(Pass pass, int64_t L) const override { return carve(pass, L, nullptr).bytes; }
 
   void forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* /*stream*/) const override;
-  void backward(const CallArgs& a, const void* saved, void* ws, void* /*stream*/) const override;
+  void backward(const CallArgs& a, void* saved, bool last_use, void* ws, void* /*stream*/) const override;
   void route(const CallArgs& a, void* ws, void* /*stream*/) const override;
 
  private:
@@ -278,13 +278,13 @@ void CpuEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, voi
   report_ok(a);
 }
 
-void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) const {
+void CpuEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws, void*) const {
   const int64_t L = a.num_tokens, k = cfg_.top_k, d = cfg_.hidden, h = cfg_.ffn_hidden, gh = cfg_.gate_up_cols();
   const int64_t E = cfg_.num_experts;
   const DType adt = cfg_.act_dtype;
   const int64_t es = static_cast<int64_t>(dtype_size(adt));
   Work w = carve(Pass::kBackward, L, ws);
-  const SavedRegions sv = carve_saved(cfg_, L, const_cast<void*>(saved));
+  const SavedRegions sv = carve_saved(cfg_, L, saved);
   // The saved buffer is the caller's: check its header, then the plan, before following any index.
   check_saved_header(*sv.header, cfg_, L);
   routing::validate_plan(sv.plan, L, k, E);
@@ -457,6 +457,7 @@ void CpuEngine::backward(const CallArgs& a, const void* saved, void* ws, void*) 
       }
     });
   }
+  if (last_use) *sv.header = spent_saved_header(cfg_, L);
   report_ok(a);
 }
 

@@ -99,7 +99,7 @@ class CublasLtEngine final : public Engine {
   EngineKind kind() const override { return EngineKind::kCudaCublasLt; }
   size_t workspace_size(Pass pass, int64_t L) const override { return carve(pass, L, nullptr).bytes; }
   void forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const override;
-  void backward(const CallArgs& a, const void* saved, void* ws, void* stream) const override;
+  void backward(const CallArgs& a, void* saved, bool last_use, void* ws, void* stream) const override;
   void route(const CallArgs& a, void* ws, void* stream) const override;
 
  private:
@@ -263,7 +263,7 @@ void CublasLtEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved
   report_ok(a, s);
 }
 
-void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
+void CublasLtEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws, void* stream) const {
   cuda::DeviceGuard guard(cfg_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden, h = cfg_.ffn_hidden;
@@ -272,7 +272,7 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
   const int64_t es = static_cast<int64_t>(dtype_size(dt));
   refuse_capture(s, "backward");
   CublasLtWork w = carve(Pass::kBackward, L, ws);
-  const SavedRegions sv = carve_saved(cfg_, L, const_cast<void*>(saved));
+  const SavedRegions sv = carve_saved(cfg_, L, saved);
   const RoutingPlan& plan = sv.plan;
   // The saved buffer is the caller's: its header and plan are checked (the plan on the device,
   // reading only in-range indices) and read back at this engine's one sync, before any work
@@ -308,7 +308,7 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
     gemm(n, h, d, {dyg + p0 * d * es, dt, d, false}, weight_operand(a.w_down, e, true),
          dpre + p0 * gh * es, dt, gh, 0.f, w, s);
   });
-  experts::activation_backward_cuda(cfg_.activation, dt, P, h, pre, nullptr, w.gate_pos, dpre, gact, w.dg_pos, s);
+  experts::activation_backward_cuda(cfg_.activation, dt, P, h, pre, nullptr, w.gate_pos, dpre, gh, dpre, gact, w.dg_pos, s);
 
   if (a.d_w_down.present) weight_gradient(a.d_w_down, off, h, d, gact, h, dyg, d, w, s);            // (g act)^T dy
   if (a.d_w_gate_up.present) weight_gradient(a.d_w_gate_up, off, d, gh, xg, d, dpre, gh, w, s);     // x^T dpre
@@ -326,6 +326,7 @@ void CublasLtEngine::backward(const CallArgs& a, const void* saved, void* ws, vo
     combine::combine_rows_cuda(plan.token_index_map, nullptr, L, k, d, dx_part, router_dx ? w.router.router_dx : nullptr, a.dx, s);
     router_->add_router_dx(a, needs, a.dx, w.router, s);
   }
+  if (last_use) cuda::store_saved_header(spent_saved_header(cfg_, L), sv.header, s);
   report_ok(a, s);
 }
 

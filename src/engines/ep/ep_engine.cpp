@@ -189,7 +189,7 @@ class EpEngine final : public Engine {
   size_t workspace_size(Pass pass, int64_t L) const override { return carve_work(pass, L, nullptr).bytes; }
   size_t saved_size(const LayerConfig&, int64_t L) const override { return carve_ep_saved(L, nullptr).bytes; }
   void forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const override;
-  void backward(const CallArgs& a, const void* saved, void* ws, void* stream) const override;
+  void backward(const CallArgs& a, void* saved, bool last_use, void* ws, void* stream) const override;
   void route(const CallArgs& a, void* ws, void* stream) const override;
   void refuse_capture_if_local_syncs(cudaStream_t s, const char* what) const;
 
@@ -517,14 +517,14 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
   cuda::write_status(flag, a.status, s, ep::kRecvOverflow, kRowsLate);
 }
 
-void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
+void EpEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws, void* stream) const {
   cuda::DeviceGuard guard(g_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   refuse_capture_if_local_syncs(s, "backward");
   const int64_t L = a.num_tokens;
   const int32_t k = static_cast<int32_t>(g_.top_k);
   EpWork w = carve_work(Pass::kBackward, L, ws);
-  const EpSaved sv = carve_ep_saved(L, const_cast<void*>(saved));
+  const EpSaved sv = carve_ep_saved(L, saved);
   const ep::Exchange x = exchange(w);
   int32_t* flag = w.router.error_flag;
   const Needs needs = needs_of(g_, Pass::kBackward, a);
@@ -560,7 +560,8 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
     send_dx.ctas = lane_ctas();
     la.side = lane(send_dx);
   }
-  local_->backward(la, sv.local, w.local_ws, s);
+  // The local call reads its saved buffer only: its workspace is sized for a plain backward.
+  local_->backward(la, sv.local, false, w.local_ws, s);
   if (overlap_) join_rows(s);
   cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
   if (dx_beside) ep::poison_returns_cuda(x, w.ret_addr, w.local_status, s);
@@ -577,6 +578,7 @@ void EpEngine::backward(const CallArgs& a, const void* saved, void* ws, void* st
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
   for (const View* out : {&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight})
     cuda::poison_if_flagged(flag, *out, s);
+  if (last_use) cuda::store_saved_header(spent_saved_header(g_, L), sv.header, s);
   cuda::write_status(flag, a.status, s, ep::kRecvOverflow, kRowsLate);
 }
 

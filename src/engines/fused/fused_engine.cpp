@@ -55,6 +55,12 @@ struct FusedWork {
   void* act = nullptr;            // forward: [W k, h] unless saved; backward: g * act
   void* out = nullptr;            // forward: [W k, d] gate-scaled expert outputs
   void* dpre = nullptr;           // backward: [W k, g h]
+  // dpre written over the pre it is computed from (fused_dpre_over_pre), which the activation
+  // backward reads last, element by element, before it writes dpre there: the recomputed pre in
+  // the workspace, or on a last-use backward the saved pre (dpre_in_saved: set by backward).
+  bool dpre_over_pre = false;
+  bool dpre_in_saved = false;
+  bool router_in_dpre = false;    // the router backward's window rows lie in dpre's
   void* dx_part = nullptr;        // backward: [W k, d]
   float* dg_pos = nullptr;        // backward: [fused_dg_parts, W k] partial sums (the separate pass: row 0)
   float* dg_tok = nullptr;        // backward: [L k]
@@ -130,8 +136,9 @@ class FusedEngine final : public Engine {
   }
   EngineKind kind() const override { return EngineKind::kCudaFused; }
   size_t workspace_size(Pass pass, int64_t L) const override { return carve(pass, L, nullptr).bytes; }
+  size_t last_use_workspace_size(int64_t L) const override { return carve(Pass::kBackwardLastUse, L, nullptr).bytes; }
   void forward(Pass pass, const CallArgs& a, void* ws, void* saved, void* stream) const override;
-  void backward(const CallArgs& a, const void* saved, void* ws, void* stream) const override;
+  void backward(const CallArgs& a, void* saved, bool last_use, void* ws, void* stream) const override;
   void route(const CallArgs& a, void* ws, void* stream) const override;
 
  private:
@@ -177,23 +184,31 @@ FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
   const size_t es = dtype_size(cfg_.act_dtype);
   w.windows = fused_windows(cfg_, L);
   const size_t Pw = static_cast<size_t>(w.windows.tokens * k);
-  const size_t dpre_bytes = align_up(Pw * static_cast<size_t>(gh) * es);
+  const bool backward = pass == Pass::kBackward || pass == Pass::kBackwardLastUse;
+  // dpre over pre: the recomputed pre always; the saved pre on its last use when one window
+  // covers the call, so that dpre's rows are the saved pre's rows (fused_dpre_over_pre).
+  w.dpre_in_saved = pass == Pass::kBackwardLastUse && fused_dpre_over_saved_pre(cfg_, L, w.windows);
+  w.dpre_over_pre = backward && (cfg_.save_policy == SavePolicy::kRecomputeUp || w.dpre_in_saved);
+  // In the saved buffer dpre has exactly the saved pre's bytes, not rounded up.
+  const size_t dpre_bytes = w.dpre_in_saved ? Pw * static_cast<size_t>(gh) * es : align_up(Pw * static_cast<size_t>(gh) * es);
   // Rows in memory the window is done with (window.hpp says when; both checked here exactly).
-  const bool router_in_dpre = pass == Pass::kBackward && fused_router_rows_in_dpre(cfg_) &&
-                              router_->window_rows_bytes(w.windows.tokens) <= dpre_bytes;
+  w.router_in_dpre = backward && fused_router_rows_in_dpre(cfg_) &&
+                     router_->window_rows_bytes(w.windows.tokens) <= dpre_bytes;
   const bool dx_in_act = fused_dx_parts_in_act(cfg_);  // never with pregather_
-  w.router = router_->carve_head(c, pass, L, w.windows.tokens, base, w.plan, !router_in_dpre);
+  w.router = router_->carve_head(c, backward ? Pass::kBackward : pass, L, w.windows.tokens, base, w.plan,
+                                 !w.router_in_dpre);
   if (pass == Pass::kRoute) {
     w.bytes = c.size();
     return w;
   }
   w.sched = c.take<char>(sm90::schedule_bytes(E));
   w.win = routing::carve_window_plan(c, E, w.windows.tokens, k);
-  if (pass == Pass::kBackward) {
-    if (cfg_.save_policy == SavePolicy::kRecomputeUp) w.pre = c.take<char>(Pw * static_cast<size_t>(gh) * es);
+  if (backward) {
+    if (cfg_.save_policy == SavePolicy::kRecomputeUp) w.pre = c.take<char>(dpre_bytes);
     w.act = c.take<char>(Pw * static_cast<size_t>(h) * es);
-    w.dpre = c.take<char>(dpre_bytes);
-    if (router_in_dpre && w.dpre) router_->place_window_rows(w.router, w.windows.tokens, w.dpre);
+    if (!w.dpre_over_pre) w.dpre = c.take<char>(dpre_bytes);
+    else if (!w.dpre_in_saved) w.dpre = w.pre;
+    if (w.router_in_dpre && w.dpre) router_->place_window_rows(w.router, w.windows.tokens, w.dpre);
     w.dx_part = dx_in_act ? w.act : c.take<char>(Pw * static_cast<size_t>(d) * es);
     w.dg_pos = c.take<float>(Pw * static_cast<size_t>(fused_dg_parts(cfg_)));
     w.dg_tok = c.take<float>(static_cast<size_t>(L * k));
@@ -274,14 +289,18 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
   cuda::write_status(w.router.error_flag, a.status, s);
 }
 
-void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void* stream) const {
+void FusedEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws, void* stream) const {
   cuda::DeviceGuard guard(cfg_.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden, h = cfg_.ffn_hidden;
   const int64_t gh = cfg_.gate_up_cols();
   const DType dt = cfg_.act_dtype;
-  FusedWork w = carve(Pass::kBackward, L, ws);
-  const SavedRegions sv = carve_saved(cfg_, L, const_cast<void*>(saved));
+  FusedWork w = carve(last_use ? Pass::kBackwardLastUse : Pass::kBackward, L, ws);
+  const SavedRegions sv = carve_saved(cfg_, L, saved);
+  if (w.dpre_in_saved) {
+    w.dpre = sv.preact;
+    if (w.router_in_dpre) router_->place_window_rows(w.router, w.windows.tokens, w.dpre);
+  }
   const RoutingPlan& plan = sv.plan;
   const routing::WindowPlan& win = w.win;
   const Needs needs = needs_of(cfg_, Pass::kBackward, a);
@@ -312,9 +331,11 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     dact.arrival = a.arrival;
     dact.max_ctas = a.arrival.max_ctas;
   }
+  // dact lands in dpre's first h columns, or, where dpre lies over pre (which the separate pass
+  // still reads), in g * act's rows, which the pass then writes in place.
   sm90::EpilogueParams dact_epi;
-  dact_epi.c = w.dpre;
-  dact_epi.ldc = gh;
+  dact_epi.c = w.dpre_over_pre ? w.act : w.dpre;
+  dact_epi.ldc = w.dpre_over_pre ? h : gh;
   // ... or with the activation backward in its epilogue (dpre in place of dact, g * act, dg
   // partial sums per column block) where that is faster and the kernel takes these tensors
   // (gemm/sm90/grouped_gemm.hpp).
@@ -383,8 +404,8 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
     } else {
       sm90::grouped_gemm(dt, dact, dact_epi, {}, s);
       // dg, dpre (in place) and g * act (recomputed from pre) in one pass.
-      experts::activation_backward_cuda(cfg_.activation, dt, rows * k, h, pre, pre_rows, win.gate, w.dpre, w.act,
-                                        w.dg_pos, s, rows_done);
+      experts::activation_backward_cuda(cfg_.activation, dt, rows * k, h, pre, pre_rows, win.gate, dact_epi.c,
+                                        dact_epi.ldc, w.dpre, w.act, w.dg_pos, s, rows_done);
     }
     // dx: its GEMM, dg in token order (the epilogue's partial sums per column block, or the
     // separate pass's one row), the router's part, the combine.
@@ -432,6 +453,7 @@ void FusedEngine::backward(const CallArgs& a, const void* saved, void* ws, void*
   router_->backward_finish(a, needs, w.router, s);
   for (const View* out : {&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight})
     cuda::poison_if_flagged(flag, *out, s);
+  if (last_use) cuda::store_saved_header(spent_saved_header(cfg_, L), sv.header, s);
   cuda::write_status(flag, a.status, s);
 }
 

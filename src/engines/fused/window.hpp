@@ -34,13 +34,12 @@ inline bool fused_router_rows_in_dpre(const LayerConfig& cfg) {
          cfg.top_k * cfg.gate_up_cols() * static_cast<int64_t>(dtype_size(cfg.act_dtype));
 }
 
-// Bytes of a backward window's row buffers per token: recomputed pre (RECOMPUTE_UP), g * act,
-// dpre, the dx parts (unless in g * act's rows) and the dg partial sums per position, the
-// window plan, and the router backward's rows (unless in dpre's).
+// Bytes of a backward window's row buffers per token: g * act, dpre (over the recomputed pre
+// with RECOMPUTE_UP), the dx parts (unless in g * act's rows) and the dg partial sums per
+// position, the window plan, and the router backward's rows (unless in dpre's).
 inline int64_t fused_window_bytes_per_token(const LayerConfig& cfg) {
   const int64_t es = static_cast<int64_t>(dtype_size(cfg.act_dtype)), gh = cfg.gate_up_cols();
-  const int64_t rows = cfg.ffn_hidden + gh + (fused_dx_parts_in_act(cfg) ? 0 : cfg.hidden) +
-                       (cfg.save_policy == SavePolicy::kRecomputeUp ? gh : 0);
+  const int64_t rows = cfg.ffn_hidden + gh + (fused_dx_parts_in_act(cfg) ? 0 : cfg.hidden);
   return cfg.top_k * (rows * es + 4 * 4 + 4 * fused_dg_parts(cfg)) +
          (fused_router_rows_in_dpre(cfg) ? 0 : router_window_row_bytes_per_token(cfg));
 }
@@ -78,6 +77,15 @@ inline FusedWindows fused_windows(const LayerConfig& cfg, int64_t L) {
   }
   w = std::max<int64_t>(1, std::min(w, L));
   return {w, std::max<int64_t>(1, ceil_div(L, w))};
+}
+
+// A last-use backward (moeblaze_backward_last_use) writes dpre over the saved pre when the
+// policy saves pre and one window covers the call: dpre's window rows are then the saved pre's
+// rows (the call's plan positions), and the activation backward reads each pre element before
+// it writes that element's dpre. Several windows keep dpre in the workspace (their rows are a
+// window's, not the call's).
+inline bool fused_dpre_over_saved_pre(const LayerConfig& cfg, int64_t L, const FusedWindows& windows) {
+  return cfg.save_policy != SavePolicy::kRecomputeUp && windows.count == 1 && windows.tokens == L;
 }
 
 }  // namespace v0

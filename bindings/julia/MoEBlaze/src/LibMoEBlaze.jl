@@ -175,6 +175,7 @@ const MOEBLAZE_PASS_FORWARD_TRAINING = Int32(0)
 const MOEBLAZE_PASS_FORWARD_INFERENCE = Int32(1)
 const MOEBLAZE_PASS_BACKWARD = Int32(2)
 const MOEBLAZE_PASS_ROUTE = Int32(3)
+const MOEBLAZE_PASS_BACKWARD_LAST_USE = Int32(4)
 
 const MOEBLAZE_ARG_INPUT = Int32(1)
 const MOEBLAZE_ARG_ROUTER_WEIGHT = Int32(2)
@@ -361,6 +362,11 @@ function moeblaze_backward(h, args, nargs, saved, sb, ws, wsb, stream)
         args::Ptr{moeblaze_arg_t}, nargs::Csize_t, saved::Ptr{Cvoid}, sb::Csize_t,
         ws::Ptr{Cvoid}, wsb::Csize_t, stream::Ptr{Cvoid})::Int32
 end
+function moeblaze_backward_last_use(h, args, nargs, saved, sb, ws, wsb, stream)
+    @check @ccall libmoeblaze.moeblaze_backward_last_use(h::moeblaze_handle_t,
+        args::Ptr{moeblaze_arg_t}, nargs::Csize_t, saved::Ptr{Cvoid}, sb::Csize_t,
+        ws::Ptr{Cvoid}, wsb::Csize_t, stream::Ptr{Cvoid})::Int32
+end
 function moeblaze_route(h, args, nargs, ws, wsb, stream)
     @check @ccall libmoeblaze.moeblaze_route(h::moeblaze_handle_t, args::Ptr{moeblaze_arg_t},
         nargs::Csize_t, ws::Ptr{Cvoid}, wsb::Csize_t, stream::Ptr{Cvoid})::Int32
@@ -373,7 +379,7 @@ end
 # Every exported C symbol wrapped above (compared with tests/abi/exported-symbols.txt by
 # test/runtests.jl).
 const WRAPPED = [
-    :moeblaze_assert_status, :moeblaze_attr_query, :moeblaze_backward, :moeblaze_check_args, :moeblaze_config_create,
+    :moeblaze_assert_status, :moeblaze_attr_query, :moeblaze_backward, :moeblaze_backward_last_use, :moeblaze_check_args, :moeblaze_config_create,
     :moeblaze_config_destroy, :moeblaze_config_get_dtype, :moeblaze_config_get_f64,
     :moeblaze_config_get_i64, :moeblaze_config_set_dtype, :moeblaze_config_set_f64,
     :moeblaze_config_set_i64, :moeblaze_create, :moeblaze_create_ep, :moeblaze_create_ep_from_unique_id, :moeblaze_destroy, :moeblaze_forward,

@@ -247,6 +247,7 @@ pub const MOEBLAZE_PASS_FORWARD_TRAINING: moeblaze_pass_t = 0;
 pub const MOEBLAZE_PASS_FORWARD_INFERENCE: moeblaze_pass_t = 1;
 pub const MOEBLAZE_PASS_BACKWARD: moeblaze_pass_t = 2;
 pub const MOEBLAZE_PASS_ROUTE: moeblaze_pass_t = 3;
+pub const MOEBLAZE_PASS_BACKWARD_LAST_USE: moeblaze_pass_t = 4;
 
 pub type moeblaze_arg_kind_t = i32;
 pub const MOEBLAZE_ARG_INPUT: moeblaze_arg_kind_t = 1;
@@ -423,6 +424,16 @@ extern "C" {
         workspace_bytes: usize,
         stream: moeblaze_stream_t,
     ) -> moeblaze_status_t;
+    pub fn moeblaze_backward_last_use(
+        handle: moeblaze_handle_t,
+        args: *const moeblaze_arg_t,
+        num_args: usize,
+        saved: *mut c_void,
+        saved_bytes: usize,
+        workspace: *mut c_void,
+        workspace_bytes: usize,
+        stream: moeblaze_stream_t,
+    ) -> moeblaze_status_t;
     pub fn moeblaze_route(
         handle: moeblaze_handle_t,
         args: *const moeblaze_arg_t,
@@ -512,6 +523,7 @@ mod tests {
             moeblaze_check_args as *const () as usize,
             moeblaze_forward as *const () as usize,
             moeblaze_backward as *const () as usize,
+            moeblaze_backward_last_use as *const () as usize,
             moeblaze_route as *const () as usize,
             moeblaze_assert_status as *const () as usize,
         ];

@@ -287,6 +287,7 @@ int_newtype!(
         FORWARD_INFERENCE = sys::MOEBLAZE_PASS_FORWARD_INFERENCE,
         BACKWARD = sys::MOEBLAZE_PASS_BACKWARD,
         ROUTE = sys::MOEBLAZE_PASS_ROUTE,
+        BACKWARD_LAST_USE = sys::MOEBLAZE_PASS_BACKWARD_LAST_USE,
     }
 );
 
@@ -985,6 +986,37 @@ impl Handle {
         // SAFETY: per this function's contract.
         check(unsafe {
             sys::moeblaze_backward(
+                self.as_raw(),
+                args_ptr(args),
+                args.len(),
+                saved,
+                saved_bytes,
+                workspace,
+                workspace_bytes,
+                stream.0,
+            )
+        })
+    }
+
+    /// `moeblaze_backward_last_use`: [`Handle::backward`] for the saved buffer's last use. It
+    /// may write over `saved` (its workspace is `Pass::BACKWARD_LAST_USE`'s) and leaves it
+    /// spent: a later backward on it is refused until a training forward writes it again.
+    ///
+    /// # Safety
+    /// As [`Handle::backward`]; in addition nothing else may read or write `saved` while this
+    /// call's work is in flight.
+    pub unsafe fn backward_last_use(
+        &self,
+        args: &[Arg<'_>],
+        saved: *mut c_void,
+        saved_bytes: usize,
+        workspace: *mut c_void,
+        workspace_bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        // SAFETY: per this function's contract.
+        check(unsafe {
+            sys::moeblaze_backward_last_use(
                 self.as_raw(),
                 args_ptr(args),
                 args.len(),
