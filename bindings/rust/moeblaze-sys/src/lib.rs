@@ -491,7 +491,7 @@ mod tests {
     /// Every function of the extern block, as a pointer: fails to link if one is missing.
     #[test]
     fn every_symbol_links() {
-        let ptrs: [usize; 33] = [
+        let ptrs: [usize; 34] = [
             moeblaze_get_version as *const () as usize,
             moeblaze_get_version_string as *const () as usize,
             moeblaze_get_abi_version as *const () as usize,
