@@ -429,6 +429,9 @@ static void options_match_cpu(void** state) {
   if (!quick) check_case(&masked, &r);
   masked.score_fn = G, masked.seqs = (int)(masked.L / 3);  /* short sequences: some wholly masked */
   check_case(&masked, &r);
+  rcase masked_top1 = base(16, 1, 1, 0, S);  /* k = 1: a masked token's rows are zeros */
+  masked_top1.mask = 1;
+  check_case(&masked_top1, &r);
   rcase hf = base(128, 8, 1, 0, S);  /* the Hugging Face form of the batch-wise balance loss */
   hf.form = MOEBLAZE_AUX_LOSS_HUGGING_FACE;
   check_case(&hf, &r);

@@ -577,6 +577,27 @@ static void activation_backward_paths(void** state) {
   }
 }
 
+/* k = 1 (each token one row, the combine a gate-scaled copy): y and dx against the CPU engine,
+ * with routing from logits and from W_g (bf16: dx's router part added after the combine; fp16:
+ * inside it), an accumulating dx, and several windows in the windowed modes. */
+static void top1_layers(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_top1"));
+  const struct { int64_t E, d, h; int act, mode, accumulate; moeblaze_dtype_t dt; } cases[] = {
+      {4, 64, 256, MOEBLAZE_ACTIVATION_SILU, MODE_LOGITS, 0, tu_bf16},
+      {8, 128, 128, MOEBLAZE_ACTIVATION_SWIGLU, MODE_WG, 0, tu_bf16},
+      {8, 64, 128, MOEBLAZE_ACTIVATION_GELU, MODE_WG, 0, tu_f16},
+      {6, 64, 96, MOEBLAZE_ACTIVATION_RELU, MODE_LOGITS, 1, tu_bf16},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+    gcase c = base_case(cases[i].E, 1, cases[i].d, cases[i].h, 517, cases[i].act, cases[i].dt, MOEBLAZE_SAVE_PREACT,
+                        cases[i].mode);
+    c.accumulate = cases[i].accumulate;
+    run_case(&c, &rng, i == 0);
+  }
+}
+
 static void routing_modes_and_edges(void** state) {
   (void)state;
   tu_rng rng;
@@ -1172,6 +1193,7 @@ int main(void) {
       cmocka_unit_test(every_activation_dtype_policy),
       cmocka_unit_test(routing_modes_and_edges),
       cmocka_unit_test(activation_backward_paths),
+      cmocka_unit_test(top1_layers),
       cmocka_unit_test(transposed_weights),
       cmocka_unit_test(bad_caller_ids_write_nothing),
       cmocka_unit_test(route_only),
