@@ -185,6 +185,7 @@ typedef struct fcase {
   int64_t L;
   int mode, bad_ids, accumulate, repeat;
   int layout[T_COUNT];
+  int last_use; /* the CUDA run's backward is moeblaze_backward_last_use */
 } fcase;
 
 typedef struct counters {
@@ -231,16 +232,18 @@ static void draw(fcase* c, tu_rng* r) {
     const int weight = i == T_WGU || i == T_WD || i == T_DWGU || i == T_DWD;
     if (!weight && c->layout[i] == LAYOUT_COLUMNS) c->layout[i] = LAYOUT_PADDED;
   }
+  c->last_use = tu_rng_below(r, 2) == 0;
 }
 
 static const char* describe(const fcase* c, char* buf, size_t n) {
   const tu_layer* l = &c->layer;
   snprintf(buf, n, "L=%lld E=%lld k=%lld d=%lld h=%lld act=%lld score=%lld norm=%lld aux=%g z=%g policy=%lld %s engine=%lld "
-           "window=%lld window_bytes=%lld mode=%d bad_ids=%d acc=%d layouts=[x%d y%d wgu%d wd%d dwgu%d dwd%d]",
+           "window=%lld window_bytes=%lld mode=%d bad_ids=%d acc=%d last_use=%d layouts=[x%d y%d wgu%d wd%d dwgu%d dwd%d]",
            (long long)c->L, (long long)l->experts, (long long)l->top_k, (long long)l->d, (long long)l->h,
            (long long)l->activation, (long long)l->score_fn, (long long)l->normalize, l->aux_coeff, l->z_coeff,
            (long long)l->save_policy, tu_dtype_name(l->act_dtype), (long long)l->engine, (long long)l->window_tokens,
-           (long long)l->window_bytes, c->mode, c->bad_ids, c->accumulate, c->layout[T_X], c->layout[T_Y], c->layout[T_WGU], c->layout[T_WD],
+           (long long)l->window_bytes, c->mode, c->bad_ids, c->accumulate, c->last_use, c->layout[T_X], c->layout[T_Y],
+           c->layout[T_WGU], c->layout[T_WD],
            c->layout[T_DWGU], c->layout[T_DWD]);
   return buf;
 }
@@ -373,7 +376,8 @@ static void run(const fcase* c, tensor* t, moeblaze_handle_t h, int cuda, moebla
   st[0] = st[1] = (moeblaze_status_t)-1;
   dev_status[0] = dev_status[1] = 0;
   moeblaze_get_workspace_size(h, MOEBLAZE_PASS_FORWARD_TRAINING, c->L, &ws_f);
-  moeblaze_get_workspace_size(h, MOEBLAZE_PASS_BACKWARD, c->L, &ws_b);
+  const int last_use = cuda && c->last_use;
+  moeblaze_get_workspace_size(h, last_use ? MOEBLAZE_PASS_BACKWARD_LAST_USE : MOEBLAZE_PASS_BACKWARD, c->L, &ws_b);
   moeblaze_get_saved_size(h, c->L, &sv);
   const size_t ws_bytes = ws_f > ws_b ? ws_f : ws_b;
   void *ws = NULL, *saved = NULL;
@@ -409,7 +413,8 @@ static void run(const fcase* c, tensor* t, moeblaze_handle_t h, int cuda, moebla
       CUDA_OR_DIE(cudaMemset(status, 0x5A, sizeof(int32_t)));
       a[n++] = tu_arg(MOEBLAZE_ARG_STATUS, stt);
     }
-    st[1] = moeblaze_backward(h, a, n, saved, sv, ws, ws_bytes, NULL);
+    st[1] = last_use ? moeblaze_backward_last_use(h, a, n, saved, sv, ws, ws_bytes, NULL)
+                     : moeblaze_backward(h, a, n, saved, sv, ws, ws_bytes, NULL);
     if (st[1] != MOEBLAZE_STATUS_SUCCESS) snprintf(g_last_message, sizeof g_last_message, "%s", moeblaze_get_last_error_message());
     if (cuda) {
       CUDA_OR_DIE(cudaDeviceSynchronize());
@@ -495,7 +500,8 @@ static int same_bits(const tensor* t, const outputs* a, const outputs* b) {
 }
 
 /* FUZZ_CASE's variations of the replayed case, to narrow a finding down: FUZZ_ACT,
- * FUZZ_POLICY and FUZZ_ENGINE (the API's numbers), FUZZ_ROW_MAJOR=1 (every tensor contiguous). */
+ * FUZZ_POLICY and FUZZ_ENGINE (the API's numbers), FUZZ_ROW_MAJOR=1 (every tensor contiguous),
+ * FUZZ_LAST_USE=0|1 (the CUDA backward plain or the saved buffer's last use). */
 static void vary(fcase* c) {
   const char* v;
   if ((v = getenv("FUZZ_ACT")) && *v) c->layer.activation = atoi(v);
@@ -503,6 +509,7 @@ static void vary(fcase* c) {
   if ((v = getenv("FUZZ_ENGINE")) && *v) c->layer.engine = atoi(v);
   if ((v = getenv("FUZZ_ROW_MAJOR")) && atoi(v) == 1)
     for (int i = 0; i < T_COUNT; ++i) c->layout[i] = LAYOUT_ROWMAJOR;
+  if ((v = getenv("FUZZ_LAST_USE")) && *v) c->last_use = atoi(v) != 0;
 }
 
 static void one_case(tu_rng* r, counters* k) {
