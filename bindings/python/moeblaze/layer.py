@@ -194,11 +194,14 @@ class Layer:
 
     # -- backward --
     def backward(self, fwd, dy, *, grad_aux_loss=None, grad_z_loss=None,
-                 want=("input", "w_gate_up", "w_down", "router"), out=None, accumulate=False):
+                 want=("input", "w_gate_up", "w_down", "router"), out=None, accumulate=False,
+                 last_use=False):
         """Gradients of a training forward. ``want`` picks the gradients: "input",
         "w_gate_up", "w_down" and "router" (d logits, dW_g or d top-k weights, following the
         forward's routing input). ``out`` may map those names to caller buffers; with
-        ``accumulate`` the results are added to them (MOEBLAZE_ARG_FLAG_ACCUMULATE)."""
+        ``accumulate`` the results are added to them (MOEBLAZE_ARG_FLAG_ACCUMULATE). With
+        ``last_use`` this is the forward's last backward (moeblaze_backward_last_use): the same
+        gradients, in less workspace, and ``fwd`` is spent (a later backward of it is refused)."""
         if fwd.saved is None:
             raise BindingError(Status.INVALID_ARGUMENT, "moeblaze.Layer.backward",
                                "backward needs a forward run with training=True")
@@ -241,8 +244,9 @@ class Layer:
                 buf = _alloc(dt, n)
             setattr(grads, attr, buf)
             args.add(kind, host_tensor(buf, shape, writable=True, default_dtype=dt), flags)
-        workspace = AlignedBuffer(self.handle.workspace_size(Pass.BACKWARD, L))
-        self.handle.backward(args, fwd.saved, workspace)
+        workspace = AlignedBuffer(self.handle.workspace_size(
+            Pass.BACKWARD_LAST_USE if last_use else Pass.BACKWARD, L))
+        self.handle.backward(args, fwd.saved, workspace, last_use=last_use)
         return grads
 
     # -- router only --

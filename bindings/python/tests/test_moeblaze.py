@@ -697,6 +697,21 @@ class TestCpuForwardBackward(unittest.TestCase):
             layer.backward(fwd, dy, want=("w_down",), out={"w_down": acc}, accumulate=True)
             self._check(acc, [2.0 * v for v in g1.dw_down], "accumulated dW_down")
 
+    def test_last_use(self):
+        """backward(last_use=True): the same gradients as a plain backward, then the forward is
+        spent: a second backward of it is refused with the reason."""
+        x, logits, wgu, wd, dy = _data(P)
+        with self._layer(P) as layer:
+            fwd = layer.forward(x, wgu, wd, router_logits=logits)
+            plain = layer.backward(fwd, dy)
+            last = layer.backward(fwd, dy, last_use=True)
+            for name in ("dx", "dw_gate_up", "dw_down", "drouter_logits"):
+                self.assertEqual(list(getattr(plain, name)), list(getattr(last, name)), name)
+            with self.assertRaises(MoEBlazeError) as cm:
+                layer.backward(fwd, dy)
+            self.assertEqual(cm.exception.status, Status.INVALID_ARGUMENT)
+            self.assertIn("spent", str(cm.exception))
+
     def test_route(self):
         x, logits, _, _, _ = _data(P)
         ref = reference(P, x, logits, [0.0] * (P["E"] * P["d"] * 2 * P["h"]),
