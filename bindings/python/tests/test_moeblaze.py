@@ -1017,38 +1017,36 @@ class TestTorchOps(unittest.TestCase):
             self.assertTrue(torch.equal(a, b))
 
     def test_backward_is_the_saved_buffers_last_use(self):
-        """A backward that does not retain the graph runs moeblaze_backward_last_use (the saved
-        buffer's header is left spent: pass BACKWARD_LAST_USE at byte 24); with retain_graph
-        the buffer stays readable and a second backward gives the same gradients. Both equal
-        the plain step's."""
+        """A backward that does not retain the graph is the saved buffer's last use (the
+        operator calls moeblaze_backward_last_use); with retain_graph=True it only reads it, and
+        the next backward, which frees the graph, is the last use. Every backward gives the
+        plain step's gradients."""
         torch = self.torch
-        import struct
+        from unittest import mock
+        from moeblaze._core import Handle
         want = self._step(self._layer)
-        for retain in (False, True):
-            buffers = []
+        seen = []
+        plain_backward = Handle.backward
 
-            def pack(t):
-                if t.dtype == torch.uint8:
-                    buffers.append(t)
-                return t
+        def spy(handle, *args, **kwargs):
+            seen.append(kwargs.get("last_use", False))
+            return plain_backward(handle, *args, **kwargs)
 
-            leaves = [v.clone().requires_grad_() for v in (self.x, self.logits, self.wgu, self.wd)]
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with mock.patch.object(Handle, "backward", spy):
+            for retain in (False, True):
+                leaves = [v.clone().requires_grad_() for v in (self.x, self.logits, self.wgu, self.wd)]
                 y, aux, z = self._layer(*leaves)
-            loss = (y * self.dy).sum() + aux + z
-            loss.backward(retain_graph=retain)
-            (saved,) = buffers
-            pass_written = struct.unpack_from("<i", bytes(saved[24:28].tolist()))[0]
-            self.assertEqual(pass_written, 0 if retain else int(moeblaze.Pass.BACKWARD_LAST_USE))
-            for a, b in zip([v.grad for v in leaves], want[3:]):
-                self.assertTrue(torch.equal(a, b))
-            if retain:
-                first = [v.grad.clone() for v in leaves]
-                for v in leaves:
-                    v.grad = None
-                loss.backward()
-                for a, b in zip([v.grad for v in leaves], first):
+                loss = (y * self.dy).sum() + aux + z
+                loss.backward(retain_graph=retain)
+                for a, b in zip([v.grad for v in leaves], want[3:]):
                     self.assertTrue(torch.equal(a, b))
+                if retain:
+                    for v in leaves:
+                        v.grad = None
+                    loss.backward()
+                    for a, b in zip([v.grad for v in leaves], want[3:]):
+                        self.assertTrue(torch.equal(a, b))
+        self.assertEqual(seen, [True, False, True])
 
     def test_leading_dimensions(self):
         torch = self.torch
