@@ -998,6 +998,8 @@ MOEBLAZE_API moeblaze_status_t moeblaze_backward(moeblaze_handle_t handle,
  * writes it again. For callers that run one backward per forward (an autograd framework that
  * does not retain the graph). What it saves, per engine and save policy, is in docs/memory.md:
  * on the fused engine the pre-activation gradients take the saved pre-activations' place.
+ * Since it writes the saved buffer, no argument may share a byte with it (INVALID_ARGUMENT, as
+ * for any written buffer; moeblaze_backward() lets inputs lie there).
  * @param[in] handle The handle that ran the forward.
  * @param[in] args As for moeblaze_backward().
  * @param[in] num_args Number of arguments.

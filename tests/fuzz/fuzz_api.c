@@ -430,14 +430,15 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     slot s[kMaxArgs];
     size_t n = 0, ws_bytes = 0, need = 0;
     if (op == 4) {  /* check_args: any pass value, any arguments, no data read */
-      const int pass = (int)pick(&r, u8(&r) % 4);
-      n = canonical(s, &ly, pass < 0 || pass > 3 ? 0 : pass, mode, extras);
+      const int pass = (int)pick(&r, u8(&r) % 5);
+      n = canonical(s, &ly, pass == MOEBLAZE_PASS_BACKWARD_LAST_USE ? MOEBLAZE_PASS_BACKWARD : pass < 0 || pass > 3 ? 0 : pass,
+                    mode, extras);
       mutate(&r, s, &n);
       back(&r, &g, &p, s, n, &ly);
       moeblaze_check_args(h, (moeblaze_pass_t)pass, args_of(s, n), n);
     } else if (op == 5) {  /* size queries with any pass and token count */
       size_t b;
-      moeblaze_get_workspace_size(h, (moeblaze_pass_t)pick(&r, u8(&r) % 4), pick(&r, ly.L), &b);
+      moeblaze_get_workspace_size(h, (moeblaze_pass_t)pick(&r, u8(&r) % 5), pick(&r, ly.L), &b);
       moeblaze_get_saved_size(h, pick(&r, ly.L), &b);
     } else {
       const int pass = op == 1 ? MOEBLAZE_PASS_FORWARD_INFERENCE : op == 2 ? MOEBLAZE_PASS_ROUTE
@@ -459,7 +460,8 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           size_t sneed = 0;
           if (!saved && moeblaze_get_saved_size(h, ly.L, &sneed) == MOEBLAZE_STATUS_SUCCESS)
             saved = scratch(&r, &p, sneed, &saved_bytes);
-          moeblaze_backward(h, a, n, saved, saved_bytes, ws, ws_bytes, NULL);
+          if (u8(&r) & 1) moeblaze_backward_last_use(h, a, n, saved, saved_bytes, ws, ws_bytes, NULL);
+          else moeblaze_backward(h, a, n, saved, saved_bytes, ws, ws_bytes, NULL);
         } else {
           size_t sneed = 0;
           if (pass == MOEBLAZE_PASS_FORWARD_TRAINING && moeblaze_get_saved_size(h, ly.L, &sneed) == MOEBLAZE_STATUS_SUCCESS)
@@ -482,10 +484,16 @@ int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             size_t nb = canonical(b, &ly, MOEBLAZE_PASS_BACKWARD, mode, extras);
             mutate(&r, b, &nb);
             size_t bneed = 0, bws_bytes = 0;
+            const int last_use = u8(&r) & 1; /* the saved buffer's last use, in its own (smaller) workspace */
             if (back(&r, &g, &p, b, nb, &ly) &&
-                moeblaze_get_workspace_size(h, MOEBLAZE_PASS_BACKWARD, ly.L, &bneed) == MOEBLAZE_STATUS_SUCCESS) {
+                moeblaze_get_workspace_size(h, last_use ? MOEBLAZE_PASS_BACKWARD_LAST_USE : MOEBLAZE_PASS_BACKWARD, ly.L,
+                                            &bneed) == MOEBLAZE_STATUS_SUCCESS) {
               void* bws = scratch(&r, &p, bneed, &bws_bytes);
-              moeblaze_backward(h, args_of(b, nb), nb, saved, saved_bytes, bws, bws_bytes, NULL);
+              if (last_use) moeblaze_backward_last_use(h, args_of(b, nb), nb, saved, saved_bytes, bws, bws_bytes, NULL);
+              else moeblaze_backward(h, args_of(b, nb), nb, saved, saved_bytes, bws, bws_bytes, NULL);
+              check_canaries(&p);
+              /* and once more on the same buffer: refused if that was its last use */
+              if (u8(&r) % 4 == 0) moeblaze_backward(h, args_of(b, nb), nb, saved, saved_bytes, bws, bws_bytes, NULL);
             }
           }
         }

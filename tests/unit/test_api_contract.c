@@ -766,6 +766,16 @@ static void backward_last_use(void** state) {
   assert_ok(fwd(f, a, n)); /* a training forward makes it readable again */
   assert_ok(moeblaze_backward_last_use(f->h, b, nb, f->saved, f->saved_bytes, f->ws, wb, NULL));
   assert_memory_equal(plain, f->dx, dxb);
+  /* An input inside the saved buffer: read-only for backward, written over by its last use. */
+  assert_true(f->saved_bytes >= dxb + 256);
+  assert_ok(fwd(f, a, n));
+  moeblaze_arg_t in_saved[10];
+  memcpy(in_saved, b, nb * sizeof b[0]);
+  in_saved[4].tensor.data = (char*)f->saved + f->saved_bytes - dxb; /* dy */
+  assert_status(moeblaze_check_args(f->h, MOEBLAZE_PASS_BACKWARD_LAST_USE, in_saved, nb), MOEBLAZE_STATUS_SUCCESS);
+  assert_status(moeblaze_backward_last_use(f->h, in_saved, nb, f->saved, f->saved_bytes, f->ws, wb, NULL),
+                MOEBLAZE_STATUS_INVALID_ARGUMENT);
+  assert_ok(moeblaze_backward(f->h, in_saved, nb, f->saved, f->saved_bytes, f->ws, wb, NULL));
   tu_free(plain);
 }
 
