@@ -146,6 +146,21 @@ void window_tokens_as_given(void**) {
   assert_int_equal(w.count, 1);
 }
 
+// A last-use backward writes dpre over the saved pre only where the window's rows are the
+// call's plan positions: one window of all L tokens, under a policy that saves pre.
+void dpre_over_saved_pre_needs_one_window(void**) {
+  for (const SavePolicy pol : {SavePolicy::kSavePreact, SavePolicy::kSaveAll, SavePolicy::kRecomputeUp}) {
+    LayerConfig c = layer(16, 4, 2048, 8192, Activation::kSwiglu, pol);
+    const bool saves_pre = pol != SavePolicy::kRecomputeUp;
+    assert_int_equal(moeblaze::fused_dpre_over_saved_pre(c, 32768, moeblaze::fused_windows(c, 32768)), saves_pre);
+    assert_false(moeblaze::fused_dpre_over_saved_pre(c, 491520, moeblaze::fused_windows(c, 491520)));  // windows
+    assert_false(moeblaze::fused_dpre_over_saved_pre(c, 0, moeblaze::fused_windows(c, 0)));  // an empty call
+    c.window_tokens = 1000;
+    assert_false(moeblaze::fused_dpre_over_saved_pre(c, 32768, moeblaze::fused_windows(c, 32768)));
+    assert_int_equal(moeblaze::fused_dpre_over_saved_pre(c, 1000, moeblaze::fused_windows(c, 1000)), saves_pre);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -153,6 +168,7 @@ int main() {
                                      cmocka_unit_test(rows_bounded_independently_of_l),
                                      cmocka_unit_test(sums_heavier_than_windows_run_one_window),
                                      cmocka_unit_test(window_bytes_budget),
-                                     cmocka_unit_test(window_tokens_as_given)};
+                                     cmocka_unit_test(window_tokens_as_given),
+                                     cmocka_unit_test(dpre_over_saved_pre_needs_one_window)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

@@ -55,7 +55,7 @@ struct FusedWork {
   void* act = nullptr;            // forward: [W k, h] unless saved; backward: g * act
   void* out = nullptr;            // forward: [W k, d] gate-scaled expert outputs
   void* dpre = nullptr;           // backward: [W k, g h]
-  // dpre written over the pre it is computed from (fused_dpre_over_pre), which the activation
+  // dpre written over the pre it is computed from, which the activation
   // backward reads last, element by element, before it writes dpre there: the recomputed pre in
   // the workspace, or on a last-use backward the saved pre (dpre_in_saved: set by backward).
   bool dpre_over_pre = false;
@@ -186,7 +186,7 @@ FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
   const size_t Pw = static_cast<size_t>(w.windows.tokens * k);
   const bool backward = pass == Pass::kBackward || pass == Pass::kBackwardLastUse;
   // dpre over pre: the recomputed pre always; the saved pre on its last use when one window
-  // covers the call, so that dpre's rows are the saved pre's rows (fused_dpre_over_pre).
+  // covers the call, so that dpre's rows are the saved pre's rows (fused_dpre_over_saved_pre).
   w.dpre_in_saved = pass == Pass::kBackwardLastUse && fused_dpre_over_saved_pre(cfg_, L, w.windows);
   w.dpre_over_pre = backward && (cfg_.save_policy == SavePolicy::kRecomputeUp || w.dpre_in_saved);
   // In the saved buffer dpre has exactly the saved pre's bytes, not rounded up.
