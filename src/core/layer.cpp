@@ -24,8 +24,21 @@ void Layer::check_tokens(int64_t L) const {
          static_cast<long long>(cfg_.max_tokens));
 }
 
+namespace {
+
+// A pass value a size query or a status assertion takes: one of moeblaze_pass_t's.
+void check_pass(Pass pass) {
+  const int p = static_cast<int>(pass);
+  if (p < 0 || p > static_cast<int>(Pass::kBackwardLastUse)) fail(Status::kInvalidArgument, "unknown pass %d", p);
+}
+
+// The call whose arguments (and device-side status) a pass has: a last-use backward's are backward's.
+Pass arguments_of(Pass pass) { return pass == Pass::kBackwardLastUse ? Pass::kBackward : pass; }
+
+}  // namespace
+
 size_t Layer::workspace_size(Pass pass, int64_t L) const {
-  if (static_cast<int>(pass) < 0 || static_cast<int>(pass) > 4) fail(Status::kInvalidArgument, "unknown pass %d", static_cast<int>(pass));
+  check_pass(pass);
   check_tokens(L);
   return align_up(pass == Pass::kBackwardLastUse ? engine_->last_use_workspace_size(L) : engine_->workspace_size(pass, L));
 }
@@ -74,7 +87,7 @@ void check_sequence_lengths(const LayerConfig& cfg, const CallArgs& a) {
 }  // namespace
 
 CallArgs Layer::check(Pass pass, const RawArg* args, size_t num_args) const {
-  CallArgs a = decode_args(cfg_, pass == Pass::kBackwardLastUse ? Pass::kBackward : pass, args, num_args);
+  CallArgs a = decode_args(cfg_, arguments_of(pass), args, num_args);
   check_sequence_lengths(cfg_, a);
   return a;
 }
@@ -119,9 +132,8 @@ void Layer::route(const RawArg* args, size_t n, void* ws, size_t ws_bytes, void*
 }
 
 void Layer::assert_status(Pass pass, const RawTensor* status, void* stream) const {
-  const int p = static_cast<int>(pass);
-  if (p < 0 || p > 4) fail(Status::kInvalidArgument, "unknown pass %d", p);
-  if (pass == Pass::kBackwardLastUse) pass = Pass::kBackward;
+  check_pass(pass);
+  pass = arguments_of(pass);
   if (!status) fail(Status::kInvalidArgument, "status is NULL");
   const View v = decode_status(cfg_, *status);
   const cuda::StatusSite site = pass == Pass::kBackward ? cuda::StatusSite::kBackward
