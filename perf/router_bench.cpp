@@ -6,9 +6,11 @@
 // split, bit for bit. Cases (L, E, k) cover one to eight experts per lane and the E > 256 path;
 // `router-bench L E k` runs one case (for a profiler). With ROUTER_BENCH_DUMP=dir set, each
 // case's outputs (ids, gates, lse, fp32 d logits) go to dir/L-E-k.bin, so that two builds can be
-// compared bit for bit with cmp.
+// compared bit for bit with cmp. A second table times the router's logits x W_g^T for few
+// experts: the narrow kernel against cuBLASLt and against one read of x.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -18,10 +20,88 @@
 #include "core/config.hpp"
 #include "core/memory_layout.hpp"
 #include "cuda_bench.hpp"
+#include "gemm/cublaslt.hpp"
+#include "routing/narrow_logits_cuda.hpp"
 #include "routing/router_cuda.hpp"
 #include "util/dtype.hpp"
 
 using namespace moeblaze;
+
+namespace {
+
+// The router's logits x W_g^T (bf16 in, fp32 out) by the narrow kernel and by cuBLASLt, the way
+// the CUDA router calls each, against the floor of reading x once; and their largest difference
+// relative to the row's largest logit.
+void logits_table(cudaStream_t s) {
+  struct Shape {
+    int64_t L, E, d;
+  };
+  const Shape shapes[] = {{65536, 4, 512},  {32768, 8, 1024}, {32768, 16, 512}, {32768, 16, 1024},
+                          {16384, 8, 2048}, {16384, 8, 4096}, {8192, 8, 7168},  {32768, 16, 2048}};
+  gemm::CublasLtGemm lt;
+  void* ws;
+  CK(cudaMalloc(&ws, gemm::CublasLtGemm::kWorkspaceBytes));
+  std::printf("\n| L | E | d | narrow ms | GB/s | cuBLASLt ms | GB/s | cuBLASLt / narrow | max diff / max logit |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  for (const Shape& c : shapes) {
+    const int64_t L = c.L, E = c.E, d = c.d;
+    std::mt19937_64 rng(11);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    std::vector<uint16_t> x(static_cast<size_t>(L * d)), w(static_cast<size_t>(E * d));
+    for (auto& v : x) v = f32_to_bf16(normal(rng));
+    for (auto& v : w) v = f32_to_bf16(normal(rng) / std::sqrt(static_cast<float>(d)));
+    uint16_t *dx, *dw;
+    float *a, *b;
+    CK(cudaMalloc(&dx, 2 * x.size()));
+    CK(cudaMalloc(&dw, 2 * w.size()));
+    CK(cudaMalloc(&a, 4 * L * E));
+    CK(cudaMalloc(&b, 4 * L * E));
+    CK(cudaMemcpy(dx, x.data(), 2 * x.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dw, w.data(), 2 * w.size(), cudaMemcpyHostToDevice));
+    View xv, wv;
+    for (View* v : {&xv, &wv}) {
+      v->present = true;
+      v->dtype = DType::kBF16;
+      v->ndim = 2;
+      v->stride[0] = d;
+      v->stride[1] = 1;
+      v->shape[1] = d;
+    }
+    xv.data = reinterpret_cast<char*>(dx);
+    xv.shape[0] = L;
+    wv.data = reinterpret_cast<char*>(dw);
+    wv.shape[0] = E;
+    if (const char* why = routing::narrow_logits_unsupported(xv, wv, E, d)) {
+      std::printf("| %lld | %lld | %lld | refused: %s |\n", (long long)L, (long long)E, (long long)d, why);
+      continue;
+    }
+    const double t_narrow = median_ms([&] { routing::narrow_logits_cuda(xv, wv, L, E, d, a, s); }, s, 50);
+    const double t_lt = median_ms(
+        [&] {
+          lt.gemm(L, E, d, {dx, DType::kBF16, d, false}, {dw, DType::kBF16, d, true}, b, DType::kF32, E, 1.f, 0.f, ws,
+                  gemm::CublasLtGemm::kWorkspaceBytes, s);
+        },
+        s, 50);
+    CK(cudaStreamSynchronize(s));
+    std::vector<float> ha(static_cast<size_t>(L * E)), hb(ha.size());
+    CK(cudaMemcpy(ha.data(), a, 4 * ha.size(), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hb.data(), b, 4 * hb.size(), cudaMemcpyDeviceToHost));
+    double diff = 0, top = 0;
+    for (size_t i = 0; i < ha.size(); ++i) {
+      diff = std::max(diff, static_cast<double>(std::fabs(ha[i] - hb[i])));
+      top = std::max(top, static_cast<double>(std::fabs(hb[i])));
+    }
+    const double bytes = 2.0 * L * d + 4.0 * L * E;
+    std::printf("| %lld | %lld | %lld | %.4f | %.0f | %.4f | %.0f | %.2f | %.1e |\n", (long long)L, (long long)E,
+                (long long)d, t_narrow, bytes / (t_narrow * 1e6), t_lt, bytes / (t_lt * 1e6), t_lt / t_narrow,
+                diff / std::max(top, 1e-30));
+    for (void* p : {static_cast<void*>(dx), static_cast<void*>(dw), static_cast<void*>(a), static_cast<void*>(b)})
+      cudaFree(p);
+  }
+  cudaFree(ws);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   int n = 0;
@@ -144,5 +224,6 @@ int main(int argc, char** argv) {
                     static_cast<void*>(d_eti), static_cast<void*>(d_tim), static_cast<void*>(d_off), d_plan_scratch})
       cudaFree(p);
   }
+  if (argc != 4) logits_table(s);
   return 0;
 }

@@ -17,7 +17,7 @@ inside the layer, engine AUTO). SonicMoE (--sonic): its ``moe_TC_softmax_topk_la
 benchmarks/moe-cute.py calls it, imported from a SonicMoE bundle carried in the git-ignored .peers/
 (scripts/gpu-check.sh's ``kernels`` mode unpacks it and puts it on the path).
 
-Usage: python3 perf/step_kernels.py [--sonic] [--steps 20] [--top 12] T,d,n,E,K ...
+Usage: python3 perf/step_kernels.py [--sonic] [--steps 20] [--top 12] [--activation silu] [--timeline] T,d,n,E,K ...
 """
 import argparse
 import os
@@ -68,9 +68,11 @@ def sonic_step(T, d, n, E, K):
     return step, lambda: None
 
 
-def moeblaze_step(T, d, n, E, K):
+def moeblaze_step(T, d, n, E, K, activation="swiglu"):
     x, wr, wgu, wd, dy = sbs.make_inputs(T, d, n, E)
-    mb = mbt.MoE(num_experts=E, top_k=K, hidden_size=d, ffn_hidden_size=n, max_tokens=T, activation="swiglu",
+    if activation not in ("swiglu", "geglu"):  # one column block per expert: [E, d, n]
+        wgu = wgu[:, :, :n].detach().contiguous().requires_grad_()
+    mb = mbt.MoE(num_experts=E, top_k=K, hidden_size=d, ffn_hidden_size=n, max_tokens=T, activation=activation,
                  activation_dtype="bf16", weight_dtype="bf16", normalize_topk=1)
     return sbs.moeblaze_step(mb, x, wr, wgu, wd, dy), mb.close
 
@@ -99,12 +101,13 @@ def measure(step, steps):
     kernels = sorted((k for k in prof.events() if k.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda k: k.time_range.start)
     flushes = [i for i, k in enumerate(kernels) if FLUSH_KERNEL in k.name]
-    spans, busy, per_name = [], [], {}
+    spans, busy, per_name, steps_seen = [], [], {}, []
     for a, b in zip(flushes, flushes[1:]):
         inside = kernels[a + 1:b]
         if not inside:
             continue
         t0 = kernels[a].time_range.end
+        steps_seen.append([(k.name, k.time_range.start - t0, k.time_range.end - t0) for k in inside])
         spans.append((inside[-1].time_range.end - t0) / 1e3)
         covered, end = 0.0, t0  # the union of the kernels' intervals (a second stream may overlap)
         for k in inside:
@@ -115,11 +118,31 @@ def measure(step, steps):
             per_name[k.name] = per_name.get(k.name, 0.0) + (k.time_range.end - k.time_range.start) / 1e3
         busy.append(covered / 1e3)
     n = max(len(spans), 1)
-    return median, spans, busy, {name: ms / n for name, ms in per_name.items()}
+    return median, spans, busy, {name: ms / n for name, ms in per_name.items()}, steps_seen
+
+
+def print_timeline(steps_seen):
+    """One step's kernels in launch order: each one's duration and the gap before it (from the
+    end of the kernel before it, or of the L2 flush), medians over the steps whose sequence is
+    the most common one; then the gaps' sum."""
+    names = [tuple(n for n, _, _ in st) for st in steps_seen]
+    common = max(set(names), key=names.count)
+    same = [st for st, nm in zip(steps_seen, names) if nm == common]
+    print("\n| # | gap us | kernel us | kernel |")
+    print("|---|---|---|---|")
+    total_gap = total = 0.0
+    for i, name in enumerate(common):
+        gap = statistics.median(st[i][1] - (st[i - 1][2] if i else 0.0) for st in same)
+        dur = statistics.median(st[i][2] - st[i][1] for st in same)
+        total_gap += max(gap, 0.0)
+        total += dur
+        print("| %d | %.1f | %.1f | %s |" % (i, gap, dur, sbs.short_kernel_name(name)[:100]))
+    print("%d kernels (%d of %d steps alike): %.1f us in kernels, %.1f us of gaps between them"
+          % (len(common), len(same), len(steps_seen), total, total_gap))
 
 
 def report(layer, cfg, result, top):
-    median, spans, busy, per_name = result
+    median, spans, busy, per_name = result[:4]
     idle = [s - b for s, b in zip(spans, busy)]
     print("\n## %s %s: %.3f ms per step (event median); span %.3f, kernels busy %.3f, idle %.3f ms (medians of %d steps)"
           % (layer, cfg, median, statistics.median(spans), statistics.median(busy), statistics.median(idle), len(spans)))
@@ -144,6 +167,8 @@ def main():
     ap.add_argument("--sonic", action="store_true", help="SonicMoE beside MoEBlaze (its bundle on the path)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--activation", default="swiglu", help="MoEBlaze's activation (SonicMoE runs SwiGLU)")
+    ap.add_argument("--timeline", action="store_true", help="MoEBlaze's kernels of one step in order, with the gaps")
     args = ap.parse_args()
     if args.steps < 5:
         sys.exit("--steps must be at least 5")
@@ -161,9 +186,11 @@ def main():
         T, d, n, E, K = sbs.parse_cfg(cfg)
         summary = []
         for layer, make in layers:
-            step, close = make(T, d, n, E, K)
+            step, close = make(T, d, n, E, K, args.activation) if layer == "MoEBlaze" else make(T, d, n, E, K)
             result = measure(step, args.steps)
             summary.append((layer, result[0], report(layer, cfg, result, args.top), statistics.median(result[2])))
+            if args.timeline and layer == "MoEBlaze":
+                print_timeline(result[4])
             close()
             del step
             torch.cuda.empty_cache()

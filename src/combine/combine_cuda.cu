@@ -1,4 +1,5 @@
 #include "combine/combine_cuda.hpp"
+#include "cuda/chained_launch.cuh"
 #include "cuda/cuda_check.hpp"
 #include "util/align.hpp"
 #include "util/dtype.hpp"
@@ -83,6 +84,8 @@ void launch_combine(const int32_t* map, const float* gates, int64_t L, int64_t k
 
 __global__ void to_token_order_kernel(const int32_t* map, const float* v, int64_t n, int64_t parts, int64_t ld,
                                       const int32_t* rows_done, float* out) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int32_t pos = map[i];
@@ -95,6 +98,8 @@ __global__ void to_token_order_kernel(const int32_t* map, const float* v, int64_
 
 __global__ void store_rows_kernel(const float* src, const float* add, int64_t rows, int64_t cols, char* out, DType t,
                                   int64_t stride, bool accumulate) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= rows * cols) return;
   const int64_t r = i / cols, c = i % cols;
@@ -137,16 +142,16 @@ void to_token_order_cuda(const int32_t* token_index_map, int64_t L, int64_t k, c
                         int64_t parts, int64_t ld, const int32_t* rows_done) {
   const int64_t n = L * k;
   if (n == 0) return;
-  to_token_order_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, s>>>(token_index_map, v, n, parts, ld,
-                                                                                rows_done, out);
+  cuda::launch_chained(to_token_order_kernel, static_cast<unsigned>(ceil_div(n, 256)), 256, 0, s, token_index_map, v, n,
+                       parts, ld, rows_done, out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("to_token_order");
 }
 
 void store_f32_rows_cuda(const float* src, int64_t rows, int64_t cols, const View& out, cudaStream_t s,
                          const float* add) {
   if (rows * cols == 0) return;
-  store_rows_kernel<<<static_cast<unsigned>(ceil_div(rows * cols, 256)), 256, 0, s>>>(
-      src, add, rows, cols, out.data, out.dtype, out.stride[0], out.accumulate);
+  cuda::launch_chained(store_rows_kernel, static_cast<unsigned>(ceil_div(rows * cols, 256)), 256, 0, s, src, add, rows,
+                       cols, out.data, out.dtype, out.stride[0], out.accumulate);
   MOEBLAZE_CUDA_LAUNCH_CHECK("store_rows");
 }
 

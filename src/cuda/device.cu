@@ -2,8 +2,11 @@
 // CUDA runtime. A missing driver or GPU is not an error here: it is "zero devices".
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 
+#include "cuda/chained_launch.cuh"
 #include "cuda/device.hpp"
 #include "util/error.hpp"
 
@@ -57,6 +60,29 @@ DeviceInfo device_info(int32_t id) {
 bool has_kernels_for(int32_t sm_major, int32_t sm_minor) {
   (void)sm_minor;
   return sm_major >= 8;
+}
+
+bool chained_launches_supported() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("MOEBLAZE_CHAINED_LAUNCHES");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  if (!allowed) return false;
+  constexpr int kDevices = 64;
+  static std::atomic<int8_t> known[kDevices];  // 0: not asked yet, 1: no, 2: yes
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  int8_t v = known[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) cudaGetLastError();
+    v = major >= 9 ? 2 : 1;
+    known[dev].store(v, std::memory_order_relaxed);
+  }
+  return v == 2;
 }
 
 }  // namespace cuda

@@ -1,3 +1,4 @@
+#include "cuda/chained_launch.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/saved_header_cuda.hpp"
 
@@ -7,10 +8,14 @@ namespace cuda {
 namespace {
 
 __global__ void store_saved_header_kernel(SavedHeader header, SavedHeader* dst, const int32_t* unless_flag) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   if (!unless_flag || *unless_flag == 0) *dst = header;
 }
 
 __global__ void check_saved_header_kernel(SavedHeader want, const SavedHeader* got, int32_t* flag, int32_t bit) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const uint32_t* a = reinterpret_cast<const uint32_t*>(&want);
   const uint32_t* b = reinterpret_cast<const uint32_t*>(got);
   bool same = true;
@@ -21,12 +26,12 @@ __global__ void check_saved_header_kernel(SavedHeader want, const SavedHeader* g
 }  // namespace
 
 void store_saved_header(const SavedHeader& header, SavedHeader* dst, cudaStream_t s, const int32_t* unless_flag) {
-  store_saved_header_kernel<<<1, 1, 0, s>>>(header, dst, unless_flag);
+  cuda::launch_chained(store_saved_header_kernel, 1, 1, 0, s, header, dst, unless_flag);
   MOEBLAZE_CUDA_LAUNCH_CHECK("store_saved_header");
 }
 
 void check_saved_header_cuda(const SavedHeader& want, const SavedHeader* got, int32_t* flag, int32_t bit, cudaStream_t s) {
-  check_saved_header_kernel<<<1, 1, 0, s>>>(want, got, flag, bit);
+  cuda::launch_chained(check_saved_header_kernel, 1, 1, 0, s, want, got, flag, bit);
   MOEBLAZE_CUDA_LAUNCH_CHECK("check_saved_header");
 }
 

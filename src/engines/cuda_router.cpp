@@ -2,6 +2,7 @@
 
 #include "combine/combine_cuda.hpp"
 #include "cuda/cuda_check.hpp"
+#include "routing/narrow_logits_cuda.hpp"
 #include "routing/router_cuda.hpp"
 
 namespace moeblaze {
@@ -77,6 +78,8 @@ void CudaRouter::logits(const CallArgs& a, const RouterWork& w, cudaStream_t s) 
   const int64_t L = a.num_tokens, E = cfg_.num_experts, d = cfg_.hidden;
   if (a.mode == RoutingMode::kLogits) {
     routing::logits_to_f32_cuda(a.logits, L, E, w.logits, s);
+  } else if (!routing::narrow_logits_unsupported(a.x, a.router_weight, E, d)) {
+    routing::narrow_logits_cuda(a.x, a.router_weight, L, E, d, w.logits, s);
   } else {  // logits = x W_g^T in fp32 output (bf16/fp16 inputs, fp32 accumulation)
     gemm(L, E, d, {a.x.data, a.x.dtype, a.x.stride[0], false},
          {a.router_weight.data, a.router_weight.dtype, a.router_weight.stride[0], true}, w.logits, w, s);

@@ -1,6 +1,7 @@
 // Device-side checks of a routing plan that came from outside (a caller's saved buffer). Each
 // thread tests one slot or one offset and reads an index only after checking it is in range,
 // so any bytes in the buffer are safe to check. A violation sets bit kPlanInvalid of *flag.
+#include "cuda/chained_launch.cuh"
 #include "cuda/cuda_check.hpp"
 #include "routing/plan_check_cuda.hpp"
 #include "util/align.hpp"
@@ -12,6 +13,8 @@ namespace {
 
 __global__ void validate_plan_kernel(const int32_t* tei, const int32_t* eti, const int32_t* tim, const int32_t* off,
                                      int64_t L, int64_t k, int64_t E, bool empty_slots, int32_t* flag) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const int64_t P = L * k;
   // Slots [0, P), offsets [P, P + E + 1), and with empty slots the positions [P + E + 1, 2 P + E + 1).
   const int64_t n = P + E + 1 + (empty_slots ? P : 0);
@@ -62,8 +65,8 @@ void validate_plan_cuda(const RoutingPlan& plan, int64_t L, int64_t k, int64_t E
                         cudaStream_t s) {
   const int64_t n = L * k + E + 1 + (empty_slots ? L * k : 0);
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 4096));
-  validate_plan_kernel<<<blocks, 256, 0, s>>>(plan.token_expert_indices, plan.expert_token_indices, plan.token_index_map,
-                                              plan.expert_token_offsets, L, k, E, empty_slots, flag);
+  cuda::launch_chained(validate_plan_kernel, blocks, 256, 0, s, plan.token_expert_indices, plan.expert_token_indices,
+                       plan.token_index_map, plan.expert_token_offsets, L, k, E, empty_slots, flag);
   MOEBLAZE_CUDA_LAUNCH_CHECK("validate_plan");
 }
 

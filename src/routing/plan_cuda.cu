@@ -14,9 +14,9 @@
 // more experts than the map holds, a tile takes them in passes.
 // A CUB radix-sort build sits beside it as the baseline of perf/plan-bench.
 #include <algorithm>
-
 #include <cub/device/device_radix_sort.cuh>
 
+#include "cuda/chained_launch.cuh"
 #include "cuda/cuda_check.hpp"
 #include "routing/router_cuda.hpp"
 #include "routing/scan_cuda.hpp"
@@ -88,6 +88,8 @@ __device__ int64_t tile_rows(int64_t L, int64_t T) { return min(T, L - static_ca
 // One thread per expert column: the tile's marks of each expert, by popcount.
 __global__ void plan_count_kernel(const int32_t* ids, int64_t L, int64_t k, int64_t E, int64_t T, int64_t tiles,
                                   int32_t* counts) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   extern __shared__ __align__(16) uint32_t bits[];
   const int64_t tile = blockIdx.x, t0 = tile * T;
   const int32_t rows = static_cast<int32_t>(tile_rows(L, T)), G = static_cast<int32_t>(T / 32);
@@ -106,6 +108,8 @@ __global__ void plan_count_kernel(const int32_t* ids, int64_t L, int64_t k, int6
 
 __global__ void plan_offsets_kernel(const int32_t* counts, const int32_t* bases, int64_t E, int64_t tiles,
                                     int32_t* offsets) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (e < E) offsets[e] = tiles > 0 ? bases[e * tiles] : 0;
   if (e == E) offsets[E] = tiles > 0 ? bases[E * tiles - 1] + counts[E * tiles - 1] : 0;
@@ -117,6 +121,8 @@ __global__ void plan_offsets_kernel(const int32_t* counts, const int32_t* bases,
 // by word in expert-major order, so that a warp's stores continue each other.
 __global__ void plan_place_kernel(const int32_t* ids, int64_t L, int64_t k, int64_t E, int64_t T, int64_t tiles,
                                   const int32_t* bases, int32_t* expert_token, int32_t* token_index_map) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   extern __shared__ __align__(16) uint32_t bits[];
   const int64_t tile = blockIdx.x, t0 = tile * T;
   const int32_t rows = static_cast<int32_t>(tile_rows(L, T)), G = static_cast<int32_t>(T / 32), k32 = static_cast<int32_t>(k);
@@ -220,18 +226,18 @@ void build_plan_cuda(RoutingPlan& plan, int64_t L, int64_t k, int64_t E, void* s
   if (g.smem_bytes > 48 * 1024)
     MOEBLAZE_CUDA_CHECK(cudaFuncSetAttribute(plan_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(g.smem_bytes)));
   if (g.num_tiles > 0) {
-    plan_count_kernel<<<static_cast<unsigned>(g.num_tiles), kPlanThreads, g.smem_bytes / 2, s>>>(
-        plan.token_expert_indices, L, k, E, g.tile_tokens, g.num_tiles, counts);
+    cuda::launch_chained(plan_count_kernel, static_cast<unsigned>(g.num_tiles), kPlanThreads, g.smem_bytes / 2, s,
+                         plan.token_expert_indices, L, k, E, g.tile_tokens, g.num_tiles, counts);
     MOEBLAZE_CUDA_LAUNCH_CHECK("plan_count");
     exclusive_scan_cuda(counts, bases, g.num_tiles * E, scan_tmp, s);
   }
-  plan_offsets_kernel<<<static_cast<unsigned>(ceil_div(E + 1, 256)), 256, 0, s>>>(counts, bases, E, g.num_tiles,
-                                                                                   plan.expert_token_offsets);
+  cuda::launch_chained(plan_offsets_kernel, static_cast<unsigned>(ceil_div(E + 1, 256)), 256, 0, s, counts, bases, E,
+                       g.num_tiles, plan.expert_token_offsets);
   MOEBLAZE_CUDA_LAUNCH_CHECK("plan_offsets");
   if (g.num_tiles > 0) {
-    plan_place_kernel<<<static_cast<unsigned>(g.num_tiles), kPlanThreads, g.smem_bytes, s>>>(
-        plan.token_expert_indices, L, k, E, g.tile_tokens, g.num_tiles, bases, plan.expert_token_indices,
-        plan.token_index_map);
+    cuda::launch_chained(plan_place_kernel, static_cast<unsigned>(g.num_tiles), kPlanThreads, g.smem_bytes, s,
+                         plan.token_expert_indices, L, k, E, g.tile_tokens, g.num_tiles, bases,
+                         plan.expert_token_indices, plan.token_index_map);
     MOEBLAZE_CUDA_LAUNCH_CHECK("plan_place");
   }
 }

@@ -1,11 +1,12 @@
 // Router kernels: scores, top-k, gates, aux/z-loss, router backward, caller-routing import.
 // One group of lanes per token (routing/token_group.cuh); reductions use a fixed lane order and
 // fixed token chunks, so results are bitwise reproducible.
+#include <cuda_bf16.h>
+
 #include <cmath>
 #include <type_traits>
 
-#include <cuda_bf16.h>
-
+#include "cuda/chained_launch.cuh"
 #include "cuda/cuda_check.hpp"
 #include "routing/plan_check_cuda.hpp"
 #include "routing/router_cuda.hpp"
@@ -33,6 +34,8 @@ __device__ __forceinline__ float score(ScoreFn fn, float l, float lse) {
 }
 
 __global__ void logits_to_f32_kernel(const char* src, DType t, int64_t stride, int64_t L, int64_t E, float* out) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= L * E) return;
   int64_t row = i / E, col = i % E;
@@ -196,6 +199,8 @@ __device__ __forceinline__ void pick_top_k(const TokenGroup& g, ScoreFn fn, int6
 template <int kPer, int kWidth, bool kOptions>
 __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, RouteOptions opt, const float* logits, int64_t L,
                                     int64_t E, int64_t k, int width, int32_t* ids, float* gates, float* lse_out) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   extern __shared__ uint64_t route_group_keys[];  // a group limit: [tokens per block][groups]
   const TokenGroup g = token_group<kWidth>(L, width, kWarpsPerBlock);
   if (!__any_sync(0xffffffffu, g.live)) return;  // the whole warp past the last token
@@ -234,6 +239,8 @@ __global__ void route_tokens_kernel(ScoreFn fn, bool normalize, RouteOptions opt
 constexpr int kLossExperts = 32, kLossRows = 16;
 __global__ void loss_partials_kernel(ScoreFn fn, const float* logits, const float* lse, const int32_t* ids, int64_t L,
                                      int64_t E, int64_t k, float* partial, float* partial_lse) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   __shared__ float rows[kLossRows][kLossExperts];
   const int64_t c = blockIdx.x;
   const int64_t t0 = c * kLossChunkCuda, t1 = min(L, t0 + kLossChunkCuda);
@@ -270,6 +277,8 @@ constexpr int kFinishExperts = 128, kFinishSlices = 8, kFinishThreads = kFinishE
 __global__ void loss_finish_kernel(double aux_coeff, double z_coeff, int64_t L, int64_t E, int64_t k, int64_t chunks,
                                    const float* partial, const float* partial_lse, const int32_t* offsets, float* aux_out,
                                    float* z_out) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   __shared__ double red_aux[kFinishThreads], red_z[kFinishThreads];
   // The routed tokens: all L, or those a TOKEN_MASK left (their k picks fill the plan's
   // positions [0, offsets[E])).
@@ -377,6 +386,8 @@ __device__ __forceinline__ bool plan_has_masked(int64_t routed, int64_t L) { ret
 // reading 32 tokens' first ids at a time until one is routed (at once without a mask).
 constexpr int kRoutedThreads = 1024;
 __global__ void routed_sequences_kernel(SequenceBalance sb, int64_t L, int64_t k) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   __shared__ int64_t per_warp[kRoutedThreads / 32];
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   int64_t n = 0;
@@ -405,6 +416,8 @@ __global__ void routed_sequences_kernel(SequenceBalance sb, int64_t L, int64_t k
 constexpr int kStartsThreads = 1024;
 __global__ void sequence_starts_kernel(const char* len, bool i64, int64_t stride, int64_t B, int64_t L, int64_t* starts,
                                        int32_t* flag) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   __shared__ int64_t scan[kStartsThreads];
   const int64_t per = (B + kStartsThreads - 1) / kStartsThreads;
   const int64_t q0 = min(B, threadIdx.x * per), q1 = min(B, q0 + per);
@@ -444,6 +457,8 @@ __global__ void sequence_starts_kernel(const char* len, bool i64, int64_t stride
 template <int kPer, int kWidth>
 __global__ void sequence_terms_kernel(ScoreFn fn, const float* logits, const float* lse, int64_t L, int64_t E,
                                       int64_t k, int width, SequenceBalance sb, double* terms) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   extern __shared__ int32_t terms_counts[];
   const BlockCounts counts =
       block_counts(sb, static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock * (32 / width), E, terms_counts);
@@ -478,6 +493,8 @@ __global__ void sequence_terms_kernel(ScoreFn fn, const float* logits, const flo
 constexpr int kTermThreads = 1024;
 __global__ void sequence_loss_finish_kernel(double coeff, const int64_t* routed, int64_t L, const double* terms,
                                             const int32_t* flag, float* aux_out) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const int64_t B = *routed;
   __shared__ double red[kTermThreads];
   double acc = 0.0;
@@ -504,6 +521,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4)
                            int64_t rows, int64_t L, int64_t E, int64_t k, int width, const int32_t* ids,
                            const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
                            SequenceBalance sb, float* dlogits, __nv_bfloat16* dlogits_pair) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   // [tokens per block][k] ids, then [tokens per block][k] values, then (kPer > 0) the tokens'
   // [E] ds rows, then BlockCounts' [E]
   extern __shared__ float picks_smem[];
@@ -660,6 +679,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kPer > 4 ? 1 : 4)
 __global__ void import_routing_kernel(const char* ids, bool i64, int64_t id_stride, const char* w, DType wt,
                                       int64_t w_stride, int64_t L, int64_t k, int64_t E, bool empty_slots,
                                       TokenMask mask, int32_t* out_ids, float* out_gates, int32_t* error_flag) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= L) return;
   if (masked(mask, t)) {  // a masked token: k empty slots, whatever the caller's ids and gates
@@ -698,6 +719,8 @@ __global__ void import_routing_kernel(const char* ids, bool i64, int64_t id_stri
 
 __global__ void write_topk_kernel(const int32_t* ids, const float* gates, int64_t L, int64_t k, char* ids_out, bool i64,
                                   int64_t id_stride, char* w_out, DType wt, int64_t w_stride) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= L * k) return;
   const int64_t t = i / k, j = i % k;
@@ -709,6 +732,8 @@ __global__ void write_topk_kernel(const int32_t* ids, const float* gates, int64_
 }
 
 __global__ void tokens_per_expert_kernel(const int32_t* offsets, int64_t E, char* out, bool i64, int64_t stride) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (e >= E) return;
   const int32_t n = offsets[e + 1] - offsets[e];
@@ -741,7 +766,8 @@ void with_group_shape(int64_t E, F&& f) {
 
 void logits_to_f32_cuda(const View& v, int64_t L, int64_t E, float* out, cudaStream_t s) {
   if (L * E == 0) return;
-  logits_to_f32_kernel<<<blocks_for(L * E, 256), 256, 0, s>>>(v.data, v.dtype, v.stride[0], L, E, out);
+  cuda::launch_chained(logits_to_f32_kernel, blocks_for(L * E, 256), 256, 0, s, v.data, v.dtype, v.stride[0], L, E,
+                       out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("logits_to_f32");
 }
 
@@ -756,8 +782,8 @@ void route_tokens_cuda(const LayerConfig& cfg, const float* logits, int64_t L, c
   const bool options = bias || limited;
   const size_t smem = limited ? sizeof(uint64_t) * static_cast<size_t>(tokens_per_block * opt.groups) : 0;
   auto launch = [&](auto kernel) {
-    kernel<<<blocks, 32 * kWarpsPerBlock, smem, s>>>(cfg.score_fn, cfg.normalize_topk, opt, logits, L, E, cfg.top_k,
-                                                     width, ids, gates, lse);
+    cuda::launch_chained(kernel, blocks, 32 * kWarpsPerBlock, smem, s, cfg.score_fn, cfg.normalize_topk, opt, logits, L,
+                         E, cfg.top_k, width, ids, gates, lse);
   };
   with_group_shape(E, [&](auto per, auto lanes) {
     constexpr int kPer = decltype(per)::value, kWidth = decltype(lanes)::value;
@@ -779,12 +805,12 @@ void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float
   float* partial_lse = scratch + chunks * E;
   if (chunks > 0) {
     dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(ceil_div(E, kLossExperts), 64)));
-    loss_partials_kernel<<<grid, kLossExperts * kLossRows, 0, s>>>(cfg.score_fn, logits, lse, ids, L, E, cfg.top_k,
-                                                                   partial, partial_lse);
+    cuda::launch_chained(loss_partials_kernel, grid, kLossExperts * kLossRows, 0, s, cfg.score_fn, logits, lse, ids, L,
+                         E, cfg.top_k, partial, partial_lse);
     MOEBLAZE_CUDA_LAUNCH_CHECK("loss_partials");
   }
-  loss_finish_kernel<<<1, kFinishThreads, 0, s>>>(cfg.balance_coeff(), cfg.z_loss_coeff, L, E, cfg.top_k, chunks,
-                                                  partial, partial_lse, offsets, aux_out, z_out);
+  cuda::launch_chained(loss_finish_kernel, 1, kFinishThreads, 0, s, cfg.balance_coeff(), cfg.z_loss_coeff, L, E,
+                       cfg.top_k, chunks, partial, partial_lse, offsets, aux_out, z_out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("loss_finish");
 }
 
@@ -799,12 +825,13 @@ void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t r
                       + (per > 0 ? sizeof(float) * static_cast<size_t>(tokens_per_block * E) : 0)  // <= 8 KB
                       + block_counts_bytes(sb, E);                                           // <= 16 KB
   auto launch = [&](auto kernel) {
-    kernel<<<blocks_for(rows, tokens_per_block), 32 * kWarpsPerBlock, smem, s>>>(
-        // the sequence-wise loss takes the Switch form only (the layer refuses the other), where
-        // balance_coeff() is AUX_LOSS_COEFF
-        cfg.score_fn, cfg.normalize_topk, static_cast<float>(cfg.balance_coeff()), static_cast<float>(cfg.z_loss_coeff),
-        static_cast<float>(cfg.route_scale), logits, rows, L, E, k, width, ids, dgates, grad_aux, grad_z, offsets, sb,
-        dlogits, static_cast<__nv_bfloat16*>(dlogits_pair));
+    cuda::launch_chained(kernel, blocks_for(rows, tokens_per_block), 32 * kWarpsPerBlock, smem, s,
+                         // the sequence-wise loss takes the Switch form only (the layer refuses the other), where
+                         // balance_coeff() is AUX_LOSS_COEFF
+                         cfg.score_fn, cfg.normalize_topk, static_cast<float>(cfg.balance_coeff()),
+                         static_cast<float>(cfg.z_loss_coeff), static_cast<float>(cfg.route_scale), logits, rows, L, E,
+                         k, width, ids, dgates, grad_aux, grad_z, offsets, sb, dlogits,
+                         static_cast<__nv_bfloat16*>(dlogits_pair));
   };
   with_group_shape(E, [&](auto p, auto lanes) {
     launch(router_backward_kernel<decltype(p)::value, decltype(lanes)::value>);
@@ -813,13 +840,13 @@ void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t r
 }
 
 void sequence_starts_cuda(const View& lengths, int64_t L, int64_t* starts, int32_t* flag, cudaStream_t s) {
-  sequence_starts_kernel<<<1, kStartsThreads, 0, s>>>(lengths.data, lengths.dtype == DType::kI64, lengths.stride[0],
-                                                      lengths.shape[0], L, starts, flag);
+  cuda::launch_chained(sequence_starts_kernel, 1, kStartsThreads, 0, s, lengths.data, lengths.dtype == DType::kI64,
+                       lengths.stride[0], lengths.shape[0], L, starts, flag);
   MOEBLAZE_CUDA_LAUNCH_CHECK("sequence_starts");
 }
 
 void routed_sequences_cuda(const SequenceBalance& sb, int64_t L, int64_t k, cudaStream_t s) {
-  routed_sequences_kernel<<<1, kRoutedThreads, 0, s>>>(sb, L, k);
+  cuda::launch_chained(routed_sequences_kernel, 1, kRoutedThreads, 0, s, sb, L, k);
   MOEBLAZE_CUDA_LAUNCH_CHECK("routed_sequences");
 }
 
@@ -831,12 +858,13 @@ void sequence_balance_loss_cuda(const LayerConfig& cfg, const float* logits, con
   const int width = token_group_width(E), tokens_per_block = kWarpsPerBlock * (32 / width);
   if (L > 0)
     with_group_shape(E, [&](auto per, auto lanes) {
-      sequence_terms_kernel<decltype(per)::value, decltype(lanes)::value>
-          <<<blocks_for(L, tokens_per_block), 32 * kWarpsPerBlock, block_counts_bytes(sb, E), s>>>(
-              cfg.score_fn, logits, lse, L, E, cfg.top_k, width, sb, terms);
+      cuda::launch_chained(sequence_terms_kernel<decltype(per)::value, decltype(lanes)::value>,
+                           blocks_for(L, tokens_per_block), 32 * kWarpsPerBlock, block_counts_bytes(sb, E), s,
+                           cfg.score_fn, logits, lse, L, E, cfg.top_k, width, sb, terms);
     });
   MOEBLAZE_CUDA_LAUNCH_CHECK("sequence_terms");
-  sequence_loss_finish_kernel<<<1, kTermThreads, 0, s>>>(cfg.aux_loss_coeff, sb.routed, L, terms, flag, aux_out);
+  cuda::launch_chained(sequence_loss_finish_kernel, 1, kTermThreads, 0, s, cfg.aux_loss_coeff, sb.routed, L, terms,
+                       flag, aux_out);
   MOEBLAZE_CUDA_LAUNCH_CHECK("sequence_loss_finish");
 }
 
@@ -844,25 +872,25 @@ void import_routing_cuda(const View& ids, const View& w, int64_t L, int64_t k, i
                          const TokenMask& mask, int32_t* out_ids, float* out_gates, int32_t* error_flag,
                          cudaStream_t s) {
   if (L == 0) return;
-  import_routing_kernel<<<blocks_for(L, 128), 128, 0, s>>>(ids.data, ids.dtype == DType::kI64, ids.stride[0], w.data,
-                                                          w.dtype, w.stride[0], L, k, E, empty_slots, mask, out_ids,
-                                                          out_gates, error_flag);
+  cuda::launch_chained(import_routing_kernel, blocks_for(L, 128), 128, 0, s, ids.data, ids.dtype == DType::kI64,
+                       ids.stride[0], w.data, w.dtype, w.stride[0], L, k, E, empty_slots, mask, out_ids, out_gates,
+                       error_flag);
   MOEBLAZE_CUDA_LAUNCH_CHECK("import_routing");
 }
 
 void write_topk_cuda(const int32_t* ids, const float* gates, int64_t L, int64_t k, const View& ids_out,
                      const View& w_out, cudaStream_t s) {
   if (L * k == 0 || (!ids_out.present && !w_out.present)) return;
-  write_topk_kernel<<<blocks_for(L * k, 256), 256, 0, s>>>(
-      ids, gates, L, k, ids_out.present ? ids_out.data : nullptr, ids_out.dtype == DType::kI64, ids_out.stride[0],
-      w_out.present ? w_out.data : nullptr, w_out.dtype, w_out.stride[0]);
+  cuda::launch_chained(write_topk_kernel, blocks_for(L * k, 256), 256, 0, s, ids, gates, L, k,
+                       ids_out.present ? ids_out.data : nullptr, ids_out.dtype == DType::kI64, ids_out.stride[0],
+                       w_out.present ? w_out.data : nullptr, w_out.dtype, w_out.stride[0]);
   MOEBLAZE_CUDA_LAUNCH_CHECK("write_topk");
 }
 
 void write_tokens_per_expert_cuda(const int32_t* offsets, int64_t E, const View& out, cudaStream_t s) {
   if (!out.present) return;
-  tokens_per_expert_kernel<<<blocks_for(E, 256), 256, 0, s>>>(offsets, E, out.data, out.dtype == DType::kI64,
-                                                              out.stride[0]);
+  cuda::launch_chained(tokens_per_expert_kernel, blocks_for(E, 256), 256, 0, s, offsets, E, out.data,
+                       out.dtype == DType::kI64, out.stride[0]);
   MOEBLAZE_CUDA_LAUNCH_CHECK("tokens_per_expert");
 }
 

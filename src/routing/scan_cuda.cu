@@ -1,5 +1,6 @@
 #include <cub/block/block_scan.cuh>
 
+#include "cuda/chained_launch.cuh"
 #include "cuda/cuda_check.hpp"
 #include "routing/scan_cuda.hpp"
 #include "util/align.hpp"
@@ -33,12 +34,16 @@ __device__ void scan_tile(const int32_t* in, int32_t* out, int64_t n, int64_t ti
 }
 
 __global__ void scan_tiles_kernel(const int32_t* in, int32_t* out, int64_t n, int32_t* totals) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   __shared__ typename BlockScan::TempStorage tmp;
   scan_tile(in, out, n, blockIdx.x, 0, &totals[blockIdx.x], tmp);
 }
 
 // One block scans the tile totals in place, tile by tile, carrying the running sum.
 __global__ void scan_totals_kernel(int32_t* totals, int64_t tiles) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   __shared__ typename BlockScan::TempStorage tmp;
   __shared__ int32_t chunk_total;
   int32_t carry = 0;
@@ -51,6 +56,8 @@ __global__ void scan_totals_kernel(int32_t* totals, int64_t tiles) {
 }
 
 __global__ void add_tile_base_kernel(int32_t* out, int64_t n, const int32_t* bases) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n) out[i] += bases[i / kTile];
 }
@@ -65,12 +72,12 @@ void exclusive_scan_cuda(const int32_t* in, int32_t* out, int64_t n, void* scrat
   if (n <= 0) return;
   const int64_t tiles = ceil_div(n, kTile);
   int32_t* totals = static_cast<int32_t*>(scratch);
-  scan_tiles_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(in, out, n, totals);
+  cuda::launch_chained(scan_tiles_kernel, static_cast<unsigned>(tiles), kThreads, 0, s, in, out, n, totals);
   MOEBLAZE_CUDA_LAUNCH_CHECK("scan_tiles");
   if (tiles == 1) return;
-  scan_totals_kernel<<<1, kThreads, 0, s>>>(totals, tiles);
+  cuda::launch_chained(scan_totals_kernel, 1, kThreads, 0, s, totals, tiles);
   MOEBLAZE_CUDA_LAUNCH_CHECK("scan_totals");
-  add_tile_base_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, s>>>(out, n, totals);
+  cuda::launch_chained(add_tile_base_kernel, static_cast<unsigned>(ceil_div(n, 256)), 256, 0, s, out, n, totals);
   MOEBLAZE_CUDA_LAUNCH_CHECK("add_tile_base");
 }
 

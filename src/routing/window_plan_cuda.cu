@@ -6,9 +6,10 @@
 // CUB lives in a private namespace (CUB_WRAPPED_NAMESPACE); CUB_NS_QUALIFIER names it.
 namespace cubw = CUB_NS_QUALIFIER;
 
+#include "cuda/chained_launch.cuh"
 #include "cuda/cuda_check.hpp"
-#include "util/offsets_cuda.cuh"
 #include "routing/window_plan_cuda.hpp"
+#include "util/offsets_cuda.cuh"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -35,6 +36,8 @@ __global__ void __launch_bounds__(kRangeThreads) window_ranges_kernel(const int3
                                                                       int32_t P, int32_t t0, int32_t t1, int32_t rows,
                                                                       bool whole, int32_t* call_off, int32_t* first,
                                                                       int32_t* win_off) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   using Scan = cubw::BlockScan<int32_t, kRangeThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int32_t carry;
@@ -66,6 +69,8 @@ __global__ void window_rows_kernel(const int32_t* eti, const int32_t* tim, const
                                    int32_t E, int32_t P, int32_t t0, int32_t t1, int32_t rows, bool whole,
                                    const int32_t* first, const int32_t* win_off, int32_t* call_row, int32_t* token,
                                    float* gate, int32_t* win_tim) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   const int32_t r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= rows) return;
   if (r >= win_off[E]) {  // only a plan that breaks the rules leaves rows uncovered
@@ -121,15 +126,15 @@ void build_window_plan_cuda(const RoutingPlan& plan, int64_t L, int64_t k, int64
   const bool whole = t0 == 0 && rows == L;
   int32_t* call_off = w.scratch;
   int32_t* first = w.expert_call_row;
-  window_ranges_kernel<<<1, kRangeThreads, 0, s>>>(plan.expert_token_offsets, plan.expert_token_indices,
-                                                   static_cast<int32_t>(E), P, a, b, wr, whole, call_off, first,
-                                                   w.offsets);
+  cuda::launch_chained(window_ranges_kernel, 1, kRangeThreads, 0, s, plan.expert_token_offsets,
+                       plan.expert_token_indices, static_cast<int32_t>(E), P, a, b, wr, whole, call_off, first,
+                       w.offsets);
   MOEBLAZE_CUDA_LAUNCH_CHECK("window_ranges");
   if (wr == 0) return;
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.token_index_map, 0xff, sizeof(int32_t) * wr, s));
-  window_rows_kernel<<<static_cast<unsigned>(ceil_div(wr, 256)), 256, 0, s>>>(
-      plan.expert_token_indices, plan.token_index_map, plan.gates, L, k, static_cast<int32_t>(E), P, a, b, wr, whole,
-      first, w.offsets, w.call_row, w.token, w.gate, w.token_index_map);
+  cuda::launch_chained(window_rows_kernel, static_cast<unsigned>(ceil_div(wr, 256)), 256, 0, s,
+                       plan.expert_token_indices, plan.token_index_map, plan.gates, L, k, static_cast<int32_t>(E), P, a,
+                       b, wr, whole, first, w.offsets, w.call_row, w.token, w.gate, w.token_index_map);
   MOEBLAZE_CUDA_LAUNCH_CHECK("window_rows");
 }
 

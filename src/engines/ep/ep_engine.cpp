@@ -512,9 +512,14 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
   else give_back(x, w, hc, static_cast<const char*>(w.rows), nullptr, s);
   combine::combine_rows_cuda(w.send.return_map, nullptr, L, c_, g_.hidden, comm_->local() + layout_.ret_rows, nullptr,
                              a.y, s);
-  if (sv.header) cuda::store_saved_header(make_saved_header(g_, L), sv.header, s, flag);
-  cuda::poison_if_flagged(flag, a.y, s);
-  cuda::write_status(flag, a.status, s, ep::kRecvOverflow, kRowsLate);
+  cuda::CallEnd end;
+  end.outputs[0] = &a.y;
+  end.status = a.status;
+  end.insufficient_bits = ep::kRecvOverflow;
+  end.internal_bits = kRowsLate;
+  end.header_dst = sv.header;
+  end.header = make_saved_header(g_, L);
+  cuda::end_call(flag, end, s);
 }
 
 void EpEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws, void* stream) const {
@@ -576,10 +581,16 @@ void EpEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws,
     router_->add_router_dx(a, needs, a.dx, w.router, s);
   }
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
-  for (const View* out : {&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight})
-    cuda::poison_if_flagged(flag, *out, s);
-  if (last_use) cuda::store_saved_header(spent_saved_header(g_, L), sv.header, s);
-  cuda::write_status(flag, a.status, s, ep::kRecvOverflow, kRowsLate);
+  cuda::CallEnd end{{&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight},
+                    a.status,
+                    ep::kRecvOverflow,
+                    kRowsLate};
+  if (last_use) {
+    end.header_dst = sv.header;
+    end.header = spent_saved_header(g_, L);
+    end.header_unless_flag = false;
+  }
+  cuda::end_call(flag, end, s);
 }
 
 }  // namespace

@@ -284,9 +284,12 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
     combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.out, nullptr, a.y.rows(t0, rows), s,
                                a.out_rows ? a.out_rows + t0 : nullptr, a.out_rows_first, t0);
   }
-  if (sv.header) cuda::store_saved_header(make_saved_header(cfg_, L), sv.header, s, w.router.error_flag);
-  cuda::poison_if_flagged(w.router.error_flag, a.y, s);
-  cuda::write_status(w.router.error_flag, a.status, s);
+  cuda::CallEnd end;
+  end.outputs[0] = &a.y;
+  end.status = a.status;
+  end.header_dst = sv.header;
+  end.header = make_saved_header(cfg_, L);
+  cuda::end_call(w.router.error_flag, end, s);
 }
 
 void FusedEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws, void* stream) const {
@@ -451,10 +454,13 @@ void FusedEngine::backward(const CallArgs& a, void* saved, bool last_use, void* 
   else if (after_dx) a.side.after_dx->enqueue(s);
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
   router_->backward_finish(a, needs, w.router, s);
-  for (const View* out : {&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight})
-    cuda::poison_if_flagged(flag, *out, s);
-  if (last_use) cuda::store_saved_header(spent_saved_header(cfg_, L), sv.header, s);
-  cuda::write_status(flag, a.status, s);
+  cuda::CallEnd end{{&a.dx, &a.d_w_gate_up, &a.d_w_down, &a.d_topk_weights, &a.d_logits, &a.d_router_weight}, a.status};
+  if (last_use) {
+    end.header_dst = sv.header;
+    end.header = spent_saved_header(cfg_, L);
+    end.header_unless_flag = false;
+  }
+  cuda::end_call(flag, end, s);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@ namespace cubw = CUB_NS_QUALIFIER;
 
 #include <algorithm>
 
+#include "cuda/chained_launch.cuh"
 #include "cuda/cuda_check.hpp"
 #include "gemm/sm90/grouped_gemm.hpp"
 #include "gemm/sm90/heuristics.hpp"
@@ -16,9 +17,9 @@ namespace cubw = CUB_NS_QUALIFIER;
 #include "gemm/sm90/tensor_map.hpp"
 #include "gemm/sm90/tile_config.hpp"
 #include "math/activation.hpp"
-#include "util/offsets_cuda.cuh"
 #include "util/align.hpp"
 #include "util/error.hpp"
+#include "util/offsets_cuda.cuh"
 
 namespace moeblaze {
 inline namespace v0 {
@@ -31,6 +32,8 @@ constexpr int kScheduleThreads = 1024;
 // One block: out_off = the sanitised offsets (util/offsets_cuda.cuh), then the row-block prefix.
 __global__ void __launch_bounds__(kScheduleThreads) schedule_kernel(const int32_t* offsets, int32_t E, int32_t m_total,
                                                                     int32_t* out_off, int32_t* prefix) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
   using Scan = cubw::BlockScan<int32_t, kScheduleThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int32_t carry_sum;
@@ -147,8 +150,8 @@ Schedule make_schedule(const int32_t* offsets, int64_t num_experts, int64_t m_to
   Schedule sc;
   int32_t* off = static_cast<int32_t*>(workspace);
   int32_t* prefix = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + schedule_bytes(num_experts) / 2);
-  schedule_kernel<<<1, kScheduleThreads, 0, s>>>(offsets, static_cast<int32_t>(num_experts), static_cast<int32_t>(m_total),
-                                                 off, prefix);
+  cuda::launch_chained(schedule_kernel, 1, kScheduleThreads, 0, s, offsets, static_cast<int32_t>(num_experts),
+                       static_cast<int32_t>(m_total), off, prefix);
   MOEBLAZE_CUDA_CHECK(cudaGetLastError());
   sc.offsets = off;
   sc.rb_prefix = prefix;
