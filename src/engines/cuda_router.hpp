@@ -1,5 +1,5 @@
 // The GPU router half of a step, shared by the CUDA engines: logits (given, or x W_g^T: through
-// the narrow kernel for up to 32 experts, else cuBLASLt), scores and top-k, or the caller's
+// the narrow kernel for up to 8 experts, 16 at d <= 1024, else cuBLASLt), scores and top-k, or the caller's
 // routing imported and checked on the device; the atomic-free routing plan; the router outputs
 // and losses; and the router backward (d logits, dW_g, and dx's router part). Everything is
 // enqueued on the caller's stream; nothing here synchronises, so a sync-free engine can use it

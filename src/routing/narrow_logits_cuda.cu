@@ -1,4 +1,4 @@
-// The narrow router GEMM: a warp computes 32 rows of logits, two m16 tiles by up to four n8
+// The narrow router GEMM: a warp computes 32 rows of logits, two m16 tiles by one or two n8
 // tiles of m16n8k16 MMAs with fp32 accumulators. Each lane reads x and W_g as 16-byte runs (8
 // consecutive k) and uses them as its fragments' k pairs: for a k32 step, lane quad q holds
 // columns [8q, 8q + 8) of its rows, whose pairs 0 and 1 feed the first MMA in the places of k
@@ -51,13 +51,15 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1
 #endif
 }
 
-// NT: n8 tiles, ceil(E / 8). A block's warps take row tiles of 32 rows, `splits` warps to a tile
-// (a power of two), warp part p of a tile its k stages p, p + splits, ...; the parts' sums are
-// added in part order through shared memory, so the bits depend on d alone. Lane (g, q) =
-// (lane / 4, lane % 4) owns rows g + 8 i (i < 4) of its tile and expert rows g + 8 j of W_g; its
-// accumulators c[m][j] hold rows 16 m + g and 16 m + g + 8, columns 8 j + 2 q and 8 j + 2 q + 1.
+// NT: n8 tiles, ceil(E / 8): 1 or 2 (E <= kNarrowLogitsMaxExperts). A block's warps take row
+// tiles of 32 rows, `splits` warps to a tile (a power of two), warp part p of a tile its k stages
+// p, p + splits, ...; the parts' sums are added in part order through shared memory, so the bits
+// depend on d alone. Lane (g, q) = (lane / 4, lane % 4) owns rows g + 8 i (i < 4) of its tile and
+// expert rows g + 8 j of W_g; its accumulators c[m][j] hold rows 16 m + g and 16 m + g + 8,
+// columns 8 j + 2 q and 8 j + 2 q + 1.
+static_assert(kNarrowLogitsMaxExperts <= 16, "the launch below instantiates one and two n8 tiles");
 template <bool Bf16, int NT>
-__global__ void __launch_bounds__(kWarps * 32, NT <= 2 ? 2 : 1)
+__global__ void __launch_bounds__(kWarps * 32, 2)
     narrow_logits_kernel(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t L, int32_t E,
                          int32_t d, int32_t splits, float* out) {
   cuda::wait_for_prior_grids();
@@ -156,24 +158,12 @@ void launch(const View& x, const View& wg, int64_t L, int64_t E, int64_t d, floa
   const unsigned blocks = static_cast<unsigned>(ceil_div(L, int64_t{kRowsPerWarp} * (kWarps / splits)));
   const int32_t e = static_cast<int32_t>(E), dd = static_cast<int32_t>(d);
   const int64_t ldx = x.stride[0], ldw = wg.stride[0];
-  switch ((E + 7) / 8) {
-    case 1:
-      cuda::launch_chained(narrow_logits_kernel<Bf16, 1>, blocks, kWarps * 32, 0, s, xp, ldx, wp, ldw, L, e, dd, splits,
-                           out);
-      break;
-    case 2:
-      cuda::launch_chained(narrow_logits_kernel<Bf16, 2>, blocks, kWarps * 32, 0, s, xp, ldx, wp, ldw, L, e, dd, splits,
-                           out);
-      break;
-    case 3:
-      cuda::launch_chained(narrow_logits_kernel<Bf16, 3>, blocks, kWarps * 32, 0, s, xp, ldx, wp, ldw, L, e, dd, splits,
-                           out);
-      break;
-    default:
-      cuda::launch_chained(narrow_logits_kernel<Bf16, 4>, blocks, kWarps * 32, 0, s, xp, ldx, wp, ldw, L, e, dd, splits,
-                           out);
-      break;
-  }
+  if (E <= 8)
+    cuda::launch_chained(narrow_logits_kernel<Bf16, 1>, blocks, kWarps * 32, 0, s, xp, ldx, wp, ldw, L, e, dd, splits,
+                         out);
+  else
+    cuda::launch_chained(narrow_logits_kernel<Bf16, 2>, blocks, kWarps * 32, 0, s, xp, ldx, wp, ldw, L, e, dd, splits,
+                         out);
 }
 
 bool aligned_rows(const View& v) {

@@ -16,7 +16,7 @@ inline namespace v0 {
 namespace routing {
 
 // The most experts the narrow kernel serves: up to 8 at any hidden size, up to 16 at d <= 1024
-// (the kernel holds up to four 8-wide column tiles; past these cuBLASLt was faster).
+// (one or two 8-wide column tiles a warp; past these cuBLASLt was faster, perf/NOTES.md).
 constexpr int64_t kNarrowLogitsMaxExperts = 16;
 
 // Why the narrow kernel cannot compute this call's logits (null: it can): x and W_g bf16 or
