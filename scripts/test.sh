@@ -125,13 +125,13 @@ if [ "${MOEBLAZE_TEST_TORCH:-1}" != 0 ]; then
   # MoELayer under FSDP2 (fully_shard) on two CPU processes (gloo) against one: the same
   # check scripts/gpu-check.sh fsdp runs on GPUs.
   (cd build-pip && env -u MOEBLAZE_LIBRARY FSDP_CHECK_DEVICE=cpu FSDP_CHECK_STEPS=6 \
-     venv/bin/torchrun --standalone --nproc_per_node=2 ../tests/gpu/fsdp2_train.py 2>&1 | tail -1 | tee fsdp.log)
-  grep -q '^PASS' build-pip/fsdp.log || exit 1
+     venv/bin/torchrun --standalone --nproc_per_node=2 ../tests/gpu/fsdp2_train.py > fsdp.log 2>&1
+   rc=$?; grep '^PASS' fsdp.log || { tail -30 fsdp.log; exit 1; }; [ "$rc" = 0 ] || { tail -30 fsdp.log; exit 1; })
   # perf/ep_torch_baselines.py (the torch.distributed EP baselines of perf/ep-bench) on two CPU
   # processes: both run, and compute the same layer.
   (cd build-pip && env -u MOEBLAZE_LIBRARY venv/bin/torchrun --standalone --nproc_per_node=2 \
      ../perf/ep_torch_baselines.py --device cpu --tokens 64 --reps 1 --shapes tiny --check-tol 0.02 > ep_torch.log 2>&1
-   rc=$?; tail -2 ep_torch.log; exit $rc) || exit 1
+   rc=$?; if [ "$rc" = 0 ]; then tail -2 ep_torch.log; else tail -30 ep_torch.log; fi; exit $rc) || exit 1
   # The example MoE language model, shrunk to a CPU smoke test: MoELayer and the pure-PyTorch
   # MoE must give the same fp32 loss curve (the full bf16 run is for a GPU: docs/pytorch.md).
   (cd build-pip && env -u MOEBLAZE_LIBRARY venv/bin/python ../examples/moe_lm.py --device cpu --dtype f32 \
