@@ -638,7 +638,11 @@ class _EagerMoE(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
+        # The library's backward has no derivative of its own: a gradient taken with
+        # create_graph=True raises when differentiated again, instead of silently being a
+        # constant.
         return _backward(ctx, *grads, backward_fn=_backward_impl)
 
 

@@ -49,6 +49,17 @@ class TestMoELayerDtypes(unittest.TestCase):
         self.assertEqual(layer.w_gate_up.grad.dtype, torch.float32)
         self.assertEqual(x.grad.dtype, torch.float32)
 
+    def test_second_derivative_is_refused(self):
+        torch = self.torch
+        layer = self.mt.MoELayer(16, 24, 4, 2, max_tokens=64)
+        x = torch.randn(8, 16, requires_grad=True)
+        g, = torch.autograd.grad(layer(x)[0].square().sum(), x, create_graph=True)
+        x2 = x.detach().requires_grad_()
+        g2, = torch.autograd.grad(layer(x2)[0].square().sum(), x2)
+        self.assertTrue(torch.equal(g, g2))  # the first derivative is the plain one
+        with self.assertRaisesRegex(RuntimeError, "differentiate twice"):
+            g.sum().backward()
+
     def test_mismatch_names_the_way_out(self):
         torch = self.torch
         layer = self.mt.MoELayer(16, 24, 4, 2, max_tokens=64)
