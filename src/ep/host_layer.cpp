@@ -176,8 +176,8 @@ int32_t host_backward(Transport& tr, const Placement& pl, const HostForwardArgs&
     }
     // dW_gate_up[e] = sum_r x_r (outer) dpre_r and dW_down[e] = sum_r (g_r act_r) (outer) dy_r,
     // rows in receive order.
-    outer_a.resize(std::max(d, h));
-    outer_g.resize(std::max(d, gh));
+    outer_a.resize(experts::kOuterRows * std::max(d, h));
+    outer_g.resize(experts::kOuterRows * std::max(d, gh));
     experts::accumulate_outer(
         n, d, gh,
         [&](int64_t r, float* xa, float* ga) {

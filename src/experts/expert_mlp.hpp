@@ -34,8 +34,12 @@ void gemm_weight(int64_t R, int64_t N, int64_t K, const float* A, int64_t lda, c
 // Dot product with eight interleaved partial sums (vectorisable, fixed order).
 float dot(const float* a, const float* b, int64_t n);
 
+// Positions accumulate_outer takes per pass over acc (each element's sum still in ascending p).
+constexpr int64_t kOuterRows = 4;
+
 // acc[ib x N] = sum over p in [0, P) of a_p[ib] (outer) g_p[N], p ascending. fetch(p, a, g)
-// fills a (ib floats) and g (N floats) for row p. Used for every weight gradient.
+// fills a (ib floats) and g (N floats) for row p; a_scratch holds kOuterRows * ib floats and
+// g_scratch kOuterRows * N. Used for every weight gradient.
 void accumulate_outer(int64_t P, int64_t ib, int64_t N, FunctionRef<void(int64_t, float*, float*)> fetch,
                       float* acc, float* a_scratch, float* g_scratch);
 

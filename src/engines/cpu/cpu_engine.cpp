@@ -90,7 +90,7 @@ size_t CpuEngine::worker_floats(Pass pass) const {
   const int64_t R = kTileRows;
   int64_t n = widest + 2 * E + 2 * d;  // conversion row, router scratch, token accumulators
   if (pass == Pass::kBackward)
-    n += R * (3 * d + 2 * gh + 2 * h) + kGradRows * widest + kGradRows + widest;
+    n += R * (3 * d + 2 * gh + 2 * h) + kGradRows * widest + experts::kOuterRows * (kGradRows + widest);
   else if (pass == Pass::kRoute)
     n += R * d;  // x rows for logits = x W_g^T
   else
@@ -350,10 +350,10 @@ void CpuEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws
     pool_.parallel_for(E * blocks, [&](int64_t task, int worker) {
       const int64_t e = task / blocks, i0 = (task % blocks) * kGradRows, ib = std::min(kGradRows, nrows - i0);
       const int64_t widest = std::max({experts::kColBlock, d, gh, h, E});
-      float* base = scratch(w, worker) + w.worker_floats - (kGradRows * widest + kGradRows + widest);
+      float* base = scratch(w, worker) + w.worker_floats - (kGradRows * widest + experts::kOuterRows * (kGradRows + widest));
       float* acc = base;
       float* av = acc + kGradRows * widest;
-      float* gv = av + kGradRows;
+      float* gv = av + experts::kOuterRows * kGradRows;
       const int64_t p0 = plan.expert_token_offsets[e], n = plan.expert_token_offsets[e + 1] - p0;
       experts::accumulate_outer(n, ib, ncols, [&](int64_t p, float* aa, float* gg) { fetch(e, p0 + p, i0, ib, aa, gg); },
                                 acc, av, gv);
@@ -422,9 +422,9 @@ void CpuEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws
       pool_.parallel_for(blocks, [&](int64_t b, int worker) {
         const int64_t e0 = b * kGradRows, eb = std::min(kGradRows, E - e0);
         const int64_t widest = std::max({experts::kColBlock, d, gh, h, E});
-        float* acc = scratch(w, worker) + w.worker_floats - (kGradRows * widest + kGradRows + widest);
+        float* acc = scratch(w, worker) + w.worker_floats - (kGradRows * widest + experts::kOuterRows * (kGradRows + widest));
         float* av = acc + kGradRows * widest;
-        float* gv = av + kGradRows;
+        float* gv = av + experts::kOuterRows * kGradRows;
         experts::accumulate_outer(L, eb, d, [&](int64_t t, float* aa, float* gg) {
           for (int64_t i = 0; i < eb; ++i) aa[i] = w.dlogits[t * E + e0 + i];
           load_row(a.x.row(t), a.x.dtype, d, gg);
