@@ -7,10 +7,10 @@ inline namespace v0 {
 namespace cuda {
 namespace {
 
-__global__ void store_saved_header_kernel(SavedHeader header, SavedHeader* dst, const int32_t* unless_flag) {
+__global__ void store_saved_header_kernel(SavedHeader header, SavedHeader* dst) {
   cuda::wait_for_prior_grids();
   cuda::allow_next_grid();
-  if (!unless_flag || *unless_flag == 0) *dst = header;
+  *dst = header;
 }
 
 __global__ void check_saved_header_kernel(SavedHeader want, const SavedHeader* got, int32_t* flag, int32_t bit) {
@@ -25,8 +25,8 @@ __global__ void check_saved_header_kernel(SavedHeader want, const SavedHeader* g
 
 }  // namespace
 
-void store_saved_header(const SavedHeader& header, SavedHeader* dst, cudaStream_t s, const int32_t* unless_flag) {
-  cuda::launch_chained(store_saved_header_kernel, 1, 1, 0, s, header, dst, unless_flag);
+void store_saved_header(const SavedHeader& header, SavedHeader* dst, cudaStream_t s) {
+  cuda::launch_chained(store_saved_header_kernel, 1, 1, 0, s, header, dst);
   MOEBLAZE_CUDA_LAUNCH_CHECK("store_saved_header");
 }
 

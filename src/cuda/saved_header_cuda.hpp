@@ -10,9 +10,9 @@ namespace moeblaze {
 inline namespace v0 {
 namespace cuda {
 
-// Writes the header, unless *unless_flag is nonzero (a sync-free call that found bad input leaves
-// the buffer vouching for nothing, so its backward rejects it too).
-void store_saved_header(const SavedHeader& header, SavedHeader* dst, cudaStream_t s, const int32_t* unless_flag = nullptr);
+// Writes the header (the sync-free engines write theirs in cuda::end_call, unless the call
+// flagged bad input).
+void store_saved_header(const SavedHeader& header, SavedHeader* dst, cudaStream_t s);
 
 // The sync-free form of check_saved_header (core/memory_layout.hpp): sets `bit` in *flag unless
 // the header at `got` is bitwise the one this handle's forward writes (`want`).
