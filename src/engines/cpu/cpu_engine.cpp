@@ -79,6 +79,21 @@ class CpuEngine final : public Engine {
     });
   }
   float* scratch(const Work& w, int worker) const { return w.per_worker + w.worker_floats * static_cast<size_t>(worker); }
+  // The widest row a worker holds: max(kColBlock, d, g h, h, E).
+  int64_t widest() const {
+    return std::max({experts::kColBlock, cfg_.hidden, cfg_.gate_up_cols(), cfg_.ffn_hidden, cfg_.num_experts});
+  }
+  // A weight-gradient task's scratch, at the end of its worker's panel: the accumulators
+  // [kGradRows, widest], then kOuterRows rows of a values and of g values (accumulate_outer).
+  struct GradScratch {
+    float *acc, *a, *g;
+  };
+  int64_t grad_scratch_floats() const { return kGradRows * widest() + experts::kOuterRows * (kGradRows + widest()); }
+  GradScratch grad_scratch(const Work& w, int worker) const {
+    float* acc = scratch(w, worker) + w.worker_floats - grad_scratch_floats();
+    float* a = acc + kGradRows * widest();
+    return {acc, a, a + experts::kOuterRows * kGradRows};
+  }
 
   LayerConfig cfg_;
   ThreadPool pool_;  // persistent: started at the first parallel loop, joined with the engine
@@ -86,11 +101,10 @@ class CpuEngine final : public Engine {
 
 size_t CpuEngine::worker_floats(Pass pass) const {
   const int64_t d = cfg_.hidden, h = cfg_.ffn_hidden, gh = cfg_.gate_up_cols(), E = cfg_.num_experts;
-  const int64_t widest = std::max({experts::kColBlock, d, gh, h, E});
   const int64_t R = kTileRows;
-  int64_t n = widest + 2 * E + 2 * d;  // conversion row, router scratch, token accumulators
+  int64_t n = widest() + 2 * E + 2 * d;  // conversion row, router scratch, token accumulators
   if (pass == Pass::kBackward)
-    n += R * (3 * d + 2 * gh + 2 * h) + kGradRows * widest + experts::kOuterRows * (kGradRows + widest);
+    n += R * (3 * d + 2 * gh + 2 * h) + grad_scratch_floats();
   else if (pass == Pass::kRoute)
     n += R * d;  // x rows for logits = x W_g^T
   else
@@ -349,21 +363,17 @@ void CpuEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws
     const int64_t blocks = ceil_div(nrows, kGradRows);
     pool_.parallel_for(E * blocks, [&](int64_t task, int worker) {
       const int64_t e = task / blocks, i0 = (task % blocks) * kGradRows, ib = std::min(kGradRows, nrows - i0);
-      const int64_t widest = std::max({experts::kColBlock, d, gh, h, E});
-      float* base = scratch(w, worker) + w.worker_floats - (kGradRows * widest + experts::kOuterRows * (kGradRows + widest));
-      float* acc = base;
-      float* av = acc + kGradRows * widest;
-      float* gv = av + experts::kOuterRows * kGradRows;
+      const GradScratch g = grad_scratch(w, worker);
       const int64_t p0 = plan.expert_token_offsets[e], n = plan.expert_token_offsets[e + 1] - p0;
-      experts::accumulate_outer(n, ib, ncols, [&](int64_t p, float* aa, float* gg) { fetch(e, p0 + p, i0, ib, aa, gg); },
-                                acc, av, gv);
+      experts::accumulate_outer(
+          n, ib, ncols, [&](int64_t p, float* aa, float* gg) { fetch(e, p0 + p, i0, ib, aa, gg); }, g.acc, g.a, g.g);
       // Row i of the gradient; a column of the caller's array when it is stored transposed.
       for (int64_t i = 0; i < ib; ++i) {
         if (out.transposed)
           store_strided(out.row(e, 0) + (i0 + i) * static_cast<int64_t>(out.elem()), out.dtype, ncols, out.stride[1],
-                        acc + i * ncols, out.accumulate);
+                        g.acc + i * ncols, out.accumulate);
         else
-          store_row(out.row(e, i0 + i), out.dtype, ncols, acc + i * ncols, out.accumulate);
+          store_row(out.row(e, i0 + i), out.dtype, ncols, g.acc + i * ncols, out.accumulate);
       }
     });
   };
@@ -421,16 +431,17 @@ void CpuEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws
       const int64_t blocks = ceil_div(E, kGradRows);
       pool_.parallel_for(blocks, [&](int64_t b, int worker) {
         const int64_t e0 = b * kGradRows, eb = std::min(kGradRows, E - e0);
-        const int64_t widest = std::max({experts::kColBlock, d, gh, h, E});
-        float* acc = scratch(w, worker) + w.worker_floats - (kGradRows * widest + experts::kOuterRows * (kGradRows + widest));
-        float* av = acc + kGradRows * widest;
-        float* gv = av + experts::kOuterRows * kGradRows;
-        experts::accumulate_outer(L, eb, d, [&](int64_t t, float* aa, float* gg) {
-          for (int64_t i = 0; i < eb; ++i) aa[i] = w.dlogits[t * E + e0 + i];
-          load_row(a.x.row(t), a.x.dtype, d, gg);
-        }, acc, av, gv);
+        const GradScratch g = grad_scratch(w, worker);
+        experts::accumulate_outer(
+            L, eb, d,
+            [&](int64_t t, float* aa, float* gg) {
+              for (int64_t i = 0; i < eb; ++i) aa[i] = w.dlogits[t * E + e0 + i];
+              load_row(a.x.row(t), a.x.dtype, d, gg);
+            },
+            g.acc, g.a, g.g);
         for (int64_t i = 0; i < eb; ++i)
-          store_row(a.d_router_weight.row(e0 + i), a.d_router_weight.dtype, d, acc + i * d, a.d_router_weight.accumulate);
+          store_row(a.d_router_weight.row(e0 + i), a.d_router_weight.dtype, d, g.acc + i * d,
+                    a.d_router_weight.accumulate);
       });
     }
   }
