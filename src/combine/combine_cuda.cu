@@ -82,6 +82,29 @@ void launch_combine(const int32_t* map, const float* gates, int64_t L, int64_t k
         map, gates, k, d, in, extra, out, out_stride, accumulate, row_out, first, first_base);
 }
 
+// A warp per token: its slots read by the first k lanes, its row zeroed by all 32 if none has a
+// position.
+template <class T, int W>
+__global__ void zero_unrouted_rows_kernel(const int32_t* map, int64_t L, int64_t k, int64_t d, T* out, int64_t stride) {
+  cuda::wait_for_prior_grids();
+  cuda::allow_next_grid();
+  const int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= L) return;  // the whole warp
+  bool routed = false;
+  for (int64_t j = lane; j < k; j += 32) {
+    const int32_t pos = map[t * k + j];
+    routed = routed || (pos >= 0 && pos < L * k);
+  }
+  if (__any_sync(0xffffffffu, routed)) return;
+  T* row = out + t * stride;
+  float zero[W] = {};
+  for (int64_t c = lane * W; c < d; c += 32 * W) {
+    if (W == 8) Elem<T>::store8(row + c, zero);
+    else Elem<T>::store1(row + c, zero[0]);
+  }
+}
+
 __global__ void to_token_order_kernel(const int32_t* map, const float* v, int64_t n, int64_t parts, int64_t ld,
                                       const int32_t* rows_done, float* out) {
   cuda::wait_for_prior_grids();
@@ -136,6 +159,19 @@ void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_
     }
   });
   MOEBLAZE_CUDA_LAUNCH_CHECK("combine_rows");
+}
+
+void zero_unrouted_rows_cuda(const int32_t* map, int64_t L, int64_t k, int64_t d, const View& out, cudaStream_t s) {
+  if (L == 0 || d == 0) return;
+  const bool vec = d % 8 == 0 && (out.stride[0] * static_cast<int64_t>(out.elem())) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
+  const unsigned blocks = static_cast<unsigned>(ceil_div(L, 8));  // 8 warps a block
+  MOEBLAZE_DISPATCH_FLOAT(out.dtype, T, {
+    T* o = reinterpret_cast<T*>(out.data);
+    if (vec) cuda::launch_chained(zero_unrouted_rows_kernel<T, 8>, blocks, 256, 0, s, map, L, k, d, o, out.stride[0]);
+    else cuda::launch_chained(zero_unrouted_rows_kernel<T, 1>, blocks, 256, 0, s, map, L, k, d, o, out.stride[0]);
+  });
+  MOEBLAZE_CUDA_LAUNCH_CHECK("zero_unrouted_rows");
 }
 
 void to_token_order_cuda(const int32_t* token_index_map, int64_t L, int64_t k, const float* v, float* out, cudaStream_t s,

@@ -28,6 +28,12 @@ void combine_rows_cuda(const int32_t* token_index_map, const float* gates, int64
                        char* const* row_out = nullptr, const int32_t* row_out_first = nullptr,
                        int64_t first_base = 0);
 
+// Zeroes row t of out (its dtype and row stride; 16-byte aligned rows where d % 8 == 0) for
+// each token t < L none of whose k slots has a position in [0, L k): the rows that a GEMM
+// storing straight at the tokens' rows (top-1 y and dx) leaves unwritten, a masked token's.
+void zero_unrouted_rows_cuda(const int32_t* token_index_map, int64_t L, int64_t k, int64_t d, const View& out,
+                             cudaStream_t s);
+
 // out[t k + j] = v[pos] with pos = token_index_map[t k + j]; with parts > 1, the sum of
 // v[c ld + pos] over c < parts in that order (per-column-block partial sums). A position past
 // *rows_done (when given: the rows the producing GEMM wrote) or outside [0, L k) gives 0.

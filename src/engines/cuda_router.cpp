@@ -200,6 +200,10 @@ bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const Ro
   return true;
 }
 
+bool CudaRouter::router_dx_for_combine(const CallArgs& a, const Needs& needs) const {
+  return needs.router_grad && needs.router_adds_dx && a.mode == RoutingMode::kRouterWeight && !tensor_core_backward();
+}
+
 void CudaRouter::add_router_dx(const CallArgs& a, const Needs& needs, const View& dx_rows, const RouterWork& w,
                                cudaStream_t s) const {
   const int64_t rows = dx_rows.ndim > 0 ? dx_rows.shape[0] : 0;

@@ -83,6 +83,9 @@ class CudaRouter {
   bool backward_window(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, int64_t t0, int64_t rows,
                        const float* dg_tok, bool first, const RouterWork& w, cudaStream_t s) const;
   void backward_finish(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const;
+  // Whether backward_window (with rows) returns true: dx's router part in router_dx for the
+  // combine, known before the window's kernels are enqueued.
+  bool router_dx_for_combine(const CallArgs& a, const Needs& needs) const;
   // Tensor-core path (bf16 layers): dx's router part added to dx's rows of the last window
   // (backward) or of the call, after the combine wrote them. Nothing on the fp32 path.
   void add_router_dx(const CallArgs& a, const Needs& needs, const View& dx_rows, const RouterWork& w,

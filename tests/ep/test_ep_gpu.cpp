@@ -132,6 +132,10 @@ bool run_all(int P, uint64_t seed) {
       // A token mask: about a third of each rank's tokens not routed (router, fused engine).
       {"masked", 8LL * P, 4, 128, 64, MOEBLAZE_ACTIVATION_SWIGLU, false, {250, 99, 300, 0, 64, 128, 17, 200}, 0, false,
        MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, false, false, true},
+      // Top-1 with a token mask: the local experts' dx rows stored at their rows by the dx GEMM,
+      // the masked and unrouted rows zeroed.
+      {"top1-masked", 4LL * P, 1, 128, 64, MOEBLAZE_ACTIVATION_SILU, false, {250, 99, 300, 0, 64, 128, 17, 200}, 0,
+       false, MOEBLAZE_ENGINE_AUTO, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, false, false, true},
       // ...with caller routing on the cuBLASLt local engine.
       {"masked-ids-cublaslt", 2LL * P, 2, 128, 64, MOEBLAZE_ACTIVATION_SILU, true, {129, 0, 64, 200, 5, 33, 0, 97}, 0,
        false, MOEBLAZE_ENGINE_CUDA_CUBLASLT, MOEBLAZE_SAVE_PREACT, 1, 0, 1.0, false, false, true},

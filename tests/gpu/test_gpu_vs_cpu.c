@@ -870,12 +870,10 @@ static void refill(runner* r, step* s);
  * writes no gradient; fused returns SUCCESS, STATUS reads INVALID_ARGUMENT and every gradient
  * is NaN. Neither reads or writes outside a buffer (guards here; compute-sanitizer memcheck in
  * scripts/gpu-check.sh). A valid buffer afterwards still gives STATUS 0. */
-static void hostile_saved_buffers(void** state) {
-  (void)state;
-  tu_rng rng;
-  tu_rng_seed(&rng, tu_fresh_seed("gpu_hostile_saved"));
+static void hostile_saved_buffers_at(int64_t k, tu_rng* rng_in) {
+  tu_rng rng = *rng_in;
   const int fused = g_engine == MOEBLAZE_ENGINE_CUDA_FUSED;
-  gcase c = base_case(16, 4, 64, 96, 300, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  gcase c = base_case(16, k, 64, 96, 300, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
   step s;
   make_inputs(&s, &c, &rng);
   alloc_outputs(&s);
@@ -954,6 +952,16 @@ static void hostile_saved_buffers(void** state) {
   cudaStreamDestroy(r.stream);
   moeblaze_destroy(r.h);
   free_step(&s);
+  *rng_in = rng;
+}
+
+/* k = 4, and k = 1, where the fused dx GEMM stores each row at the token the saved plan names. */
+static void hostile_saved_buffers(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_hostile_saved"));
+  hostile_saved_buffers_at(4, &rng);
+  hostile_saved_buffers_at(1, &rng);
 }
 
 /* Device copies of a step's inputs refreshed in place, outputs poisoned again (no allocation). */

@@ -5,7 +5,8 @@
 // the per-row workspace is sized by the window:
 //   forward, per window:  up GEMM gathering x rows, activation (and the save policy's pre, at
 //             the call's positions) in its epilogue; down GEMM with the gate in its epilogue;
-//             deterministic combine of the window's tokens.
+//             deterministic combine of the window's tokens (top-1: the down GEMM stores y's
+//             rows at their tokens, and the dx GEMM dx's likewise; no combine).
 //   backward, per window: dact GEMM gathering dy rows; the activation backward (dg, dpre,
 //             g * act) in its epilogue (plain activations, d <= 1024 or 2048) or as a pass;
 //             varlen-K weight gradients gathering x and dy (summed over the windows in fp32,
@@ -34,6 +35,7 @@
 #include "experts/expert_cuda.hpp"
 #include "gemm/cublaslt.hpp"
 #include "gemm/sm90/grouped_gemm.hpp"
+#include "gemm/sm90/heuristics.hpp"
 #include "gemm/sm90/weight_grad.hpp"
 #include "routing/plan_check_cuda.hpp"
 #include "routing/window_plan_cuda.hpp"
@@ -167,6 +169,13 @@ class FusedEngine final : public Engine {
     e.act_out_rows = act_expert_row ? static_cast<int32_t>(rows) : 0;
     return e;
   }
+  // Whether a GEMM stores `out`'s rows straight at their tokens (EpilogueParams::c_row) instead
+  // of leaving [W, d] rows for the combine: top-1, where the combine would copy each token's one
+  // row (the same bits), into an output it does not add to, whose rows take 8-byte stores.
+  bool stores_token_rows(const View& out) const {
+    return cfg_.top_k == 1 && out.present && !out.accumulate && sm90::token_order_stores_allowed() &&
+           reinterpret_cast<uintptr_t>(out.data) % 8 == 0 && out.stride[0] % 4 == 0;
+  }
   // Window `i`'s plan and GEMM schedule; returns the window's first token and token count.
   sm90::Schedule begin_window(const FusedWork& w, const RoutingPlan& plan, int64_t L, int64_t i, int64_t& t0,
                               int64_t& rows, cudaStream_t s) const;
@@ -269,6 +278,15 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
   down_epi.c = w.out;
   down_epi.ldc = d;
   down_epi.row_scale = win.gate;  // the gate, applied before rounding
+  // Top-1: y's rows straight from the down GEMM; a token without a slot (masked) gets zeros.
+  const bool y_direct = stores_token_rows(a.y) && !a.out_rows;
+  const bool unrouted_tokens = a.token_mask.present || cfg_.empty_slots;
+  if (y_direct) {
+    down_epi.c = a.y.data;
+    down_epi.ldc = a.y.stride[0];
+    down_epi.c_row = win.token;
+    down_epi.c_rows = static_cast<int32_t>(L);
+  }
   require(sm90::unsupported_reason(dt, up, up_epi), "up GEMM");
   require(sm90::unsupported_reason(dt, down, down_epi), "down GEMM");
 
@@ -281,8 +299,11 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
     up.sched = down.sched = begin_window(w, plan, L, i, t0, rows, s);
     sm90::grouped_gemm(dt, up, up_epi, {}, s);
     sm90::grouped_gemm(dt, down, down_epi, {}, s);
-    combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.out, nullptr, a.y.rows(t0, rows), s,
-                               a.out_rows ? a.out_rows + t0 : nullptr, a.out_rows_first, t0);
+    if (!y_direct)
+      combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.out, nullptr, a.y.rows(t0, rows), s,
+                                 a.out_rows ? a.out_rows + t0 : nullptr, a.out_rows_first, t0);
+    else if (unrouted_tokens)
+      combine::zero_unrouted_rows_cuda(win.token_index_map, rows, k, d, a.y.rows(t0, rows), s);
   }
   cuda::CallEnd end;
   end.outputs[0] = &a.y;
@@ -363,6 +384,15 @@ void FusedEngine::backward(const CallArgs& a, void* saved, bool last_use, void* 
   sm90::EpilogueParams dx_epi;
   dx_epi.c = w.dx_part;
   dx_epi.ldc = d;
+  // Top-1: dx's rows straight from its GEMM (the router's part added after it in place), and
+  // zeros for the tokens the saved plan leaves without a slot (masked).
+  const bool dx_direct = stores_token_rows(a.dx) && !router_->router_dx_for_combine(a, needs);
+  if (dx_direct) {
+    dx_epi.c = a.dx.data;
+    dx_epi.ldc = a.dx.stride[0];
+    dx_epi.c_row = win.token;
+    dx_epi.c_rows = static_cast<int32_t>(L);
+  }
   // dW_down[e] = (g act)^T dy and dW_gate_up[e] = x^T dpre over the expert's window rows.
   // dW_down is computed as (dy^T (g act))^T: the gathered dy on the tile's 128-wide side halves
   // its copies per FLOP (perf/NOTES.md, weight-gradient kernel).
@@ -419,8 +449,11 @@ void FusedEngine::backward(const CallArgs& a, void* saved, bool last_use, void* 
                                    act_in_epilogue ? fused_dg_parts(cfg_) : 1, W, rows_done);
       const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
       if (a.dx.present) {
-        combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,
-                                   router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s);
+        if (dx_direct)
+          combine::zero_unrouted_rows_cuda(win.token_index_map, rows, k, d, a.dx.rows(t0, rows), s);
+        else
+          combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,
+                                     router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s);
         router_->add_router_dx(a, needs, a.dx.rows(t0, rows), w.router, s);
       }
     };

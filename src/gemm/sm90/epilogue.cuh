@@ -91,6 +91,40 @@ __device__ __forceinline__ RowScales load_row_scales(const EpilogueParams& e, co
   return s;
 }
 
+// kStore with c_row (rows placed one by one, so no TMA box): from registers, neighbouring lanes
+// trading a column pair (one shuffle for two groups of 8 columns) so that each lane holds four
+// consecutive columns of its row and stores them as 8 bytes: a quad's four stores then fill one
+// whole 32-byte sector of its row instead of two half-sectors. Rows past the tile's share of its
+// expert and placed outside C are not stored; every lane takes part in the shuffles.
+template <class T, int BN>
+__device__ __forceinline__ void epilogue_store_rows(const GroupedGemmParams& p, const EpilogueParams& e,
+                                                    const TileCoord& tc, int wg, const RowScales& scale,
+                                                    const float (&acc)[BN / 2]) {
+  const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31, j = lane & 3;
+  const bool odd = j & 1;
+  const int32_t cols = p.n - tc.col_block * BN;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = wg * 64 + warp * 16 + lane / 4 + 8 * half;
+    T* row = nullptr;
+    if (r < tc.rows) {
+      const int32_t t = __ldg(e.c_row + tc.row0 + r);
+      if (t >= 0 && t < e.c_rows) row = static_cast<T*>(e.c) + static_cast<int64_t>(t) * e.ldc + tc.col_block * BN;
+    }
+    const float s = scale.v[half];
+#pragma unroll
+    for (int i = 0; i < BN / 8; i += 2) {
+      // Column pair j of groups i and i + 1. An even lane keeps group i's and takes its odd
+      // neighbour's (pair j + 1); an odd lane keeps group i + 1's and takes pair j - 1 of it.
+      const uint32_t a = Elem<T>::pack2(s * acc[4 * i + 2 * half], s * acc[4 * i + 2 * half + 1]);
+      const uint32_t b = Elem<T>::pack2(s * acc[4 * i + 4 + 2 * half], s * acc[4 * i + 4 + 2 * half + 1]);
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? a : b, 1);
+      const int col = odd ? 8 * (i + 1) + 2 * (j - 1) : 8 * i + 2 * j;
+      if (row && col < cols) *reinterpret_cast<uint2*>(row + col) = odd ? make_uint2(got, b) : make_uint2(a, got);
+    }
+  }
+}
+
 // Whether a tile's outputs go through shared memory and TMA stores: the maps allow it and all
 // 128 rows belong to the tile's expert (TMA clips only at the tensor's bounds).
 __device__ __forceinline__ bool tile_staged(const EpilogueMaps& maps, const TileCoord& tc) {

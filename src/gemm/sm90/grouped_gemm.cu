@@ -66,7 +66,7 @@ EpilogueMaps epilogue_maps(DType dt, const GroupedGemmParams& p, const EpilogueP
       !output_tensor_map(dt, e.pre, e.pre_out_rows ? e.pre_out_rows : p.sched.m_total, p.n, halves, e.ld_pre,
                          &m.pre_load))
     fail(Status::kInternalError, "the activation-backward epilogue's pre map could not be encoded");
-  if (!staged_epilogue_allowed()) return m;
+  if (!staged_epilogue_allowed() || e.c_row) return m;  // rows placed one by one: no box
   const int64_t act_rows = e.act_out_rows ? e.act_out_rows : p.sched.m_total;
   const int64_t pre_rows = e.pre_out_rows ? e.pre_out_rows : p.sched.m_total;
   bool ok;
@@ -177,6 +177,10 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
   if (p.gated && e.kind != EpilogueKind::kActivation) return "gated tiles pair columns for the activation epilogue only";
   if (e.kind == EpilogueKind::kStore && (e.ldc % 2 || reinterpret_cast<uintptr_t>(e.c) % 4))
     return "the output's leading dimension must be even and the output 4-byte aligned";
+  if (e.c_row && (e.kind != EpilogueKind::kStore || reinterpret_cast<uintptr_t>(e.c) % 8 || e.ldc % 4 || e.ldc < p.n ||
+                  e.c_rows < 0))
+    return "rows placed by c_row are stored 8 bytes at a time by the store epilogue: an 8-byte aligned output, its "
+           "leading dimension a multiple of 4 covering n";
   if (e.kind == EpilogueKind::kActivationBackward) {
     if (p.gated) return "the activation-backward epilogue's GEMM is not gated (dact = dy W_down^T, n = h)";
     if (!e.c || !e.act || !e.pre || !e.dg) return "the activation-backward epilogue needs pre, dpre, g act and dg";

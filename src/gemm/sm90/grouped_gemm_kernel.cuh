@@ -23,14 +23,16 @@ namespace sm90 {
 namespace grouped_gemm_detail {
 
 // A fragment's epilogue: staged through shared memory to TMA stores when the maps allow it and
-// the tile's rows all belong to its expert, from registers otherwise.
+// the tile's rows all belong to its expert, from registers otherwise (rows placed by c_row
+// always).
 template <class T, int BN, EpilogueKind Epi>
 __device__ __forceinline__ void epilogue(const GroupedGemmParams& p, const EpilogueParams& e, const EpilogueMaps& maps,
                                          TileStore& ts, const TileCoord& tc, int frag, const RowScales& scale,
                                          const float (&acc)[BN / 2]) {
   const bool staged = tile_staged(maps, tc);
   if constexpr (Epi == EpilogueKind::kStore) {
-    if (staged) epilogue_store_staged<T, BN>(p, maps, ts, tc, frag, scale, acc);
+    if (e.c_row) epilogue_store_rows<T, BN>(p, e, tc, frag, scale, acc);  // never staged (epilogue_maps)
+    else if (staged) epilogue_store_staged<T, BN>(p, maps, ts, tc, frag, scale, acc);
     else epilogue_store<T, BN>(p, e, tc, frag, acc);
   } else {
     epilogue_activation<T, BN>(p, e, maps, ts, staged, tc, frag, acc);

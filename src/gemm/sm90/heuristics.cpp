@@ -128,6 +128,11 @@ bool staged_epilogue_allowed() {
   return allowed;
 }
 
+bool token_order_stores_allowed() {
+  static const bool allowed = std::strcmp(knob("MOEBLAZE_FUSED_TOKEN_ORDER_STORES"), "0") != 0;
+  return allowed;
+}
+
 bool deferred_epilogue_allowed() {
   static const bool allowed = std::strcmp(knob("MOEBLAZE_SM90_EPILOGUE"), "staged") != 0;
   return allowed;

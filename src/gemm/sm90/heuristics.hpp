@@ -149,6 +149,13 @@ bool a_by_tma_allowed();
 bool staged_epilogue_allowed();
 bool deferred_epilogue_allowed();
 
+// Top-1 layers: the down GEMM stores y, and the dx GEMM dx, straight at their tokens' rows
+// (EpilogueParams::c_row, from registers), where the combine would only copy each token's one
+// row: no combine kernel (its read and write of L d elements) and no rows in between, for an
+// epilogue that stores from registers instead of by deferred TMA boxes. Prediction and
+// measurement: perf/NOTES.md. MOEBLAZE_FUSED_TOKEN_ORDER_STORES=0 keeps the combine.
+bool token_order_stores_allowed();
+
 // The activation epilogue deferred too (its act computed from the kept pre under the next
 // tile's k-blocks, gemm/sm90/epilogue_deferred.cuh), on cooperative 128 x 256 tiles, for ReLU,
 // SiLU and SwiGLU: their kept pairs and arithmetic fit beside the next tile's accumulators in a

@@ -85,6 +85,11 @@ struct EpilogueParams {
   void* c = nullptr;  // kStore: [m_total, ldc]
   int64_t ldc = 0;
   const float* row_scale = nullptr;  // kStore: optional per-row factor (the gate of a position)
+  // kStore: with c_row, row p of the problem is stored at row c_row[p] of C (of c_rows rows; a
+  // row index outside [0, c_rows) is not stored): a top-1 layer's y and dx, whose rows are each
+  // one position's, go from the GEMM straight to their tokens. C 8-byte aligned, ldc % 4 == 0.
+  const int32_t* c_row = nullptr;
+  int32_t c_rows = 0;
   Activation activation = Activation::kSwiglu;  // kActivation
   void* pre = nullptr;  // kActivation: optional [m_total, ld_pre], gate half then up half
   int64_t ld_pre = 0;
