@@ -82,26 +82,27 @@ void launch_combine(const int32_t* map, const float* gates, int64_t L, int64_t k
         map, gates, k, d, in, extra, out, out_stride, accumulate, row_out, first, first_base);
 }
 
-// A warp per token: its slots read by the first k lanes, its row zeroed by all 32 if none has a
-// position.
+// A thread per token reads its slots (coalesced at k = 1); each warp then zeroes its unrouted
+// tokens' rows one after the other, all 32 lanes on a row, so a call without them costs one
+// read of the map.
 template <class T, int W>
 __global__ void zero_unrouted_rows_kernel(const int32_t* map, int64_t L, int64_t k, int64_t d, T* out, int64_t stride) {
   cuda::wait_for_prior_grids();
   cuda::allow_next_grid();
-  const int64_t t = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int lane = threadIdx.x % 32;
-  if (t >= L) return;  // the whole warp
-  bool routed = false;
-  for (int64_t j = lane; j < k; j += 32) {
+  bool routed = t >= L;  // past the tokens: nothing to zero
+  for (int64_t j = 0; j < k && !routed; ++j) {
     const int32_t pos = map[t * k + j];
-    routed = routed || (pos >= 0 && pos < L * k);
+    routed = pos >= 0 && pos < L * k;
   }
-  if (__any_sync(0xffffffffu, routed)) return;
-  T* row = out + t * stride;
   float zero[W] = {};
-  for (int64_t c = lane * W; c < d; c += 32 * W) {
-    if (W == 8) Elem<T>::store8(row + c, zero);
-    else Elem<T>::store1(row + c, zero[0]);
+  for (unsigned todo = __ballot_sync(0xffffffffu, !routed); todo; todo &= todo - 1) {
+    T* row = out + (t - lane + __ffs(todo) - 1) * stride;
+    for (int64_t c = lane * W; c < d; c += 32 * W) {
+      if (W == 8) Elem<T>::store8(row + c, zero);
+      else Elem<T>::store1(row + c, zero[0]);
+    }
   }
 }
 
@@ -165,7 +166,7 @@ void zero_unrouted_rows_cuda(const int32_t* map, int64_t L, int64_t k, int64_t d
   if (L == 0 || d == 0) return;
   const bool vec = d % 8 == 0 && (out.stride[0] * static_cast<int64_t>(out.elem())) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
-  const unsigned blocks = static_cast<unsigned>(ceil_div(L, 8));  // 8 warps a block
+  const unsigned blocks = static_cast<unsigned>(ceil_div(L, 256));
   MOEBLAZE_DISPATCH_FLOAT(out.dtype, T, {
     T* o = reinterpret_cast<T*>(out.data);
     if (vec) cuda::launch_chained(zero_unrouted_rows_kernel<T, 8>, blocks, 256, 0, s, map, L, k, d, o, out.stride[0]);
