@@ -14,6 +14,7 @@
 #include "cuda/row_arrival.cuh"
 
 #include <cstring>
+#include <numeric>
 
 #include <stdarg.h>
 #include <stddef.h>
@@ -275,6 +276,71 @@ void deferred_matches_registers(void**) {
 // e's rows at expert_row[e] + (p - offsets[e]). Placed in reverse expert order after 64 guard
 // rows, inside an output of out_rows rows followed by 64 more guard rows; then hostile starts
 // (past the end, negative) must not write outside [0, out_rows).
+// The store epilogue with rows placed one by one (c_row: a top-1 layer's y and dx at their
+// tokens), against the plain definition: each problem row p scaled, rounded and stored at row
+// c_row[p]; indices outside [0, c_rows), and the rows they would have named, left alone; the
+// padding columns and the memory around the output untouched. Two layouts: 8-byte stores
+// (ld = n), and one element at a time (ld = n + 3, C 2 bytes past an 8-byte boundary).
+void token_rows(void**) {
+  uint64_t seed = 1300;
+  for (int bn : kBlockNs)
+    for (int layout = 0; layout < 2; ++layout)
+      for (bool hostile : {false, true}) {
+        Problem P = make_problem({1500, 600, 5, 264, 136, false, true, Major::kMN, 0.5}, DType::kBF16, seed++);
+        const int64_t m = P.s.m_total, n = P.s.n, ld = layout ? n + 3 : n, lead = layout, guard = 16 * ld;
+        std::mt19937_64 rng(seed);
+        std::vector<int32_t> row(m);
+        std::iota(row.begin(), row.end(), 0);
+        std::shuffle(row.begin(), row.end(), rng);
+        std::vector<int32_t> dead;  // rows whose index was spoiled: never written
+        if (hostile)
+          for (int64_t p = 0; p < m; p += 17) {
+            dead.push_back(row[p]);
+            row[p] = p % 2 ? static_cast<int32_t>(-1 - p) : static_cast<int32_t>(m + p);
+          }
+        int32_t* d_row = nullptr;
+        GGP_CK(cudaMalloc(&d_row, sizeof(int32_t) * m));
+        GGP_CK(cudaMemcpy(d_row, row.data(), sizeof(int32_t) * m, cudaMemcpyHostToDevice));
+        const int64_t total = lead + 2 * guard + m * ld, at = lead + guard;
+        void* buf = alloc_poisoned(total);
+        sm90::EpilogueParams e;
+        e.kind = sm90::EpilogueKind::kStore;
+        e.c = static_cast<uint16_t*>(buf) + at;
+        e.ldc = ld;
+        e.row_scale = P.d_scale;
+        e.c_row = d_row;
+        e.c_rows = static_cast<int32_t>(m);
+        sm90::grouped_gemm(P.dt, P.params(), e, kernel_choice(bn), nullptr);
+        GGP_CK(cudaDeviceSynchronize());
+        const std::vector<uint16_t> h = download_bits(buf, total);
+        const std::vector<float> want = want_store(P, true);
+        int64_t outside = 0, dead_written = 0;
+        for (int64_t i = 0; i < total; ++i)
+          if ((i < at || i >= at + m * ld) && h[i] != 0xFFFF) ++outside;
+        for (int32_t t : dead)
+          for (int64_t j = 0; j < ld; ++j) dead_written += h[at + t * ld + j] != 0xFFFF;
+        // Un-place the rows (a spoiled one stands in as its exact rounded value) and compare.
+        std::vector<uint16_t> up(m * ld, 0xFFFF);
+        for (int64_t p = 0; p < m; ++p)
+          for (int64_t j = 0; j < n; ++j)
+            up[p * ld + j] = row[p] >= 0 && row[p] < m ? h[at + row[p] * ld + j] : to_half_bits(want[p * n + j], P.dt);
+        for (int64_t p = 0; p < m; ++p)
+          if (row[p] >= 0 && row[p] < m)
+            for (int64_t j = n; j < ld; ++j) up[p * ld + j] = h[at + row[p] * ld + j];
+        const Check c = compare_bits(up, m, n, ld, P.dt, want);
+        if (c.rel_err > tolerance(P.dt) || c.unwritten || c.clobbered || outside || dead_written)
+          std::printf("token rows bn=%d layout=%d hostile=%d: rel %.3g unwritten %lld clobbered %lld outside %lld dead %lld\n",
+                      bn, layout, hostile, c.rel_err, static_cast<long long>(c.unwritten),
+                      static_cast<long long>(c.clobbered), static_cast<long long>(outside),
+                      static_cast<long long>(dead_written));
+        assert_true(c.rel_err <= tolerance(P.dt));
+        assert_int_equal(c.unwritten + c.clobbered + outside + dead_written, 0);
+        cudaFree(buf);
+        cudaFree(d_row);
+        free_problem(P);
+      }
+}
+
 void placed_rows(void**) {
   uint64_t seed = 950;
   for (int bn : kBlockNs)
@@ -471,6 +537,6 @@ int main() {
       cmocka_unit_test(store_shapes),   cmocka_unit_test(many_experts),  cmocka_unit_test(bad_indices),
       cmocka_unit_test(activations),    cmocka_unit_test(padded_outputs), cmocka_unit_test(deterministic),
       cmocka_unit_test(no_rows),        cmocka_unit_test(capped_grid),        cmocka_unit_test(staged_matches_registers), cmocka_unit_test(deferred_matches_registers),
-      cmocka_unit_test(placed_rows),    cmocka_unit_test(arriving_rows)};
+      cmocka_unit_test(placed_rows),    cmocka_unit_test(arriving_rows), cmocka_unit_test(token_rows)};
   return cmocka_run_group_tests(tests, nullptr, nullptr);
 }

@@ -171,10 +171,15 @@ class FusedEngine final : public Engine {
   }
   // Whether a GEMM stores `out`'s rows straight at their tokens (EpilogueParams::c_row) instead
   // of leaving [W, d] rows for the combine: top-1, where the combine would copy each token's one
-  // row (the same bits), into an output it does not add to, whose rows take 8-byte stores.
+  // row (the same bits), into an output it does not add to.
   bool stores_token_rows(const View& out) const {
-    return cfg_.top_k == 1 && out.present && !out.accumulate && sm90::token_order_stores_allowed() &&
-           reinterpret_cast<uintptr_t>(out.data) % 8 == 0 && out.stride[0] % 4 == 0;
+    return cfg_.top_k == 1 && out.present && !out.accumulate && sm90::token_order_stores_allowed();
+  }
+  // Whether the forward keeps the down GEMM's [W k, d] rows for the combine: always but for a
+  // top-1 layer storing y at its tokens; an expert-parallel layer's local call (empty slots)
+  // keeps them for the rows it stores into other ranks (CallArgs::out_rows).
+  bool forward_rows_for_combine() const {
+    return cfg_.top_k != 1 || cfg_.empty_slots || !sm90::token_order_stores_allowed();
   }
   // Window `i`'s plan and GEMM schedule; returns the window's first token and token count.
   sm90::Schedule begin_window(const FusedWork& w, const RoutingPlan& plan, int64_t L, int64_t i, int64_t& t0,
@@ -229,7 +234,7 @@ FusedWork FusedEngine::carve(Pass pass, int64_t L, void* base) const {
     // act only where nothing saved holds it.
     if (pass != Pass::kForwardTraining || cfg_.save_policy != SavePolicy::kSaveAll)
       w.act = c.take<char>(Pw * static_cast<size_t>(h) * es);
-    w.out = c.take<char>(Pw * static_cast<size_t>(d) * es);
+    if (forward_rows_for_combine()) w.out = c.take<char>(Pw * static_cast<size_t>(d) * es);
   }
   w.bytes = c.size();
   return w;
@@ -280,6 +285,9 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
   down_epi.row_scale = win.gate;  // the gate, applied before rounding
   // Top-1: y's rows straight from the down GEMM; a token without a slot (masked) gets zeros.
   const bool y_direct = stores_token_rows(a.y) && !a.out_rows;
+  if (!y_direct && !w.out)
+    fail(Status::kNotSupported,
+         "this top-1 layer stores y at its tokens: rows stored into other ranks need a layer with empty slots");
   const bool unrouted_tokens = a.token_mask.present || cfg_.empty_slots;
   if (y_direct) {
     down_epi.c = a.y.data;

@@ -91,15 +91,16 @@ __device__ __forceinline__ RowScales load_row_scales(const EpilogueParams& e, co
   return s;
 }
 
-// kStore with c_row (rows placed one by one, so no TMA box): from registers, neighbouring lanes
-// trading a column pair (one shuffle for two groups of 8 columns) so that each lane holds four
-// consecutive columns of its row and stores them as 8 bytes: a quad's four stores then fill one
-// whole 32-byte sector of its row instead of two half-sectors. Rows past the tile's share of its
-// expert and placed outside C are not stored; every lane takes part in the shuffles.
-template <class T, int BN>
-__device__ __forceinline__ void epilogue_store_rows(const GroupedGemmParams& p, const EpilogueParams& e,
-                                                    const TileCoord& tc, int wg, const RowScales& scale,
-                                                    const float (&acc)[BN / 2]) {
+// kStore with c_row (rows placed one by one, so no TMA box), from registers. Vec (C 8-byte
+// aligned, ldc % 4 == 0): neighbouring lanes trade a column pair (one shuffle for two groups of 8
+// columns) so that each lane holds four consecutive columns of its row and stores them as 8
+// bytes: a quad's four stores then fill one whole 32-byte sector of its row instead of two
+// half-sectors. Otherwise each element on its own (any row stride). Rows past the tile's share of
+// its expert and placed outside C are not stored; every lane takes part in the shuffles.
+template <class T, int BN, bool Vec>
+__device__ __forceinline__ void epilogue_store_rows_as(const GroupedGemmParams& p, const EpilogueParams& e,
+                                                       const TileCoord& tc, int wg, const RowScales& scale,
+                                                       const float (&acc)[BN / 2]) {
   const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31, j = lane & 3;
   const bool odd = j & 1;
   const int32_t cols = p.n - tc.col_block * BN;
@@ -114,15 +115,34 @@ __device__ __forceinline__ void epilogue_store_rows(const GroupedGemmParams& p, 
     const float s = scale.v[half];
 #pragma unroll
     for (int i = 0; i < BN / 8; i += 2) {
-      // Column pair j of groups i and i + 1. An even lane keeps group i's and takes its odd
-      // neighbour's (pair j + 1); an odd lane keeps group i + 1's and takes pair j - 1 of it.
+      // Column pair j of groups i and i + 1.
       const uint32_t a = Elem<T>::pack2(s * acc[4 * i + 2 * half], s * acc[4 * i + 2 * half + 1]);
       const uint32_t b = Elem<T>::pack2(s * acc[4 * i + 4 + 2 * half], s * acc[4 * i + 4 + 2 * half + 1]);
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? a : b, 1);
-      const int col = odd ? 8 * (i + 1) + 2 * (j - 1) : 8 * i + 2 * j;
-      if (row && col < cols) *reinterpret_cast<uint2*>(row + col) = odd ? make_uint2(got, b) : make_uint2(a, got);
+      if constexpr (Vec) {
+        // An even lane keeps group i's pair and takes its odd neighbour's (pair j + 1); an odd
+        // lane keeps group i + 1's and takes pair j - 1 of it.
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? a : b, 1);
+        const int col = odd ? 8 * (i + 1) + 2 * (j - 1) : 8 * i + 2 * j;
+        if (row && col < cols) *reinterpret_cast<uint2*>(row + col) = odd ? make_uint2(got, b) : make_uint2(a, got);
+      } else if (row) {
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+          const int col = 8 * (i + g) + 2 * j;
+          if (col >= cols) continue;
+          const float2 v = Elem<T>::unpack2(g ? b : a);  // exact: the rounded values
+          Elem<T>::store1(row + col, v.x);
+          Elem<T>::store1(row + col + 1, v.y);
+        }
+      }
     }
   }
+}
+template <class T, int BN>
+__device__ __forceinline__ void epilogue_store_rows(const GroupedGemmParams& p, const EpilogueParams& e,
+                                                    const TileCoord& tc, int wg, const RowScales& scale,
+                                                    const float (&acc)[BN / 2]) {
+  const bool vec = reinterpret_cast<uintptr_t>(e.c) % 8 == 0 && e.ldc % 4 == 0;
+  with_flag(vec, [&](auto v) { epilogue_store_rows_as<T, BN, decltype(v)::value>(p, e, tc, wg, scale, acc); });
 }
 
 // Whether a tile's outputs go through shared memory and TMA stores: the maps allow it and all

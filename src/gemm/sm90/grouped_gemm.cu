@@ -175,12 +175,10 @@ const char* unsupported_reason(DType dt, const GroupedGemmParams& p, const Epilo
   if (p.arrival.waits() && (!p.a_index || !p.arrival.flag))
     return "rows still arriving are waited for on gathered A only, with the step's flag";
   if (p.gated && e.kind != EpilogueKind::kActivation) return "gated tiles pair columns for the activation epilogue only";
-  if (e.kind == EpilogueKind::kStore && (e.ldc % 2 || reinterpret_cast<uintptr_t>(e.c) % 4))
+  if (e.kind == EpilogueKind::kStore && !e.c_row && (e.ldc % 2 || reinterpret_cast<uintptr_t>(e.c) % 4))
     return "the output's leading dimension must be even and the output 4-byte aligned";
-  if (e.c_row && (e.kind != EpilogueKind::kStore || reinterpret_cast<uintptr_t>(e.c) % 8 || e.ldc % 4 || e.ldc < p.n ||
-                  e.c_rows < 0))
-    return "rows placed by c_row are stored 8 bytes at a time by the store epilogue: an 8-byte aligned output, its "
-           "leading dimension a multiple of 4 covering n";
+  if (e.c_row && (e.kind != EpilogueKind::kStore || e.ldc < p.n || e.c_rows < 0))
+    return "rows placed by c_row are the store epilogue's, into an output whose leading dimension covers n";
   if (e.kind == EpilogueKind::kActivationBackward) {
     if (p.gated) return "the activation-backward epilogue's GEMM is not gated (dact = dy W_down^T, n = h)";
     if (!e.c || !e.act || !e.pre || !e.dg) return "the activation-backward epilogue needs pre, dpre, g act and dg";

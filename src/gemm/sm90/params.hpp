@@ -87,7 +87,8 @@ struct EpilogueParams {
   const float* row_scale = nullptr;  // kStore: optional per-row factor (the gate of a position)
   // kStore: with c_row, row p of the problem is stored at row c_row[p] of C (of c_rows rows; a
   // row index outside [0, c_rows) is not stored): a top-1 layer's y and dx, whose rows are each
-  // one position's, go from the GEMM straight to their tokens. C 8-byte aligned, ldc % 4 == 0.
+  // one position's, go from the GEMM straight to their tokens (8-byte stores where C is 8-byte
+  // aligned and ldc % 4 == 0, else one element at a time).
   const int32_t* c_row = nullptr;
   int32_t c_rows = 0;
   Activation activation = Activation::kSwiglu;  // kActivation
