@@ -505,6 +505,9 @@ static void capture_with_options(void** state) {
   capture_case(c, &r);
   c.mask = 1;  /* with a token mask as well */
   capture_case(c, &r);
+  rcase top1 = base(16, 1, 1, 0, MOEBLAZE_SCORE_SOFTMAX);  /* k = 1: y stored at the tokens, masked rows zeroed */
+  top1.mask = 1;
+  capture_case(top1, &r);
 }
 
 static void bad_input(void** state) {
