@@ -15,6 +15,13 @@ namespace {
 // column chunk and pick).
 constexpr int kStagedPicks = 32;
 
+// Whether every row of `out` (d columns) starts 16-byte aligned, so that 8 elements move as one
+// vector.
+bool rows_take_vectors(const View& out, int64_t d) {
+  return d % 8 == 0 && (out.stride[0] * static_cast<int64_t>(out.elem())) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
+}
+
 template <class T, int W, bool kStaged, bool kRowOut>
 __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int64_t k, int64_t d, const T* src,
                                     const float* extra, T* out, int64_t out_stride, bool accumulate,
@@ -141,8 +148,7 @@ void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_
                        const int32_t* row_out_first, int64_t first_base) {
   if (L == 0) return;
   // Vector path when every row start is 16-byte aligned (row_out: the caller's promise for d % 8 == 0).
-  const bool vec = d % 8 == 0 && (row_out || ((out.stride[0] * static_cast<int64_t>(out.elem())) % 16 == 0 &&
-                                              reinterpret_cast<uintptr_t>(out.data) % 16 == 0));
+  const bool vec = row_out ? d % 8 == 0 : rows_take_vectors(out, d);
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d, vec ? 8 : 1))));
   const bool acc = out.accumulate && !row_out;
   MOEBLAZE_DISPATCH_FLOAT(out.dtype, T, {
@@ -164,8 +170,7 @@ void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_
 
 void zero_unrouted_rows_cuda(const int32_t* map, int64_t L, int64_t k, int64_t d, const View& out, cudaStream_t s) {
   if (L == 0 || d == 0) return;
-  const bool vec = d % 8 == 0 && (out.stride[0] * static_cast<int64_t>(out.elem())) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
+  const bool vec = rows_take_vectors(out, d);
   const unsigned blocks = static_cast<unsigned>(ceil_div(L, 256));
   MOEBLAZE_DISPATCH_FLOAT(out.dtype, T, {
     T* o = reinterpret_cast<T*>(out.data);

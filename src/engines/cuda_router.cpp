@@ -195,7 +195,7 @@ bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const Ro
   routing::logits_to_f32_cuda(a.x.rows(t0, rows), rows, d, w.x_f32, s);
   if (a.d_router_weight.present)
     gemm(E, d, rows, {dlogits, DType::kF32, E, true}, {w.x_f32, DType::kF32, d, false}, w.dwg_f32, w, s, first ? 0.f : 1.f);
-  if (!needs.router_adds_dx) return false;
+  if (!router_dx_for_combine(a, needs)) return false;
   gemm(rows, d, E, {dlogits, DType::kF32, E, false}, {w.wg_f32, DType::kF32, d, false}, w.router_dx, w, s);
   return true;
 }
