@@ -24,10 +24,12 @@ bool rows_take_vectors(const View& out, int64_t d) {
 
 template <class T, int W, bool kStaged, bool kRowOut>
 __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int64_t k, int64_t d, const T* src,
-                                    const float* extra, T* out, int64_t out_stride, bool accumulate,
+                                    TokenTerms terms, T* out, int64_t out_stride, bool accumulate,
                                     char* const* row_out, const int32_t* first, int64_t first_base) {
   __shared__ int32_t s_pos[kStaged ? kStagedPicks : 1];
   __shared__ float s_weight[kStaged ? kStagedPicks : 1];
+  __shared__ int32_t s_term_id[kStaged ? kStagedPicks : 1];
+  __shared__ float s_term_coef[kStaged ? kStagedPicks : 1];
   int64_t t = blockIdx.x;
   if (kRowOut && first) {  // block b takes row (first + b) mod L: blocks start in about index order
     const int64_t L = gridDim.x;
@@ -47,6 +49,11 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
       s_pos[threadIdx.x] = pos < 0 || pos >= rows ? -1 : static_cast<int32_t>(pos);
       s_weight[threadIdx.x] = gates ? gates[t * k + threadIdx.x] : 1.f;
     }
+    if (threadIdx.x < terms.picks) {
+      const int64_t id = terms.ids[t * terms.picks + threadIdx.x];
+      s_term_id[threadIdx.x] = id < 0 || id >= terms.count ? -1 : static_cast<int32_t>(id);
+      s_term_coef[threadIdx.x] = terms.coef[t * terms.picks + threadIdx.x];
+    }
     __syncthreads();
   }
   for (int64_t c = threadIdx.x * W; c < d; c += blockDim.x * W) {
@@ -63,9 +70,19 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
 #pragma unroll
       for (int q = 0; q < W; ++q) acc[q] += g * v[q];
     }
-    if (extra)
+    if (terms.dense_f32)
 #pragma unroll
-      for (int q = 0; q < W; ++q) acc[q] += extra[t * d + c + q];
+      for (int q = 0; q < W; ++q) acc[q] += terms.dense_f32[t * d + c + q];
+    for (int64_t j = 0; j < terms.picks; ++j) {
+      int64_t id = kStaged ? s_term_id[j] : terms.ids[t * terms.picks + j];
+      if (id < 0 || id >= terms.count) continue;
+      const T* in = static_cast<const T*>(terms.rows) + id * terms.ld + c;
+      const float w = kStaged ? s_term_coef[j] : terms.coef[t * terms.picks + j];
+      if (W == 8) Elem<T>::load8(in, v);
+      else v[0] = Elem<T>::load1(in);
+#pragma unroll
+      for (int q = 0; q < W; ++q) acc[q] += w * v[q];
+    }
     if (accumulate) {
       if (W == 8) Elem<T>::load8(row + c, v);
       else v[0] = Elem<T>::load1(row + c);
@@ -79,14 +96,14 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
 
 template <class T, int W, bool kRowOut>
 void launch_combine(const int32_t* map, const float* gates, int64_t L, int64_t k, int64_t d, const T* in,
-                    const float* extra, T* out, int64_t out_stride, bool accumulate, char* const* row_out,
+                    const TokenTerms& terms, T* out, int64_t out_stride, bool accumulate, char* const* row_out,
                     const int32_t* first, int64_t first_base, int threads, cudaStream_t s) {
-  if (k <= kStagedPicks)
+  if (k <= kStagedPicks && terms.picks <= kStagedPicks)  // threads >= 32: a thread per staged pick
     combine_rows_kernel<T, W, true, kRowOut><<<static_cast<unsigned>(L), threads, 0, s>>>(
-        map, gates, k, d, in, extra, out, out_stride, accumulate, row_out, first, first_base);
+        map, gates, k, d, in, terms, out, out_stride, accumulate, row_out, first, first_base);
   else
     combine_rows_kernel<T, W, false, kRowOut><<<static_cast<unsigned>(L), threads, 0, s>>>(
-        map, gates, k, d, in, extra, out, out_stride, accumulate, row_out, first, first_base);
+        map, gates, k, d, in, terms, out, out_stride, accumulate, row_out, first, first_base);
 }
 
 // A thread per token reads its slots (coalesced at k = 1); each warp then zeroes its unrouted
@@ -144,11 +161,14 @@ __global__ void store_rows_kernel(const float* src, const float* add, int64_t ro
 }  // namespace
 
 void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_t k, int64_t d, const void* src,
-                       const float* extra, const View& out, cudaStream_t s, char* const* row_out,
+                       const TokenTerms& extra, const View& out, cudaStream_t s, char* const* row_out,
                        const int32_t* row_out_first, int64_t first_base) {
   if (L == 0) return;
-  // Vector path when every row start is 16-byte aligned (row_out: the caller's promise for d % 8 == 0).
-  const bool vec = row_out ? d % 8 == 0 : rows_take_vectors(out, d);
+  // Vector path when every row start is 16-byte aligned (row_out: the caller's promise for d % 8 == 0),
+  // the per-pick rows' included.
+  const bool terms_vec = !extra.rows || (reinterpret_cast<uintptr_t>(extra.rows) % 16 == 0 &&
+                                         (extra.ld * static_cast<int64_t>(dtype_size(out.dtype))) % 16 == 0);
+  const bool vec = (row_out ? d % 8 == 0 : rows_take_vectors(out, d)) && terms_vec;
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d, vec ? 8 : 1))));
   const bool acc = out.accumulate && !row_out;
   MOEBLAZE_DISPATCH_FLOAT(out.dtype, T, {

@@ -46,6 +46,7 @@ RouterWork CudaRouter::carve(Carver& c, Pass pass, int64_t L, int64_t window, vo
     w.plan_scratch = c.take<char>(routing::plan_scratch_bytes_cuda(L, E));
   } else {
     w.dlogits = c.take<float>(static_cast<size_t>(L * E));
+    if (from_gates()) w.pick_dl = w.logits;  // [L, k] in the logits' [L, E], which this backward never reads
     if (tensor_core_backward()) w.wg_pair = c.take<uint16_t>(static_cast<size_t>(2 * E * d));
     else w.wg_f32 = c.take<float>(static_cast<size_t>(E * d));
     // bf16 layers: dW_g from the pair as one GEMM, its hi and lo halves [2E, d] added at the end
@@ -68,6 +69,13 @@ RouterWork CudaRouter::carve_head(Carver& c, Pass pass, int64_t L, int64_t windo
 }
 
 bool CudaRouter::tensor_core_backward() const { return router_backward_on_tensor_cores(cfg_); }
+
+bool CudaRouter::from_gates() const { return routing::grads_from_gates(cfg_); }
+
+bool CudaRouter::dx_from_picks(const CallArgs& a, const Needs& needs) const {
+  return from_gates() && needs.router_grad && needs.router_adds_dx && a.mode == RoutingMode::kRouterWeight &&
+         a.router_weight.dtype == a.dx.dtype;
+}
 
 void CudaRouter::gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
                       const RouterWork& w, cudaStream_t s, float beta) const {
@@ -140,19 +148,19 @@ void CudaRouter::write_outputs(const CallArgs& a, const RoutingPlan& plan, const
   routing::write_tokens_per_expert_cuda(plan.expert_token_offsets, E, a.tokens_per_expert, s);
 }
 
-bool CudaRouter::backward(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, const float* dg_tok,
-                          const RouterWork& w, cudaStream_t s) const {
+combine::TokenTerms CudaRouter::backward(const CallArgs& a, const Needs& needs, const RoutingPlan& plan,
+                                         const float* dg_tok, const RouterWork& w, cudaStream_t s) const {
   backward_begin(a, needs, w, s);
-  const bool adds_dx = backward_window(a, needs, plan, 0, a.num_tokens, dg_tok, true, w, s);
+  const combine::TokenTerms dx_terms = backward_window(a, needs, plan, 0, a.num_tokens, dg_tok, true, w, s);
   backward_finish(a, needs, w, s);
-  return adds_dx;
+  return dx_terms;
 }
 
 void CudaRouter::backward_begin(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const {
   if (!needs.router_grad) return;
-  logits(a, w, s);
+  if (!from_gates()) logits(a, w, s);
   sequence_starts(a, w, s);
-  if (a.mode != RoutingMode::kRouterWeight || !needs.router_adds_dx) return;
+  if (a.mode != RoutingMode::kRouterWeight || !needs.router_adds_dx || dx_from_picks(a, needs)) return;
   const int64_t E = cfg_.num_experts, d = cfg_.hidden;
   if (!tensor_core_backward()) {
     routing::logits_to_f32_cuda(a.router_weight, E, d, w.wg_f32, s);
@@ -167,48 +175,70 @@ void CudaRouter::backward_begin(const CallArgs& a, const Needs& needs, const Rou
                                           cudaMemcpyDeviceToDevice, s));
 }
 
-bool CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, int64_t t0, int64_t rows,
-                                 const float* dg_tok, bool first, const RouterWork& w, cudaStream_t s) const {
-  if (!needs.router_grad || rows == 0) return false;
+combine::TokenTerms CudaRouter::backward_window(const CallArgs& a, const Needs& needs, const RoutingPlan& plan,
+                                                int64_t t0, int64_t rows, const float* dg_tok, bool first,
+                                                const RouterWork& w, cudaStream_t s) const {
+  if (!needs.router_grad || rows == 0) return {};
   const int64_t L = a.num_tokens, E = cfg_.num_experts, k = cfg_.top_k, d = cfg_.hidden;
   float* dlogits = w.dlogits + t0 * E;
-  const routing::SequenceBalance sb = sequences(a, plan, w, t0);
-  if (first && sb.count > 0) routing::routed_sequences_cuda(sb, L, k, s);
   // dW_g = dlogits^T x (summed over the windows in order), dx += dlogits W_g.
   const bool weight_grads =
       a.mode == RoutingMode::kRouterWeight && (a.d_router_weight.present || needs.router_adds_dx);
-  const bool pair = weight_grads && tensor_core_backward();
-  routing::router_backward_cuda(cfg_, w.logits + t0 * E, rows, L, plan.token_expert_indices + t0 * k, dg_tok,
-                                a.grad_aux.present ? reinterpret_cast<const float*>(a.grad_aux.data) : nullptr,
-                                a.grad_z.present ? reinterpret_cast<const float*>(a.grad_z.data) : nullptr,
-                                plan.expert_token_offsets, sb, pair && !a.d_logits.present ? nullptr : dlogits,
-                                pair ? w.dlogits_pair : nullptr, s);
-  if (!weight_grads) return false;
+  const bool picks = dx_from_picks(a, needs);
+  // The dense d logits feed dW_g, and dx's router part unless the combine takes it by picks.
+  const bool dense_gemms = weight_grads && (a.d_router_weight.present || !picks);
+  const bool pair = dense_gemms && tensor_core_backward();
+  if (from_gates()) {
+    routing::router_backward_gates_cuda(cfg_, rows, plan.token_expert_indices + t0 * k, plan.gates + t0 * k, dg_tok,
+                                        a.d_logits.present || (dense_gemms && !pair) ? dlogits : nullptr,
+                                        pair ? w.dlogits_pair : nullptr, picks ? w.pick_dl + t0 * k : nullptr, s);
+  } else {
+    const routing::SequenceBalance sb = sequences(a, plan, w, t0);
+    if (first && sb.count > 0) routing::routed_sequences_cuda(sb, L, k, s);
+    routing::router_backward_cuda(cfg_, w.logits + t0 * E, rows, L, plan.token_expert_indices + t0 * k, dg_tok,
+                                  a.grad_aux.present ? reinterpret_cast<const float*>(a.grad_aux.data) : nullptr,
+                                  a.grad_z.present ? reinterpret_cast<const float*>(a.grad_z.data) : nullptr,
+                                  plan.expert_token_offsets, sb, pair && !a.d_logits.present ? nullptr : dlogits,
+                                  pair ? w.dlogits_pair : nullptr, s);
+  }
+  combine::TokenTerms terms;
+  if (picks) {  // sum_j dl_tj W_g[id_tj], added by the dx combine
+    terms.rows = a.router_weight.data;
+    terms.ld = a.router_weight.stride[0];
+    terms.count = E;
+    terms.ids = plan.token_expert_indices + t0 * k;
+    terms.coef = w.pick_dl + t0 * k;
+    terms.picks = k;
+  }
+  if (!weight_grads) return terms;
   if (pair) {
     const View x = a.x.rows(t0, rows);
     const uint16_t* hi = static_cast<const uint16_t*>(w.dlogits_pair);
     if (a.d_router_weight.present)
       gemm(2 * E, d, rows, {hi, DType::kBF16, 2 * E, true}, {x.data, DType::kBF16, x.stride[0], false}, w.dwg_f32, w, s,
            first ? 0.f : 1.f);
-    return false;  // dx's router part: add_router_dx, after the combine
+    return terms;  // dx's router part: by picks, or add_router_dx after the combine
   }
-  routing::logits_to_f32_cuda(a.x.rows(t0, rows), rows, d, w.x_f32, s);
-  if (a.d_router_weight.present)
+  if (a.d_router_weight.present) {
+    routing::logits_to_f32_cuda(a.x.rows(t0, rows), rows, d, w.x_f32, s);
     gemm(E, d, rows, {dlogits, DType::kF32, E, true}, {w.x_f32, DType::kF32, d, false}, w.dwg_f32, w, s, first ? 0.f : 1.f);
-  if (!router_dx_for_combine(a, needs)) return false;
+  }
+  if (picks || !router_dx_for_combine(a, needs)) return terms;
   gemm(rows, d, E, {dlogits, DType::kF32, E, false}, {w.wg_f32, DType::kF32, d, false}, w.router_dx, w, s);
-  return true;
+  terms.dense_f32 = w.router_dx;
+  return terms;
 }
 
 bool CudaRouter::router_dx_for_combine(const CallArgs& a, const Needs& needs) const {
-  return needs.router_grad && needs.router_adds_dx && a.mode == RoutingMode::kRouterWeight && !tensor_core_backward();
+  return needs.router_grad && needs.router_adds_dx && a.mode == RoutingMode::kRouterWeight &&
+         (dx_from_picks(a, needs) || !tensor_core_backward());
 }
 
 void CudaRouter::add_router_dx(const CallArgs& a, const Needs& needs, const View& dx_rows, const RouterWork& w,
                                cudaStream_t s) const {
   const int64_t rows = dx_rows.ndim > 0 ? dx_rows.shape[0] : 0;
   if (!needs.router_grad || !needs.router_adds_dx || rows == 0 || a.mode != RoutingMode::kRouterWeight ||
-      !tensor_core_backward())
+      router_dx_for_combine(a, needs))
     return;
   // dx rows (bf16, as the combine rounded them) += [hi | lo] [W_g; W_g], summed in fp32 and
   // rounded once more: in place through beta = 1. The fp32 dx rows this replaces cost 8 d bytes

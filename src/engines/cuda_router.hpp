@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include "combine/combine_cuda.hpp"
 #include "core/args.hpp"
 #include "core/config.hpp"
 #include "core/memory_layout.hpp"
@@ -31,6 +32,7 @@ struct RouterWork {
   float* loss_scratch = nullptr;  //           forward, route
   void* plan_scratch = nullptr;   //           forward, route
   float* dlogits = nullptr;       // [L, E]    backward
+  float* pick_dl = nullptr;       // [L, k]    backward from the gates alone: the picks' d logits (in logits' place)
   // Backward with ROUTER_WEIGHT (W: the tokens of one window). bf16 layers: the router GEMMs on
   // tensor cores, d logits as a bf16 hi/lo pair against W_g stacked twice; other dtypes: in fp32.
   void* dlogits_pair = nullptr;   // [W, 2E] bf16
@@ -72,22 +74,25 @@ class CudaRouter {
   void sequence_starts(const CallArgs& a, const RouterWork& w, cudaStream_t s) const;
   // TOPK_INDICES / TOPK_WEIGHTS / AUX_LOSS / Z_LOSS when routed, and TOKENS_PER_EXPERT.
   void write_outputs(const CallArgs& a, const RoutingPlan& plan, const RouterWork& w, cudaStream_t s) const;
-  // The router backward from the gate gradients dg_tok [L k] (token order): d logits, dW_g,
-  // and, on the fp32 path, d logits W_g into w.router_dx. Returns true when router_dx holds
-  // dx's router part (for the combine to add); on the tensor-core path add_router_dx adds it.
-  bool backward(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, const float* dg_tok, const RouterWork& w,
-                cudaStream_t s) const;
+  // The router backward from the gate gradients dg_tok [L k] (token order): d logits, dW_g, and
+  // dx's router part: returned as the terms the dx combine adds (the picks' rows of W_g where d
+  // logits follow from the gates, routing::grads_from_gates; d logits W_g into w.router_dx on
+  // the fp32 path), or none, where add_router_dx adds it after the combine (tensor-core path).
+  combine::TokenTerms backward(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, const float* dg_tok,
+                               const RouterWork& w, cudaStream_t s) const;
   // The same in token windows: begin once, then one call per window [t0, t0 + rows) in order
   // (dg_tok and router_dx are the window's; `first` starts the dW_g sum), then finish.
   void backward_begin(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const;
-  bool backward_window(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, int64_t t0, int64_t rows,
-                       const float* dg_tok, bool first, const RouterWork& w, cudaStream_t s) const;
+  combine::TokenTerms backward_window(const CallArgs& a, const Needs& needs, const RoutingPlan& plan, int64_t t0,
+                                      int64_t rows, const float* dg_tok, bool first, const RouterWork& w,
+                                      cudaStream_t s) const;
   void backward_finish(const CallArgs& a, const Needs& needs, const RouterWork& w, cudaStream_t s) const;
-  // Whether backward_window (with rows) returns true: dx's router part in router_dx for the
-  // combine, known before the window's kernels are enqueued.
+  // Whether backward_window (with rows) returns terms for the dx combine, known before the
+  // window's kernels are enqueued: a layer whose GEMM stores dx at its tokens runs the combine
+  // when it does.
   bool router_dx_for_combine(const CallArgs& a, const Needs& needs) const;
-  // Tensor-core path (bf16 layers): dx's router part added to dx's rows of the last window
-  // (backward) or of the call, after the combine wrote them. Nothing on the fp32 path.
+  // Tensor-core path (bf16 layers) with dense d logits: dx's router part added to dx's rows of
+  // the last window (backward) or of the call, after the combine wrote them. Nothing otherwise.
   void add_router_dx(const CallArgs& a, const Needs& needs, const View& dx_rows, const RouterWork& w,
                      cudaStream_t s) const;
 
@@ -98,6 +103,10 @@ class CudaRouter {
   routing::SequenceBalance sequences(const CallArgs& a, const RoutingPlan& plan, const RouterWork& w, int64_t t0) const;
   // The backward's router GEMMs run on tensor cores (bf16 x and W_g).
   bool tensor_core_backward() const;
+  // d logits from the saved gates (routing::grads_from_gates), and dx's router part as the
+  // picks' rows of W_g in the dx combine (W_g in dx's dtype).
+  bool from_gates() const;
+  bool dx_from_picks(const CallArgs& a, const Needs& needs) const;
   void gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
             const RouterWork& w, cudaStream_t s, float beta = 0.f) const;
 

@@ -92,6 +92,18 @@ void router_backward_cuda(const LayerConfig& cfg, const float* logits, int64_t r
                           const float* dgates, const float* grad_aux, const float* grad_z, const int32_t* offsets,
                           const SequenceBalance& sb, float* dlogits, void* dlogits_pair, cudaStream_t s);
 
+// Whether d logits follow from the saved gates alone: softmax scores renormalised over the
+// picks, with no balance or z loss. Then they are zero off the picks, and the router backward
+// needs neither the logits nor a pass over E experts per token.
+bool grads_from_gates(const LayerConfig& cfg);
+// That backward for `rows` tokens (ids, gates and dgates in token order from the window's first
+// token): d l_tj = g_tj (dg_tj - <dg_t, g_t> / ROUTE_SCALE) at the picks. Writes any of: the
+// dense fp32 rows [rows, E], the bf16 [hi | lo] pairs [rows, 2E] (as router_backward_cuda), and
+// the picks' d logits [rows, k] (0 for an empty slot) for a combine that adds sum_j dl_tj W_g[id_tj].
+void router_backward_gates_cuda(const LayerConfig& cfg, int64_t rows, const int32_t* ids, const float* gates,
+                                const float* dgates, float* dlogits, void* dlogits_pair, float* pick_dl,
+                                cudaStream_t s);
+
 // Caller routing: ids (i32/i64 strided) -> int32 token_expert_indices, gates -> fp32. Bad ids
 // (out of range or repeated within a token) set *error_flag to 1 and are replaced by a safe id
 // so later kernels stay in bounds; the engine reads the flag before writing any output. With

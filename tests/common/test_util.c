@@ -235,6 +235,7 @@ moeblaze_status_t tu_create_on(const tu_layer* l, int32_t device_type, moeblaze_
   if (l->engine) TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_ENGINE, l->engine));
   if (l->window_tokens) TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_WINDOW_TOKENS, l->window_tokens));
   if (l->window_bytes) TU_SET(moeblaze_config_set_i64(cfg, MOEBLAZE_ATTR_WINDOW_BYTES, l->window_bytes));
+  if (l->route_scale != 0.0) TU_SET(moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_ROUTE_SCALE, l->route_scale));
 #undef TU_SET
   s = moeblaze_create(out, cfg);
 done:

@@ -98,6 +98,7 @@ typedef struct tu_layer {
   int64_t engine;      /* MOEBLAZE_ENGINE_*; 0 = AUTO */
   int64_t window_tokens; /* MOEBLAZE_ATTR_WINDOW_TOKENS; 0 = automatic */
   int64_t window_bytes;  /* MOEBLAZE_ATTR_WINDOW_BYTES; 0 = automatic */
+  double route_scale;    /* MOEBLAZE_ATTR_ROUTE_SCALE; 0 = the default (1) */
 } tu_layer;
 /* Defaults: CPU device, softmax, no renormalisation, PREACT, f32, no aux/z loss. */
 tu_layer tu_layer_default(int64_t E, int64_t k, int64_t d, int64_t h, int64_t max_tokens,

@@ -435,6 +435,15 @@ static void options_match_cpu(void** state) {
   rcase hf = base(128, 8, 1, 0, S);  /* the Hugging Face form of the batch-wise balance loss */
   hf.form = MOEBLAZE_AUX_LOSS_HUGGING_FACE;
   check_case(&hf, &r);
+  /* Renormalised softmax with no loss: d logits from the saved gates alone, with the bias, groups,
+   * a route scale and a token mask, then plain */
+  rcase from_gates = base(64, 8, 8, 3, S);
+  from_gates.aux = 0.0;
+  from_gates.bias = from_gates.mask = 1;
+  from_gates.scale = 2.5;
+  check_case(&from_gates, &r);
+  from_gates.bias = from_gates.mask = 0, from_gates.keep = 0, from_gates.scale = 1.0;
+  check_case(&from_gates, &r);
   rcase nan_rows = base(64, 4, 8, 2, S);  /* NaN and infinities: the picks still agree */
   nan_rows.bias = nan_rows.specials = 1;
   check_case(&nan_rows, &r);
@@ -508,6 +517,10 @@ static void capture_with_options(void** state) {
   rcase top1 = base(16, 1, 1, 0, MOEBLAZE_SCORE_SOFTMAX);  /* k = 1: y stored at the tokens, masked rows zeroed */
   top1.mask = 1;
   capture_case(top1, &r);
+  rcase from_gates = base(128, 8, 1, 0, MOEBLAZE_SCORE_SOFTMAX);  /* d logits from the saved gates */
+  from_gates.aux = 0.0;
+  from_gates.mask = 1;
+  capture_case(from_gates, &r);
 }
 
 static void bad_input(void** state) {

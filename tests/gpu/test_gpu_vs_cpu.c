@@ -665,6 +665,34 @@ static void routing_modes_and_edges(void** state) {
  * gradients in the same layout, with and without padded rows: no copy, every GEMM reads and
  * writes them in place (cuBLASLt: the other operand op; fused: the other B major and the
  * transposed weight-gradient store), against the CPU engine on row-major weights. */
+/* Softmax top-k renormalised with no balance or z loss: d logits are zero off the picks and the
+ * CUDA engines take them from the saved gates alone, dx's router part from the picks' rows of W_g
+ * inside the dx combine. Every dtype, top-1 (the combine in place of dx stored at the tokens),
+ * a d that is no multiple of 8 (the combine's element path), a route scale, an accumulating dx. */
+static void router_grads_from_gates(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("gpu_router_from_gates"));
+  const struct { int64_t E, k, d, h; int mode, accumulate; double scale; moeblaze_dtype_t dt; } cases[] = {
+      {8, 2, 64, 96, MODE_WG, 0, 1.0, tu_bf16},
+      {16, 4, 128, 64, MODE_WG, 1, 2.5, tu_f16},
+      {12, 3, 72, 64, MODE_WG, 0, 1.0, tu_bf16},
+      {64, 8, 64, 32, MODE_LOGITS, 0, 1.0, tu_bf16},
+      {4, 1, 64, 128, MODE_WG, 0, 1.0, tu_bf16},
+      {40, 6, 48, 40, MODE_WG, 0, 0.5, tu_f32},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+    gcase c = base_case(cases[i].E, cases[i].k, cases[i].d, cases[i].h, 389, MOEBLAZE_ACTIVATION_SWIGLU, cases[i].dt,
+                        MOEBLAZE_SAVE_PREACT, cases[i].mode);
+    c.layer.normalize = 1;
+    c.layer.aux_coeff = 0.0;
+    c.layer.z_coeff = 0.0;
+    c.layer.route_scale = cases[i].scale;
+    c.accumulate = cases[i].accumulate;
+    run_case(&c, &rng, i == 0);
+  }
+}
+
 static void transposed_weights(void** state) {
   (void)state;
   tu_rng rng;
@@ -1202,6 +1230,7 @@ int main(void) {
       cmocka_unit_test(routing_modes_and_edges),
       cmocka_unit_test(activation_backward_paths),
       cmocka_unit_test(top1_layers),
+      cmocka_unit_test(router_grads_from_gates),
       cmocka_unit_test(transposed_weights),
       cmocka_unit_test(bad_caller_ids_write_nothing),
       cmocka_unit_test(route_only),

@@ -258,7 +258,7 @@ void CublasLtEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved
     gemm(n, d, h, {act + p0 * h * es, dt, h, false}, weight_operand(a.w_down, e, false),
          out + p0 * d * es, dt, d, 0.f, w, s);
   });
-  combine::combine_rows_cuda(plan.token_index_map, plan.gates, L, k, d, out, nullptr, a.y, s);
+  combine::combine_rows_cuda(plan.token_index_map, plan.gates, L, k, d, out, {}, a.y, s);
   if (sv.header) cuda::store_saved_header(make_saved_header(cfg_, L), sv.header, s);
   report_ok(a, s);
 }
@@ -321,9 +321,9 @@ void CublasLtEngine::backward(const CallArgs& a, void* saved, bool last_use, voi
   combine::to_token_order_cuda(plan.token_index_map, L, k, w.dg_pos, w.dg_tok, s);
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);
 
-  const bool router_dx = router_->backward(a, needs, plan, w.dg_tok, w.router, s);
+  const combine::TokenTerms router_dx = router_->backward(a, needs, plan, w.dg_tok, w.router, s);
   if (a.dx.present) {
-    combine::combine_rows_cuda(plan.token_index_map, nullptr, L, k, d, dx_part, router_dx ? w.router.router_dx : nullptr, a.dx, s);
+    combine::combine_rows_cuda(plan.token_index_map, nullptr, L, k, d, dx_part, router_dx, a.dx, s);
     router_->add_router_dx(a, needs, a.dx, w.router, s);
   }
   if (last_use) cuda::store_saved_header(spent_saved_header(cfg_, L), sv.header, s);

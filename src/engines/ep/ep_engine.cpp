@@ -510,7 +510,7 @@ void EpEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, void
   cuda::flag_if_status(w.local_status, flag, kLocalFailed, s);
   if (returns_from_combine_) finish_return_from_combine(x, w, s);
   else give_back(x, w, hc, static_cast<const char*>(w.rows), nullptr, s);
-  combine::combine_rows_cuda(w.send.return_map, nullptr, L, c_, g_.hidden, comm_->local() + layout_.ret_rows, nullptr,
+  combine::combine_rows_cuda(w.send.return_map, nullptr, L, c_, g_.hidden, comm_->local() + layout_.ret_rows, {},
                              a.y, s);
   cuda::CallEnd end;
   end.outputs[0] = &a.y;
@@ -574,10 +574,10 @@ void EpEngine::backward(const CallArgs& a, void* saved, bool last_use, void* ws,
   give_back(x, w, hc, a.dx.present && !dx_beside ? static_cast<const char*>(w.rows) : nullptr, w.dg_recv, s);
   ep::gather_returned_gates_cuda(sv.plan.token_expert_indices, L, k, P_, epr_, static_cast<int32_t>(l_.top_k),
                                  reinterpret_cast<const float*>(comm_->local() + layout_.ret_gates), w.dg_tok, s);
-  const bool router_dx = router_->backward(a, needs, sv.plan, w.dg_tok, w.router, s);
+  const combine::TokenTerms router_dx = router_->backward(a, needs, sv.plan, w.dg_tok, w.router, s);
   if (a.dx.present) {
     combine::combine_rows_cuda(w.send.return_map, nullptr, L, c_, g_.hidden, comm_->local() + layout_.ret_rows,
-                               router_dx ? w.router.router_dx : nullptr, a.dx, s);
+                               router_dx, a.dx, s);
     router_->add_router_dx(a, needs, a.dx, w.router, s);
   }
   if (a.d_topk_weights.present) combine::store_f32_rows_cuda(w.dg_tok, L, k, a.d_topk_weights, s);

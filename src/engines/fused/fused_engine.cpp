@@ -308,7 +308,7 @@ void FusedEngine::forward(Pass pass, const CallArgs& a, void* ws, void* saved, v
     sm90::grouped_gemm(dt, up, up_epi, {}, s);
     sm90::grouped_gemm(dt, down, down_epi, {}, s);
     if (!y_direct)
-      combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.out, nullptr, a.y.rows(t0, rows), s,
+      combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.out, {}, a.y.rows(t0, rows), s,
                                  a.out_rows ? a.out_rows + t0 : nullptr, a.out_rows_first, t0);
     else if (unrouted_tokens)
       combine::zero_unrouted_rows_cuda(win.token_index_map, rows, k, d, a.y.rows(t0, rows), s);
@@ -455,13 +455,13 @@ void FusedEngine::backward(const CallArgs& a, void* saved, bool last_use, void* 
       float* dg_tok = w.dg_tok + t0 * k;
       combine::to_token_order_cuda(win.token_index_map, rows, k, w.dg_pos, dg_tok, s,
                                    act_in_epilogue ? fused_dg_parts(cfg_) : 1, W, rows_done);
-      const bool router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
+      const combine::TokenTerms router_dx = router_->backward_window(a, needs, plan, t0, rows, dg_tok, i == 0, w.router, s);
       if (a.dx.present) {
         if (dx_direct)
           combine::zero_unrouted_rows_cuda(win.token_index_map, rows, k, d, a.dx.rows(t0, rows), s);
         else
-          combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part,
-                                     router_dx ? w.router.router_dx : nullptr, a.dx.rows(t0, rows), s);
+          combine::combine_rows_cuda(win.token_index_map, nullptr, rows, k, d, w.dx_part, router_dx,
+                                     a.dx.rows(t0, rows), s);
         router_->add_router_dx(a, needs, a.dx.rows(t0, rows), w.router, s);
       }
     };
