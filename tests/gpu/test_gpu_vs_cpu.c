@@ -898,10 +898,16 @@ static void refill(runner* r, step* s);
  * writes no gradient; fused returns SUCCESS, STATUS reads INVALID_ARGUMENT and every gradient
  * is NaN. Neither reads or writes outside a buffer (guards here; compute-sanitizer memcheck in
  * scripts/gpu-check.sh). A valid buffer afterwards still gives STATUS 0. */
-static void hostile_saved_buffers_at(int64_t k, tu_rng* rng_in) {
+static void hostile_saved_buffers_at(int64_t k, int from_gates, tu_rng* rng_in) {
   tu_rng rng = *rng_in;
   const int fused = g_engine == MOEBLAZE_ENGINE_CUDA_FUSED;
-  gcase c = base_case(16, k, 64, 96, 300, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT, MODE_LOGITS);
+  gcase c = base_case(16, k, 64, 96, 300, MOEBLAZE_ACTIVATION_SWIGLU, tu_bf16, MOEBLAZE_SAVE_PREACT,
+                      from_gates ? MODE_WG : MODE_LOGITS);
+  if (from_gates) { /* the router backward from the saved gates, dx's router part by picks */
+    c.layer.normalize = 1;
+    c.layer.aux_coeff = 0.0;
+    c.layer.z_coeff = 0.0;
+  }
   step s;
   make_inputs(&s, &c, &rng);
   alloc_outputs(&s);
@@ -928,7 +934,7 @@ static void hostile_saved_buffers_at(int64_t k, tu_rng* rng_in) {
   const size_t R = ((size_t)(c.L * c.layer.top_k) * 4 + 255) / 256 * 256;
   const size_t at[4] = {256 + 7 * 4, 256 + 2 * R + 5 * 4, 256 + 3 * R + 11 * 4, 256 + 4 * R + 3 * 4};
   const int32_t bad[4] = {(int32_t)c.layer.experts + 3, -9, (int32_t)(c.L * c.layer.top_k) + 1, 1 << 29};
-  const int grads[] = {T_DX, T_DWGU, T_DWD, T_DGW, T_DLOG};
+  const int grads[] = {T_DX, T_DWGU, T_DWD, T_DGW, T_DLOG, T_DWG};
   /* variants: zeros, ones, random bytes (2), one bad plan entry (4), spent by a last-use backward */
   for (int variant = 0; variant < 9; ++variant) {
     assert_ok(moeblaze_forward(r.h, MOEBLAZE_PASS_FORWARD_TRAINING, A.f, A.nf, ws, wsz, saved, sv, r.stream));
@@ -983,13 +989,15 @@ static void hostile_saved_buffers_at(int64_t k, tu_rng* rng_in) {
   *rng_in = rng;
 }
 
-/* k = 4, and k = 1, where the fused dx GEMM stores each row at the token the saved plan names. */
+/* k = 4, and k = 1, where the fused dx GEMM stores each row at the token the saved plan names;
+ * and k = 4 with d logits from the saved gates, dx's router part added by picks in the combine. */
 static void hostile_saved_buffers(void** state) {
   (void)state;
   tu_rng rng;
   tu_rng_seed(&rng, tu_fresh_seed("gpu_hostile_saved"));
-  hostile_saved_buffers_at(4, &rng);
-  hostile_saved_buffers_at(1, &rng);
+  hostile_saved_buffers_at(4, 0, &rng);
+  hostile_saved_buffers_at(1, 0, &rng);
+  hostile_saved_buffers_at(4, 1, &rng);
 }
 
 /* Device copies of a step's inputs refreshed in place, outputs poisoned again (no allocation). */
