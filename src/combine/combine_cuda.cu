@@ -15,11 +15,13 @@ namespace {
 // column chunk and pick).
 constexpr int kStagedPicks = 32;
 
-// Whether every row of `out` (d columns) starts 16-byte aligned, so that 8 elements move as one
-// vector.
+// Whether every row of a matrix at `data` with rows `ld` elements of `elem` bytes apart starts
+// 16-byte aligned, so that 8 elements move as one vector.
+bool rows_aligned16(const void* data, int64_t ld, size_t elem) {
+  return (ld * static_cast<int64_t>(elem)) % 16 == 0 && reinterpret_cast<uintptr_t>(data) % 16 == 0;
+}
 bool rows_take_vectors(const View& out, int64_t d) {
-  return d % 8 == 0 && (out.stride[0] * static_cast<int64_t>(out.elem())) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(out.data) % 16 == 0;
+  return d % 8 == 0 && rows_aligned16(out.data, out.stride[0], out.elem());
 }
 
 template <class T, int W, bool kStaged, bool kRowOut>
@@ -166,8 +168,7 @@ void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_
   if (L == 0) return;
   // Vector path when every row start is 16-byte aligned (row_out: the caller's promise for d % 8 == 0),
   // the per-pick rows' included.
-  const bool terms_vec = !extra.rows || (reinterpret_cast<uintptr_t>(extra.rows) % 16 == 0 &&
-                                         (extra.ld * static_cast<int64_t>(dtype_size(out.dtype))) % 16 == 0);
+  const bool terms_vec = !extra.rows || rows_aligned16(extra.rows, extra.ld, dtype_size(out.dtype));
   const bool vec = (row_out ? d % 8 == 0 : rows_take_vectors(out, d)) && terms_vec;
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d, vec ? 8 : 1))));
   const bool acc = out.accumulate && !row_out;
