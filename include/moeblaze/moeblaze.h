@@ -868,11 +868,13 @@ typedef enum moeblaze_arg_kind {
   MOEBLAZE_ARG_TOKEN_MASK = 10,
   /** Output y [L, d], ACTIVATION_DTYPE. Required by forward. @since 0.1 */
   MOEBLAZE_ARG_OUTPUT = 32,
-  /** Optional output, F32 scalar: AUX_LOSS_COEFF * E * sum_e f_e P_e. @since 0.1 */
+  /** Optional output, F32 scalar: AUX_LOSS_COEFF * E * sum_e f_e P_e; exactly 0 when the
+   *  coefficient is 0, whatever the scores. @since 0.1 */
   MOEBLAZE_ARG_AUX_LOSS = 33,
   /** Optional output [E], I32 or I64: tokens routed to each expert. @since 0.1 */
   MOEBLAZE_ARG_TOKENS_PER_EXPERT = 34,
-  /** Optional output, F32 scalar: Z_LOSS_COEFF * mean_t logsumexp(logits_t)^2. @since 0.1 */
+  /** Optional output, F32 scalar: Z_LOSS_COEFF * mean_t logsumexp(logits_t)^2; exactly 0 when
+   *  the coefficient is 0. @since 0.1 */
   MOEBLAZE_ARG_Z_LOSS = 35,
   /**
    * Optional output, I32 scalar on the handle's device, valid in every pass: the call's

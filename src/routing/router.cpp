@@ -152,7 +152,8 @@ float sequence_balance_loss(const LayerConfig& cfg, const float* logits, const i
     total += sq * static_cast<double>(E) /
              (static_cast<double>(k) * static_cast<double>(routed) * static_cast<double>(routed));
   }
-  return B > 0 ? static_cast<float>(cfg.aux_loss_coeff * total / static_cast<double>(B)) : 0.f;
+  return B > 0 && cfg.aux_loss_coeff != 0.0 ? static_cast<float>(cfg.aux_loss_coeff * total / static_cast<double>(B))
+                                            : 0.f;
 }
 
 void sequence_balance_backward(const LayerConfig& cfg, const float* logits, const int32_t* ids, int64_t t0, int64_t T,
@@ -252,8 +253,9 @@ RouterLosses finish_losses(const LayerConfig& cfg, int64_t L, const float* chunk
     aux += f * (p / static_cast<double>(L));
   }
   for (int64_t c = 0; c < num_chunks; ++c) z += chunk_lse_sq[c];
-  r.aux = static_cast<float>(cfg.balance_coeff() * static_cast<double>(E) * aux);
-  r.z = static_cast<float>(cfg.z_loss_coeff * z / static_cast<double>(L));
+  // A loss whose coefficient is 0 reads 0, even over non-finite scores.
+  if (cfg.balance_coeff() != 0.0) r.aux = static_cast<float>(cfg.balance_coeff() * static_cast<double>(E) * aux);
+  if (cfg.z_loss_coeff != 0.0) r.z = static_cast<float>(cfg.z_loss_coeff * z / static_cast<double>(L));
   return r;
 }
 

@@ -214,7 +214,8 @@ __global__ void sequence_loss_finish_kernel(double coeff, const int64_t* routed,
   const int64_t B = *routed;
   __shared__ double red[kTermThreads];
   double acc = 0.0;
-  for (int64_t t = threadIdx.x; t < L; t += kTermThreads) acc += terms[t];
+  if (coeff != 0.0)  // the terms were not computed
+    for (int64_t t = threadIdx.x; t < L; t += kTermThreads) acc += terms[t];
   red[threadIdx.x] = acc;
   __syncthreads();
   for (int o = kTermThreads / 2; o > 0; o >>= 1) {
@@ -223,7 +224,7 @@ __global__ void sequence_loss_finish_kernel(double coeff, const int64_t* routed,
   }
   if (threadIdx.x == 0)
     *aux_out = (*flag & kSequenceLengthsInvalid) ? NAN
-               : B > 0                              ? static_cast<float>(coeff * red[0] / static_cast<double>(B))
+               : B > 0 && coeff != 0.0              ? static_cast<float>(coeff * red[0] / static_cast<double>(B))
                                                     : 0.f;
 }
 
@@ -235,6 +236,14 @@ size_t router_loss_scratch_floats(int64_t L, int64_t E) {
 
 void router_losses_cuda(const LayerConfig& cfg, const float* logits, const float* lse, const int32_t* ids, int64_t L,
                         const int32_t* offsets, float* scratch, float* aux_out, float* z_out, cudaStream_t s) {
+  // A loss whose coefficient is 0 reads 0 whatever the scores (routing::finish_losses alike), so
+  // the pass over the logits runs only for a loss that counts.
+  float* const aux_sum = cfg.balance_coeff() != 0.0 ? aux_out : nullptr;
+  float* const z_sum = cfg.z_loss_coeff != 0.0 ? z_out : nullptr;
+  for (float* zero : {aux_out == aux_sum ? nullptr : aux_out, z_out == z_sum ? nullptr : z_out})
+    if (zero) MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(zero, 0, sizeof(float), s));
+  aux_out = aux_sum;
+  z_out = z_sum;
   if (!aux_out && !z_out) return;
   const int64_t E = cfg.num_experts, chunks = ceil_div(L, kLossChunkCuda);
   float* partial = scratch;
@@ -267,7 +276,7 @@ void sequence_balance_loss_cuda(const LayerConfig& cfg, const float* logits, con
   if (!aux_out) return;
   const int64_t E = cfg.num_experts;
   const int width = token_group_width(E), tokens_per_block = kWarpsPerBlock * (32 / width);
-  if (L > 0)
+  if (L > 0 && cfg.aux_loss_coeff != 0.0)  // a zero coefficient reads 0: no terms
     with_group_shape(E, [&](auto per, auto lanes) {
       cuda::launch_chained(sequence_terms_kernel<decltype(per)::value, decltype(lanes)::value>,
                            blocks_for(L, tokens_per_block), 32 * kWarpsPerBlock, block_counts_bytes(sb, E), s,

@@ -147,7 +147,7 @@ int ref_counts(int64_t E, int64_t L, int64_t k, const int64_t* ids, int64_t* cou
 
 double ref_aux_loss(const ref_layer* l, int64_t L, const double* scores, const int64_t* ids) {
   const int64_t E = l->E, k = l->k;
-  if (L == 0) return 0.0;
+  if (L == 0 || l->aux_coeff == 0.0) return 0.0; /* a loss whose coefficient is 0 reads 0 */
   double sum = 0.0;
   for (int64_t e = 0; e < E; ++e) {
     int64_t c = 0;
@@ -160,7 +160,7 @@ double ref_aux_loss(const ref_layer* l, int64_t L, const double* scores, const i
 }
 
 double ref_z_loss(const ref_layer* l, int64_t L, const double* logits) {
-  if (L == 0) return 0.0;
+  if (L == 0 || l->z_coeff == 0.0) return 0.0;
   double sum = 0.0;
   for (int64_t t = 0; t < L; ++t) {
     const double lse = logsumexp(logits + t * l->E, l->E);

@@ -3,6 +3,7 @@
  * top-k, the route scale and the sequence-wise balance loss, for softmax and sigmoid scores,
  * E from 8 to 384 (every lane layout of the router kernels), groups of one to 32 experts.
  *  - AUX_LOSS_FORM = HUGGING_FACE against the CPU engine;
+ *  - a loss whose coefficient is 0 reads exactly 0 on both engines, NaN logits included;
  *  - the picked ids equal the CPU engine's bit for bit, including logits quantised to force
  *    ties and rows of NaN and infinities; the gates, AUX_LOSS, y, dx, d logits and the expert
  *    gradients agree within the dtype's tolerance; two GPU runs give the same bits;
@@ -40,7 +41,7 @@ static void assert_ok_msg(moeblaze_status_t s, const char* what) {
 
 typedef struct rcase {
   int64_t E, k, groups, keep, score_fn, normalize, L;
-  double scale, aux;
+  double scale, aux, z;  /* ROUTE_SCALE, AUX_LOSS_COEFF, Z_LOSS_COEFF */
   int bias;      /* an expert score bias */
   int seqs;      /* SEQUENCE_LENGTHS: this many sequences of random lengths (0: none) */
   int ties;      /* logits rounded to multiples of 1/4, and a bias of a few values: exact ties */
@@ -244,7 +245,7 @@ static moeblaze_status_t create(const rcase* c, int cuda, moeblaze_handle_t* h) 
   if (!s) s = moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, tu_bf16);
   if (!s) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_ROUTE_SCALE, c->scale);
   if (!s) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_AUX_LOSS_COEFF, c->aux);
-  if (!s) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_Z_LOSS_COEFF, 1e-3);
+  if (!s) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_Z_LOSS_COEFF, c->z);
   *h = NULL;
   if (!s) s = moeblaze_create(h, cfg);
   moeblaze_config_destroy(cfg);
@@ -354,6 +355,13 @@ static void check_case(const rcase* c, tu_rng* r) {
     }
     free_device(&p);
   }
+  /* A loss whose coefficient is 0 reads exactly 0 on both engines, NaN logits or not. */
+  const struct { const char* name; double coeff; const buf *g, *c; } zero[] = {
+      {"aux loss", c->aux, &p.aux, &cpu.aux}, {"z loss", c->z, &p.z, &cpu.z}};
+  for (int i = 0; i < 2; ++i)
+    if (zero[i].coeff == 0.0 && (*(const float*)zero[i].g->host != 0.f || *(const float*)zero[i].c->host != 0.f))
+      fail_msg("%s: %s with coefficient 0: GPU %g, CPU %g", what, zero[i].name, *(const float*)zero[i].g->host,
+               *(const float*)zero[i].c->host);
   if (!c->specials) {
     const size_t Lk = (size_t)(c->L * c->k);
     const struct { const char* name; buf *g, *c; moeblaze_dtype_t t; size_t n; double tol; } cmp[] = {
@@ -387,7 +395,7 @@ static rcase base(int64_t E, int64_t k, int64_t groups, int64_t keep, int64_t fn
   rcase c;
   memset(&c, 0, sizeof c);
   c.E = E; c.k = k; c.groups = groups; c.keep = keep; c.score_fn = fn; c.normalize = 1; c.L = 777;
-  c.scale = 1.0; c.aux = 0.01;
+  c.scale = 1.0; c.aux = 0.01; c.z = 1e-3;
   return c;
 }
 
@@ -448,6 +456,8 @@ static void options_match_cpu(void** state) {
   nan_rows.bias = nan_rows.specials = 1;
   check_case(&nan_rows, &r);
   nan_rows.score_fn = G;
+  check_case(&nan_rows, &r);
+  nan_rows.score_fn = S, nan_rows.aux = nan_rows.z = 0.0;  /* both losses off: they read 0 */
   check_case(&nan_rows, &r);
 }
 

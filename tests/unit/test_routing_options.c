@@ -10,7 +10,8 @@
  *    fewer than k experts, a bias of the wrong shape or dtype, a bias with caller routing,
  *    sequence lengths that do not sum to the tokens; a refused call writes nothing;
  *  - AUX_LOSS_FORM = HUGGING_FACE: k times the Switch form, value and gradient;
- *  - TOKEN_MASK: a masked call equals the same call on the unmasked tokens alone. */
+ *  - TOKEN_MASK: a masked call equals the same call on the unmasked tokens alone;
+ *  - a loss whose coefficient is 0 reads exactly 0, even where its sum overflows fp32. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -30,6 +31,7 @@ typedef struct opts {
   int64_t k, groups, keep, score_fn, normalize;
   double scale, aux;
   int64_t form;  /* AUX_LOSS_FORM */
+  double z;      /* Z_LOSS_COEFF */
 } opts;
 
 static moeblaze_status_t make(const opts* o, moeblaze_handle_t* h) {
@@ -49,6 +51,7 @@ static moeblaze_status_t make(const opts* o, moeblaze_handle_t* h) {
   if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_dtype(cfg, MOEBLAZE_ATTR_WEIGHT_DTYPE, tu_f32);
   if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_ROUTE_SCALE, o->scale);
   if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_AUX_LOSS_COEFF, o->aux);
+  if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_config_set_f64(cfg, MOEBLAZE_ATTR_Z_LOSS_COEFF, o->z);
   *h = NULL;
   if (s == MOEBLAZE_STATUS_SUCCESS) s = moeblaze_create(h, cfg);
   moeblaze_config_destroy(cfg);
@@ -514,6 +517,46 @@ static void token_mask(void** state) {
   moeblaze_destroy(h);
 }
 
+/* AUX_LOSS and Z_LOSS with coefficients 0 read exactly 0. One token's logits near 1e30 make
+ * its logsumexp^2 overflow fp32, so the z loss is +inf once its coefficient is set (checked
+ * below): 0 times that sum would be NaN. The balance loss stays finite and positive. */
+static void zero_coefficients_read_zero(void** state) {
+  (void)state;
+  tu_rng rng;
+  tu_rng_seed(&rng, tu_fresh_seed("zero_coefficients"));
+  const int64_t k = 2;
+  float logits[L * E], gates[L * MAXK];
+  int32_t ids[L * MAXK];
+  for (int i = 0; i < L * E; ++i) logits[i] = (float)tu_rng_normal(&rng);
+  for (int e = 0; e < E; ++e) logits[5 * E + e] = 1e30f * (1.f + (float)e / E);
+  for (int with_coeffs = 0; with_coeffs < 2; ++with_coeffs) {
+    const opts o = {k, 1, 0, MOEBLAZE_SCORE_SOFTMAX, 1, 1.0, with_coeffs ? 0.01 : 0.0, 0, with_coeffs ? 1e-3 : 0.0};
+    moeblaze_handle_t h = NULL;
+    assert_int_equal(make(&o, &h), MOEBLAZE_STATUS_SUCCESS);
+    const int64_t sl[2] = {L, E}, sk[2] = {L, k};
+    float aux = NAN, z = NAN;
+    moeblaze_arg_t r[5] = {tu_arg(MOEBLAZE_ARG_ROUTER_LOGITS, tu_tensor(logits, tu_f32, 2, sl)),
+                           tu_arg(MOEBLAZE_ARG_TOPK_INDICES, tu_tensor(ids, tu_i32, 2, sk)),
+                           tu_arg(MOEBLAZE_ARG_TOPK_WEIGHTS, tu_tensor(gates, tu_f32, 2, sk)),
+                           tu_arg(MOEBLAZE_ARG_AUX_LOSS, tu_tensor(&aux, tu_f32, 0, NULL)),
+                           tu_arg(MOEBLAZE_ARG_Z_LOSS, tu_tensor(&z, tu_f32, 0, NULL))};
+    size_t ws = 0;
+    assert_int_equal(moeblaze_get_workspace_size(h, MOEBLAZE_PASS_ROUTE, L, &ws), MOEBLAZE_STATUS_SUCCESS);
+    void* w = tu_alloc_bytes(ws);
+    assert_int_equal(moeblaze_route(h, r, 5, w, ws, NULL), MOEBLAZE_STATUS_SUCCESS);
+    tu_free(w);
+    print_message("coefficients %s: aux %g, z %g\n", with_coeffs ? "set" : "0", aux, z);
+    if (with_coeffs) {
+      assert_true(isfinite(aux) && aux > 0.f);
+      assert_true(isinf(z) && z > 0.f);
+    } else {
+      assert_true(aux == 0.f && !signbit(aux));
+      assert_true(z == 0.f && !signbit(z));
+    }
+    moeblaze_destroy(h);
+  }
+}
+
 /* TOKEN_MASK with SEQUENCE_LENGTHS on the CPU engine: the sequence-wise loss over each sequence's
  * unmasked tokens, a sequence with none left out of the mean. Checked against the same call on
  * the unmasked tokens alone with their own lengths (the empty sequence dropped). */
@@ -631,6 +674,7 @@ int main(void) {
       cmocka_unit_test(hugging_face_form),
       cmocka_unit_test(token_mask),
       cmocka_unit_test(token_mask_with_sequences),
+      cmocka_unit_test(zero_coefficients_read_zero),
       cmocka_unit_test(refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
