@@ -13,7 +13,7 @@ constexpr int64_t kMaxI32 = 2147483647;
 // Indexed by Attr; order and names are part of the documented interface (attr_query).
 const AttrInfo kAttrTable[kAttrCount] = {
     {"num_experts", ValueType::kI64, true, 1, 65536, 0, 0.0, DType::kInvalid},
-    {"top_k", ValueType::kI64, true, 1, 64, 0, 0.0, DType::kInvalid},
+    {"top_k", ValueType::kI64, true, 1, kMaxTopK, 0, 0.0, DType::kInvalid},
     {"hidden_size", ValueType::kI64, true, 1, 1 << 20, 0, 0.0, DType::kInvalid},
     {"ffn_hidden_size", ValueType::kI64, true, 1, 1 << 20, 0, 0.0, DType::kInvalid},
     {"max_tokens", ValueType::kI64, true, 1, kMaxI32, 0, 0.0, DType::kInvalid},

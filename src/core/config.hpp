@@ -19,6 +19,8 @@ enum class Attr : int32_t {
   kNumExpertGroups = 25, kTopkGroups = 26, kRouteScale = 27, kAuxLossForm = 28, kWindowBytes = 29,
 };
 constexpr int kAttrCount = 30;
+// The largest TOP_K a layer takes (the attribute's bound; kernels size per-token buffers by it).
+constexpr int64_t kMaxTopK = 64;
 
 enum class Activation : int32_t { kRelu = 0, kGelu = 1, kSilu = 2, kSwiglu = 3, kGeglu = 4 };
 enum class ScoreFn : int32_t { kSoftmax = 0, kSigmoid = 1 };

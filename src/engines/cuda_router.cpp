@@ -72,9 +72,12 @@ bool CudaRouter::tensor_core_backward() const { return router_backward_on_tensor
 
 bool CudaRouter::from_gates() const { return routing::grads_from_gates(cfg_); }
 
+bool CudaRouter::router_part_of_dx(const CallArgs& a, const Needs& needs) {
+  return needs.router_grad && needs.router_adds_dx && a.mode == RoutingMode::kRouterWeight;
+}
+
 bool CudaRouter::dx_from_picks(const CallArgs& a, const Needs& needs) const {
-  return from_gates() && needs.router_grad && needs.router_adds_dx && a.mode == RoutingMode::kRouterWeight &&
-         a.router_weight.dtype == a.dx.dtype;
+  return from_gates() && router_part_of_dx(a, needs) && a.router_weight.dtype == a.dx.dtype;
 }
 
 void CudaRouter::gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
@@ -160,7 +163,7 @@ void CudaRouter::backward_begin(const CallArgs& a, const Needs& needs, const Rou
   if (!needs.router_grad) return;
   if (!from_gates()) logits(a, w, s);
   sequence_starts(a, w, s);
-  if (a.mode != RoutingMode::kRouterWeight || !needs.router_adds_dx || dx_from_picks(a, needs)) return;
+  if (!router_part_of_dx(a, needs) || dx_from_picks(a, needs)) return;
   const int64_t E = cfg_.num_experts, d = cfg_.hidden;
   if (!tensor_core_backward()) {
     routing::logits_to_f32_cuda(a.router_weight, E, d, w.wg_f32, s);
@@ -230,16 +233,13 @@ combine::TokenTerms CudaRouter::backward_window(const CallArgs& a, const Needs& 
 }
 
 bool CudaRouter::router_dx_for_combine(const CallArgs& a, const Needs& needs) const {
-  return needs.router_grad && needs.router_adds_dx && a.mode == RoutingMode::kRouterWeight &&
-         (dx_from_picks(a, needs) || !tensor_core_backward());
+  return router_part_of_dx(a, needs) && (dx_from_picks(a, needs) || !tensor_core_backward());
 }
 
 void CudaRouter::add_router_dx(const CallArgs& a, const Needs& needs, const View& dx_rows, const RouterWork& w,
                                cudaStream_t s) const {
   const int64_t rows = dx_rows.ndim > 0 ? dx_rows.shape[0] : 0;
-  if (!needs.router_grad || !needs.router_adds_dx || rows == 0 || a.mode != RoutingMode::kRouterWeight ||
-      router_dx_for_combine(a, needs))
-    return;
+  if (rows == 0 || !router_part_of_dx(a, needs) || router_dx_for_combine(a, needs)) return;
   // dx rows (bf16, as the combine rounded them) += [hi | lo] [W_g; W_g], summed in fp32 and
   // rounded once more: in place through beta = 1. The fp32 dx rows this replaces cost 8 d bytes
   // per token of traffic and 4 d of workspace.

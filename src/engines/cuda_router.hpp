@@ -106,6 +106,8 @@ class CudaRouter {
   // d logits from the saved gates (routing::grads_from_gates), and dx's router part as the
   // picks' rows of W_g in the dx combine (W_g in dx's dtype).
   bool from_gates() const;
+  // The router's part of dx is wanted: x W_g^T routing with the router's gradient into dx.
+  static bool router_part_of_dx(const CallArgs& a, const Needs& needs);
   bool dx_from_picks(const CallArgs& a, const Needs& needs) const;
   void gemm(int64_t M, int64_t N, int64_t K, const gemm::GemmOperand& A, const gemm::GemmOperand& B, float* C,
             const RouterWork& w, cudaStream_t s, float beta = 0.f) const;

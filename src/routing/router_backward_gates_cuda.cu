@@ -15,7 +15,7 @@ namespace routing {
 namespace {
 
 constexpr int kTokensPerBlock = 8;  // a warp each
-constexpr int kMaxPicks = 64;       // two per lane (the layer's top_k limit)
+constexpr int kMaxPicks = static_cast<int>(kMaxTopK);  // two per lane
 
 __global__ void __launch_bounds__(32 * kTokensPerBlock)
     router_backward_gates_kernel(int64_t rows, int64_t E, int64_t k, float inv_scale, const int32_t* ids,
