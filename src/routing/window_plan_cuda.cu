@@ -63,8 +63,55 @@ __global__ void __launch_bounds__(kRangeThreads) window_ranges_kernel(const int3
   if (threadIdx.x == 0) win_off[E] = carry;
 }
 
+// A 16-byte load that stays where it is written. As relaxed gpu-scope loads, ptxas issues a
+// step's loads in program order, all before the compares; as plain loads it sank the gates'
+// loads below the compares, each waiting for the ids first.
+__device__ __forceinline__ uint4 load16(const void* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t lane(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// The slot j < k of token row `ids` (k entries) that holds g, first match, or -1, and its gate.
+// kVec (4 or 8, dividing k, both rows 16-byte aligned): kVec slots and their gates a step, their
+// 16-byte loads issued together, where one slot at a time waited for each load in turn.
+template <int kVec>
+__device__ int64_t find_slot(const int32_t* ids, const float* gates, int64_t k, int32_t g, float* gate) {
+  if constexpr (kVec == 0) {
+    for (int64_t j = 0; j < k; ++j)
+      if (ids[j] == g) {
+        *gate = gates[j];
+        return j;
+      }
+  } else {
+    for (int64_t j0 = 0; j0 < k; j0 += kVec) {
+      uint4 v[kVec / 4], w[kVec / 4];
+#pragma unroll
+      for (int q = 0; q < kVec / 4; ++q) w[q] = load16(gates + j0 + 4 * q);  // first: the compares wait on ids
+#pragma unroll
+      for (int q = 0; q < kVec / 4; ++q) v[q] = load16(ids + j0 + 4 * q);
+      int found = -1;  // the first match: selects from the last slot back, no branch per slot
+      uint32_t gw = 0;
+#pragma unroll
+      for (int u = kVec - 1; u >= 0; --u)
+        if (static_cast<int32_t>(lane(v[u / 4], u % 4)) == g) found = u, gw = lane(w[u / 4], u % 4);
+      if (found >= 0) {
+        *gate = __uint_as_float(gw);
+        return j0 + found;
+      }
+    }
+  }
+  return -1;
+}
+
 // whole: a window of the whole call, whose row r is call position r (first[e] = win_off[e] =
 // the sanitised offsets), so no search.
+template <int kVec>
 __global__ void window_rows_kernel(const int32_t* eti, const int32_t* tim, const float* gates, int64_t L, int64_t k,
                                    int32_t E, int32_t P, int32_t t0, int32_t t1, int32_t rows, bool whole,
                                    const int32_t* first, const int32_t* win_off, int32_t* call_row, int32_t* token,
@@ -92,12 +139,8 @@ __global__ void window_rows_kernel(const int32_t* eti, const int32_t* tim, const
   const int32_t t = eti[g];
   float gv = 0.f;
   if (t >= t0 && t < t1 && t < L) {
-    for (int64_t j = 0; j < k; ++j)
-      if (tim[t * k + j] == g) {
-        win_tim[(t - t0) * k + j] = r;
-        gv = gates[t * k + j];
-        break;
-      }
+    const int64_t j = find_slot<kVec>(tim + t * k, gates + t * k, k, g, &gv);
+    if (j >= 0) win_tim[(t - t0) * k + j] = r;
   }
   call_row[r] = g;
   token[r] = t;
@@ -132,9 +175,12 @@ void build_window_plan_cuda(const RoutingPlan& plan, int64_t L, int64_t k, int64
   MOEBLAZE_CUDA_LAUNCH_CHECK("window_ranges");
   if (wr == 0) return;
   MOEBLAZE_CUDA_CHECK(cudaMemsetAsync(w.token_index_map, 0xff, sizeof(int32_t) * wr, s));
-  cuda::launch_chained(window_rows_kernel, static_cast<unsigned>(ceil_div(wr, 256)), 256, 0, s,
-                       plan.expert_token_indices, plan.token_index_map, plan.gates, L, k, static_cast<int32_t>(E), P, a,
-                       b, wr, whole, first, w.offsets, w.call_row, w.token, w.gate, w.token_index_map);
+  const bool rows16 = aligned16(plan.token_index_map) && aligned16(plan.gates);
+  auto* kernel = rows16 && k % 8 == 0 ? window_rows_kernel<8> : rows16 && k % 4 == 0 ? window_rows_kernel<4>
+                                                                                     : window_rows_kernel<0>;
+  cuda::launch_chained(kernel, static_cast<unsigned>(ceil_div(wr, 256)), 256, 0, s, plan.expert_token_indices,
+                       plan.token_index_map, plan.gates, L, k, static_cast<int32_t>(E), P, a, b, wr, whole, first,
+                       w.offsets, w.call_row, w.token, w.gate, w.token_index_map);
   MOEBLAZE_CUDA_LAUNCH_CHECK("window_rows");
 }
 
