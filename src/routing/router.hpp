@@ -24,8 +24,8 @@ void route_tokens(const LayerConfig& cfg, const float* logits, const float* bias
                   int64_t t1, int32_t* ids, float* gates, float* score_sum, float* lse_sq_sum, float* scratch);
 
 struct RouterLosses {
-  float aux;  // AUX_LOSS_COEFF * E * sum_e f_e P_e; 0 when the coefficient is
-  float z;    // Z_LOSS_COEFF * mean_t lse_t^2; 0 when the coefficient is
+  float aux;  // AUX_LOSS_COEFF * E * sum_e f_e P_e (0 when the coefficient is 0)
+  float z;    // Z_LOSS_COEFF * mean_t lse_t^2 (0 when the coefficient is 0)
 };
 // Combines per-chunk partials (in chunk order) and the expert counts into the two losses;
 // num_tokens: the routed tokens (a masked token is not one).
