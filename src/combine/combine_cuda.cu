@@ -24,6 +24,16 @@ bool rows_take_vectors(const View& out, int64_t d) {
   return d % 8 == 0 && rows_aligned16(out.data, out.stride[0], out.elem());
 }
 
+// acc += w row[0, W): the slots' rows and the per-pick term rows alike.
+template <class T, int W>
+__device__ __forceinline__ void add_weighted_row(float (&acc)[W], const T* in, float w) {
+  float v[W];
+  if (W == 8) Elem<T>::load8(in, v);
+  else v[0] = Elem<T>::load1(in);
+#pragma unroll
+  for (int q = 0; q < W; ++q) acc[q] += w * v[q];
+}
+
 template <class T, int W, bool kStaged, bool kRowOut>
 __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int64_t k, int64_t d, const T* src,
                                     TokenTerms terms, T* out, int64_t out_stride, bool accumulate,
@@ -65,25 +75,16 @@ __global__ void combine_rows_kernel(const int32_t* map, const float* gates, int6
     for (int64_t j = 0; j < k; ++j) {
       const int64_t pos = kStaged ? s_pos[j] : map[t * k + j];
       if (pos < 0 || pos >= rows) continue;
-      const T* in = src + pos * d + c;
-      const float g = kStaged ? s_weight[j] : gates ? gates[t * k + j] : 1.f;
-      if (W == 8) Elem<T>::load8(in, v);
-      else v[0] = Elem<T>::load1(in);
-#pragma unroll
-      for (int q = 0; q < W; ++q) acc[q] += g * v[q];
+      add_weighted_row<T, W>(acc, src + pos * d + c, kStaged ? s_weight[j] : gates ? gates[t * k + j] : 1.f);
     }
     if (terms.dense_f32)
 #pragma unroll
       for (int q = 0; q < W; ++q) acc[q] += terms.dense_f32[t * d + c + q];
     for (int64_t j = 0; j < terms.picks; ++j) {
-      int64_t id = kStaged ? s_term_id[j] : terms.ids[t * terms.picks + j];
+      const int64_t id = kStaged ? s_term_id[j] : terms.ids[t * terms.picks + j];
       if (id < 0 || id >= terms.count) continue;
-      const T* in = static_cast<const T*>(terms.rows) + id * terms.ld + c;
-      const float w = kStaged ? s_term_coef[j] : terms.coef[t * terms.picks + j];
-      if (W == 8) Elem<T>::load8(in, v);
-      else v[0] = Elem<T>::load1(in);
-#pragma unroll
-      for (int q = 0; q < W; ++q) acc[q] += w * v[q];
+      add_weighted_row<T, W>(acc, static_cast<const T*>(terms.rows) + id * terms.ld + c,
+                             kStaged ? s_term_coef[j] : terms.coef[t * terms.picks + j]);
     }
     if (accumulate) {
       if (W == 8) Elem<T>::load8(row + c, v);
@@ -168,7 +169,7 @@ void combine_rows_cuda(const int32_t* map, const float* gates, int64_t L, int64_
   if (L == 0) return;
   // Vector path when every row start is 16-byte aligned (row_out: the caller's promise for d % 8 == 0),
   // the per-pick rows' included.
-  const bool terms_vec = !extra.rows || rows_aligned16(extra.rows, extra.ld, dtype_size(out.dtype));
+  const bool terms_vec = !extra.rows || rows_aligned16(extra.rows, extra.ld, out.elem());
   const bool vec = (row_out ? d % 8 == 0 : rows_take_vectors(out, d)) && terms_vec;
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d, vec ? 8 : 1))));
   const bool acc = out.accumulate && !row_out;
